@@ -1,0 +1,88 @@
+# Defines the optional trellis::<component> targets on top of trellis::trellis.
+# Used twice, so the build tree and an installed package behave the same:
+#   - by the top-level CMakeLists.txt (components whose dependencies are found), and
+#   - by trellisConfig.cmake for each component named in find_package(trellis COMPONENTS ...).
+# Targets are IMPORTED GLOBAL INTERFACE libraries, so add_subdirectory/FetchContent users see them.
+include_guard(GLOBAL)
+
+set(TRELLIS_KNOWN_COMPONENTS blas mpi cuda nccl)
+
+# trellis_add_component(<name> <found-var> [REQUIRED])
+# Sets <found-var> to TRUE when the component target exists afterwards, and
+# TRELLIS_COMPONENT_MESSAGE to the reason when it does not.
+function(trellis_add_component name found_var)
+  set(required "")
+  if("REQUIRED" IN_LIST ARGN)
+    set(required REQUIRED)
+  endif()
+  set(${found_var} FALSE PARENT_SCOPE)
+  if(TARGET trellis::${name})
+    set(${found_var} TRUE PARENT_SCOPE)
+    return()
+  endif()
+  if(NOT name IN_LIST TRELLIS_KNOWN_COMPONENTS)
+    set(TRELLIS_COMPONENT_MESSAGE
+        "unknown trellis component '${name}'; known components: ${TRELLIS_KNOWN_COMPONENTS}" PARENT_SCOPE)
+    return()
+  endif()
+
+  if(name STREQUAL "blas")
+    find_package(CBLAS QUIET)
+    if(NOT CBLAS_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'blas' needs a CBLAS library (cblas.h + libopenblas): install libopenblas-dev, or set CBLAS_ROOT to its prefix" PARENT_SCOPE)
+      return()
+    endif()
+    add_library(trellis::blas INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS)
+    target_compile_definitions(trellis::blas INTERFACE TRELLIS_HAS_CBLAS=1)
+
+  elseif(name STREQUAL "mpi")
+    find_package(MPI QUIET COMPONENTS CXX)
+    if(NOT MPI_CXX_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'mpi' needs MPI for C++ (MPI::MPI_CXX): install libopenmpi-dev openmpi-bin, or set MPI_HOME" PARENT_SCOPE)
+      return()
+    endif()
+    add_library(trellis::mpi INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::mpi INTERFACE trellis::trellis MPI::MPI_CXX)
+    target_compile_definitions(trellis::mpi INTERFACE TRELLIS_HAS_MPI=1)
+
+  elseif(name STREQUAL "cuda")
+    find_package(CUDAToolkit QUIET)
+    if(NOT CUDAToolkit_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'cuda' needs the CUDA toolkit: install it and put nvcc on PATH, or set CUDAToolkit_ROOT" PARENT_SCOPE)
+      return()
+    endif()
+    if(NOT TARGET CCCL::CCCL)
+      find_package(CCCL QUIET CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/lib64/cmake")
+    endif()
+    add_library(trellis::cuda INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::cuda INTERFACE trellis::trellis CUDA::cudart CUDA::cublasLt)
+    if(TARGET CUDA::nvtx3)
+      target_link_libraries(trellis::cuda INTERFACE CUDA::nvtx3)
+    endif()
+    if(TARGET CCCL::CCCL)
+      target_link_libraries(trellis::cuda INTERFACE CCCL::CCCL)
+    endif()
+    target_compile_definitions(trellis::cuda INTERFACE TRELLIS_HAS_CUDA=1)
+
+  elseif(name STREQUAL "nccl")
+    trellis_add_component(cuda cuda_found)
+    if(NOT cuda_found)
+      set(TRELLIS_COMPONENT_MESSAGE "trellis component 'nccl' needs component 'cuda': ${TRELLIS_COMPONENT_MESSAGE}" PARENT_SCOPE)
+      return()
+    endif()
+    find_package(NCCL QUIET)
+    if(NOT NCCL_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'nccl' needs NCCL (nccl.h + libnccl): install libnccl-dev or the NCCL that ships with the CUDA toolkit, or set NCCL_ROOT to its prefix" PARENT_SCOPE)
+      return()
+    endif()
+    add_library(trellis::nccl INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::nccl INTERFACE trellis::cuda NCCL::NCCL)
+    target_compile_definitions(trellis::nccl INTERFACE TRELLIS_HAS_NCCL=1)
+  endif()
+  set(${found_var} TRUE PARENT_SCOPE)
+endfunction()

@@ -1,0 +1,6 @@
+// The CUDA parts of trellis (nvcc): everything in trellis.hpp plus device buffers, CUDA checks.
+#pragma once
+
+#include "trellis/core/check_cuda.hpp"
+#include "trellis/core/cuda_buffer.hpp"
+#include "trellis/trellis.hpp"

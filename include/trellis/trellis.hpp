@@ -1,0 +1,5 @@
+// Everything in trellis that compiles with a host compiler alone.
+// CUDA parts: include <trellis/cuda.cuh> (nvcc). MPI: <trellis/comm/mpi.hpp> (trellis::mpi).
+#pragma once
+
+#include "trellis/core.hpp"
