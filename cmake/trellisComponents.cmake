@@ -7,6 +7,15 @@ include_guard(GLOBAL)
 
 set(TRELLIS_KNOWN_COMPONENTS blas mpi cuda nccl)
 
+# CMake 3.25 knows nvcc's language levels only up to C++17. trellis needs C++20 in CUDA too, so
+# teach CMake the flag when the CUDA language is enabled and CMake does not know it yet; then
+# CUDA_STANDARD 20 / CMAKE_CUDA_STANDARD 20 work as usual (newer CMake: nothing changes).
+if(CMAKE_CUDA_COMPILER_LOADED AND CMAKE_CUDA_COMPILER_ID STREQUAL "NVIDIA"
+   AND NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+endif()
+
 # trellis_add_component(<name> <found-var> [REQUIRED])
 # Sets <found-var> to TRUE when the component target exists afterwards, and
 # TRELLIS_COMPONENT_MESSAGE to the reason when it does not.

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, then
+#   1. host build (g++) and every host test (unit, MPI, header self-containment, packaging:
+#      install + consumer projects + conan create);
+#   2. the `cuda` preset with nvcc for sm_80 and sm_90a: every CUDA translation unit (tests,
+#      examples, benches, .cuh header checks) compiles; GPU tests run and are reported skipped
+#      when no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+jobs="${TRELLIS_JOBS:-$(nproc)}"
+
+echo "== host: configure, build, test"
+cmake --preset host
+cmake --build --preset host -j "$jobs"
+ctest --preset host -j "$jobs"
+
+if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+  echo "== cuda: configure, build every CUDA translation unit, run (GPU tests skip without a GPU)"
+  cmake --preset cuda
+  cmake --build --preset cuda -j "$jobs"
+  ctest --preset cuda -j "$jobs" -L "gpu|core"
+else
+  echo "== cuda: nvcc not found, CUDA build skipped" >&2
+  exit 1
+fi
