@@ -1,0 +1,382 @@
+// Host GEMM with fused epilogues (contract in kernels/epilogue.hpp):
+//   trellis::kernels::host::gemm(args, A, B, C, epilogue::BiasGelu<>{bias, pre});
+// A, B and C may each be float, half or bfloat16; the arithmetic is fp32. With TRELLIS_HAS_CBLAS
+// (link trellis::blas) the product is OpenBLAS' cblas_sgemm, called once per row block of C, and
+// the epilogue runs on that block right after it is produced, while it is still in cache: there is
+// no second pass over the whole output. Without CBLAS a plain blocked kernel (threads of
+// kernels/thread_pool.hpp) computes the product, so this header compiles with g++ alone.
+// 16-bit A/B are converted to fp32 once per batch; 16-bit C goes through an fp32 block buffer.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "trellis/core/dtype.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/kernels/epilogue.hpp"
+#include "trellis/kernels/host_math.hpp"
+#include "trellis/kernels/thread_pool.hpp"
+
+#if defined(TRELLIS_HAS_CBLAS)
+#include <cblas.h>
+#endif
+
+namespace trellis::kernels::host {
+
+// Tuning knobs; the defaults are what bench/kernels/gemm_bench measured best.
+struct GemmOptions {
+  // Rows of C per sgemm call + epilogue (0: chosen from n so a block is a few MiB).
+  std::int64_t row_block = 0;
+};
+
+// True when the product runs on cblas_sgemm.
+constexpr bool gemm_uses_cblas() {
+#if defined(TRELLIS_HAS_CBLAS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace detail {
+
+template <class T>
+concept GemmElement = std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+
+inline std::int64_t gemm_row_block(const GemmArgs& args, const GemmOptions& options) {
+  if (options.row_block > 0) return std::min(options.row_block, std::max<std::int64_t>(args.m, 1));
+  // Each sgemm call re-packs B (k x n), so blocks must be tall enough for that to be noise, and
+  // small enough that the epilogue finds the block in the last-level cache.
+  constexpr std::int64_t target_bytes = std::int64_t{4} << 20;
+  std::int64_t rows = target_bytes / (4 * std::max<std::int64_t>(args.n, 1));
+  rows = std::clamp<std::int64_t>(rows, 256, 1024);
+  rows = (rows + 15) / 16 * 16;
+  return std::min(rows, std::max<std::int64_t>(args.m, 1));
+}
+
+inline void check_gemm_args(const GemmArgs& a) {
+  TRELLIS_CHECK(a.m >= 0 && a.n >= 0 && a.k >= 0, "gemm: negative size m=", a.m, " n=", a.n, " k=", a.k);
+  TRELLIS_CHECK(a.batch >= 1, "gemm: batch must be >= 1, got ", a.batch);
+  auto check_ld = [&](const char* name, std::int64_t ld, std::int64_t rows, std::int64_t cols) {
+    std::int64_t need = a.packed_ld(rows, cols);
+    TRELLIS_CHECK(ld >= need, "gemm: ", name, " = ", ld, " is smaller than ", need, " for a ", rows, " x ",
+                  cols, (a.layout == Layout::row_major ? " row-major" : " column-major"), " matrix");
+  };
+  check_ld("lda", a.lda_or_packed(), a.a_rows(), a.a_cols());
+  check_ld("ldb", a.ldb_or_packed(), a.b_rows(), a.b_cols());
+  check_ld("ldc", a.ldc_or_packed(), a.m, a.n);
+  TRELLIS_CHECK(a.batch == 1 || a.stride_c != 0 || a.m * a.n == 0,
+                "gemm: stride_c is 0 with batch ", a.batch, " (batches would overwrite each other)");
+}
+
+// Converts stored rows x cols of a (possibly 16-bit) matrix to a packed fp32 copy, same layout.
+template <class T>
+void convert_matrix(const GemmArgs& args, const T* src, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                    std::vector<float>& dst) {
+  std::int64_t outer = args.layout == Layout::row_major ? rows : cols;
+  std::int64_t inner = args.layout == Layout::row_major ? cols : rows;
+  dst.resize(static_cast<std::size_t>(outer * inner));
+  for (std::int64_t o = 0; o < outer; ++o) {
+    const T* s = src + o * ld;
+    float* d = dst.data() + o * inner;
+    for (std::int64_t i = 0; i < inner; ++i) d[i] = static_cast<float>(s[i]);
+  }
+}
+
+// One row block of C in fp32: rows [row0, row0 + rows) of the logical C, at `c` (already offset to
+// row0) with leading dimension ldc in args.layout.
+struct CBlock {
+  float* c;
+  std::int64_t ldc;
+  std::int64_t row0, rows;
+};
+
+// Product of one row block: c = alpha * op(A)[rows] op(B) + beta * c, A and B fp32.
+inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                          const CBlock& blk, std::vector<float>& scratch) {
+  const std::int64_t n = args.n, k = args.k;
+  const bool row_major = args.layout == Layout::row_major;
+  // A row of op(A): element (i, p) of op(A).
+  auto a_at = [&](std::int64_t i, std::int64_t p) {
+    return args.op_a == Op::none ? a[args.offset(i, p, lda)] : a[args.offset(p, i, lda)];
+  };
+  if (k == 0 || args.alpha == 0.0f) {
+    for (std::int64_t r = 0; r < blk.rows; ++r)
+      for (std::int64_t j = 0; j < n; ++j) {
+        float& cv = blk.c[args.offset(r, j, blk.ldc)];
+        cv = args.beta == 0.0f ? 0.0f : args.beta * cv;
+      }
+    return;
+  }
+#if defined(TRELLIS_HAS_CBLAS)
+  (void)a_at;
+  (void)scratch;
+  const float* a_block = args.op_a == Op::none ? a + args.offset(blk.row0, 0, lda) : a + args.offset(0, blk.row0, lda);
+  cblas_sgemm(row_major ? CblasRowMajor : CblasColMajor, args.op_a == Op::none ? CblasNoTrans : CblasTrans,
+              args.op_b == Op::none ? CblasNoTrans : CblasTrans, static_cast<int>(blk.rows), static_cast<int>(n),
+              static_cast<int>(k), args.alpha, a_block, static_cast<int>(lda), b, static_cast<int>(ldb), args.beta,
+              blk.c, static_cast<int>(blk.ldc));
+#else
+  // scratch holds op(B) packed row-major (k x n), prepared by the caller; acc is one row of C.
+  const float* bp = b;
+  (void)ldb;
+  std::vector<float> acc(static_cast<std::size_t>(n));
+  constexpr std::int64_t k_block = 256;
+  for (std::int64_t r = 0; r < blk.rows; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const std::int64_t i = blk.row0 + r;
+    for (std::int64_t p0 = 0; p0 < k; p0 += k_block) {
+      const std::int64_t p1 = std::min(k, p0 + k_block);
+      for (std::int64_t p = p0; p < p1; ++p) {
+        const float av = a_at(i, p);
+        const float* TRELLIS_RESTRICT brow = bp + p * n;
+        float* TRELLIS_RESTRICT accp = acc.data();
+        for (std::int64_t j = 0; j < n; ++j) accp[j] += av * brow[j];
+      }
+    }
+    if (row_major) {
+      float* crow = blk.c + r * blk.ldc;
+      if (args.beta == 0.0f) {
+        for (std::int64_t j = 0; j < n; ++j) crow[j] = args.alpha * acc[j];
+      } else {
+        for (std::int64_t j = 0; j < n; ++j) crow[j] = args.alpha * acc[j] + args.beta * crow[j];
+      }
+    } else {
+      for (std::int64_t j = 0; j < n; ++j) {
+        float& cv = blk.c[j * blk.ldc + r];
+        cv = args.alpha * acc[j] + (args.beta == 0.0f ? 0.0f : args.beta * cv);
+      }
+    }
+  }
+  (void)scratch;
+#endif
+}
+
+template <EpilogueKind K>
+TRELLIS_FORCEINLINE float apply_fast(float acc, float bias, float pre) {
+  if constexpr (K == EpilogueKind::gelu) return fast_gelu(acc);
+  else if constexpr (K == EpilogueKind::bias_gelu) return fast_gelu(acc + bias);
+  else if constexpr (K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad) return acc * fast_gelu_grad(pre);
+  else return epilogue_apply<K>(acc, bias, pre);
+}
+
+// Applies the epilogue to one fp32 block in place. bias: n floats (or null); pre: the block's
+// pre-activation matrix (offset to row0) for epilogues that read or write one; colsum: n floats
+// receiving this block's column sums (bias-grad epilogues).
+template <EpilogueKind K, class TP>
+void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, const float* bias, TP* pre, std::int64_t ld_pre,
+                          float* colsum) {
+  constexpr bool has_bias = K == EpilogueKind::bias || K == EpilogueKind::bias_relu || K == EpilogueKind::bias_gelu;
+  constexpr bool writes_pre = K == EpilogueKind::bias_gelu;
+  constexpr bool reads_pre = K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad;
+  constexpr bool sums = K == EpilogueKind::bias_grad || K == EpilogueKind::dgelu_bias_grad;
+  const std::int64_t n = args.n;
+  if (args.layout == Layout::row_major) {
+    for (std::int64_t r = 0; r < blk.rows; ++r) {
+      float* TRELLIS_RESTRICT crow = blk.c + r * blk.ldc;
+      if constexpr (writes_pre) {
+        if (pre) {
+          TP* prow = pre + r * ld_pre;
+          for (std::int64_t j = 0; j < n; ++j) prow[j] = from_float<TP>(crow[j] + bias[j]);
+        }
+      }
+      if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
+        if constexpr (reads_pre && std::is_same_v<std::remove_const_t<TP>, float>) {
+          const float* TRELLIS_RESTRICT prow = pre + r * ld_pre;
+          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, prow[j]);
+        } else if constexpr (reads_pre) {
+          const TP* prow = pre + r * ld_pre;
+          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, to_float(prow[j]));
+        } else if constexpr (has_bias) {
+          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
+        } else {
+          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, 0.0f);
+        }
+      }
+      if constexpr (sums) {
+        float* TRELLIS_RESTRICT s = colsum;
+        for (std::int64_t j = 0; j < n; ++j) s[j] += crow[j];
+      }
+    }
+  } else {
+    for (std::int64_t j = 0; j < n; ++j) {
+      float* TRELLIS_RESTRICT ccol = blk.c + j * blk.ldc;
+      const float bj = has_bias ? bias[j] : 0.0f;
+      if constexpr (writes_pre) {
+        if (pre) {
+          TP* pcol = pre + j * ld_pre;
+          for (std::int64_t r = 0; r < blk.rows; ++r) pcol[r] = from_float<TP>(ccol[r] + bj);
+        }
+      }
+      if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
+        if constexpr (reads_pre) {
+          const TP* pcol = pre + j * ld_pre;
+          for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = apply_fast<K>(ccol[r], 0.0f, to_float(pcol[r]));
+        } else {
+          for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = apply_fast<K>(ccol[r], bj, 0.0f);
+        }
+      }
+      if constexpr (sums) {
+        // 8 independent partial sums: vectorisable and a fixed order.
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        std::int64_t r = 0;
+        for (; r + 8 <= blk.rows; r += 8)
+          for (int l = 0; l < 8; ++l) part[l] += ccol[r + l];
+        float s = 0.0f;
+        for (; r < blk.rows; ++r) s += ccol[r];
+        for (int l = 0; l < 8; ++l) s += part[l];
+        colsum[j] += s;
+      }
+    }
+  }
+}
+
+template <class E>
+struct epilogue_element {
+  using type = float;
+};
+template <template <class> class Tmpl, class T>
+struct epilogue_element<Tmpl<T>> {
+  using type = T;
+};
+
+}  // namespace detail
+
+// C = epilogue(alpha * op(A) op(B) + beta * C), for every batch. See kernels/epilogue.hpp.
+template <class TA, class TB, class TC, GemmEpilogue E = epilogue::None>
+  requires detail::GemmElement<TA> && detail::GemmElement<TB> && detail::GemmElement<TC>
+void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, GemmOptions options = {}) {
+  using traits = epilogue_traits<E>;
+  constexpr EpilogueKind kind = traits::kind;
+  using TE = typename detail::epilogue_element<E>::type;
+  detail::check_gemm_args(args);
+  const std::int64_t m = args.m, n = args.n, k = args.k;
+  const std::int64_t ldc = args.ldc_or_packed();
+  if constexpr (traits::bias_grad) {
+    TRELLIS_CHECK(ep.bias_grad != nullptr, "gemm: bias-grad epilogue without a bias_grad vector");
+  }
+  if (m == 0 || n == 0) {
+    if constexpr (traits::bias_grad) {
+      if (!ep.accumulate)
+        for (std::int64_t j = 0; j < n; ++j) ep.bias_grad[j] = from_float<TE>(0.0f);
+    }
+    return;
+  }
+  TRELLIS_CHECK(a != nullptr || k == 0, "gemm: A is null");
+  TRELLIS_CHECK(b != nullptr || k == 0, "gemm: B is null");
+  TRELLIS_CHECK(c != nullptr, "gemm: C is null");
+
+  // Bias as fp32, once.
+  std::vector<float> bias;
+  if constexpr (traits::has_bias) {
+    TRELLIS_CHECK(ep.bias != nullptr, "gemm: bias epilogue without a bias vector");
+    bias.resize(static_cast<std::size_t>(n));
+    for (std::int64_t j = 0; j < n; ++j) bias[j] = to_float(ep.bias[j]);
+  }
+  std::int64_t ld_pre = 0, stride_pre = 0;
+  if constexpr (traits::reads_pre || traits::writes_pre) {
+    if constexpr (traits::reads_pre) TRELLIS_CHECK(ep.pre_activation != nullptr, "gemm: DGelu epilogue without pre_activation");
+    ld_pre = ep.ld_pre ? ep.ld_pre : ldc;
+    stride_pre = ep.stride_pre ? ep.stride_pre : args.stride_c;
+    TRELLIS_CHECK(ld_pre >= args.packed_ld(m, n), "gemm: ld_pre = ", ld_pre, " too small");
+  }
+
+  const std::int64_t row_block = detail::gemm_row_block(args, options);
+  const std::int64_t blocks = (m + row_block - 1) / row_block;
+  std::vector<float> colsums;  // (batch * blocks, n): per-block column sums, reduced in order
+  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * blocks * n), 0.0f);
+
+  std::vector<float> a32, b32, bpack;
+  for (std::int64_t batch = 0; batch < args.batch; ++batch) {
+    const TA* a_b = a ? a + batch * args.stride_a : nullptr;
+    const TB* b_b = b ? b + batch * args.stride_b : nullptr;
+    TC* c_b = c + batch * args.stride_c;
+    // fp32 operands.
+    const float* af;
+    const float* bf;
+    std::int64_t lda = args.lda_or_packed(), ldb = args.ldb_or_packed();
+    if constexpr (std::is_same_v<TA, float>) {
+      af = a_b;
+    } else {
+      if (batch == 0 || args.stride_a != 0) detail::convert_matrix(args, a_b, lda, args.a_rows(), args.a_cols(), a32);
+      af = a32.data();
+      lda = args.packed_ld(args.a_rows(), args.a_cols());
+    }
+    if constexpr (std::is_same_v<TB, float>) {
+      bf = b_b;
+    } else {
+      if (batch == 0 || args.stride_b != 0) detail::convert_matrix(args, b_b, ldb, args.b_rows(), args.b_cols(), b32);
+      bf = b32.data();
+      ldb = args.packed_ld(args.b_rows(), args.b_cols());
+    }
+    if (!gemm_uses_cblas() && k > 0) {
+      // The fallback kernel streams rows of op(B): pack it row-major k x n.
+      if (batch == 0 || args.stride_b != 0 || !std::is_same_v<TB, float>) {
+        bpack.resize(static_cast<std::size_t>(k * n));
+        for (std::int64_t p = 0; p < k; ++p)
+          for (std::int64_t j = 0; j < n; ++j)
+            bpack[p * n + j] = args.op_b == Op::none ? bf[args.offset(p, j, ldb)] : bf[args.offset(j, p, ldb)];
+      }
+      bf = bpack.data();
+    }
+
+    auto run_block = [&](std::int64_t blk_index, std::vector<float>& cbuf, std::vector<float>& scratch) {
+      const std::int64_t row0 = blk_index * row_block;
+      const std::int64_t rows = std::min(row_block, m - row0);
+      detail::CBlock blk{};
+      blk.row0 = row0;
+      blk.rows = rows;
+      if constexpr (std::is_same_v<TC, float>) {
+        blk.c = c_b + args.offset(row0, 0, ldc);
+        blk.ldc = ldc;
+      } else {
+        // fp32 block buffer in C's layout, packed.
+        blk.ldc = args.packed_ld(rows, n);
+        cbuf.resize(static_cast<std::size_t>(rows * n));
+        blk.c = cbuf.data();
+        if (args.beta != 0.0f)
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t j = 0; j < n; ++j)
+              blk.c[args.offset(r, j, blk.ldc)] = to_float(c_b[args.offset(row0 + r, j, ldc)]);
+      }
+      detail::block_product(args, af, lda, bf, ldb, blk, scratch);
+      TE* pre = nullptr;
+      if constexpr (traits::reads_pre || traits::writes_pre) {
+        using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
+        static_assert(std::is_same_v<PreT, TE>);
+        if (ep.pre_activation) pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(row0, 0, ld_pre);
+      }
+      float* colsum = nullptr;
+      if constexpr (traits::bias_grad) colsum = colsums.data() + (batch * blocks + blk_index) * n;
+      detail::apply_epilogue_block<kind, TE>(args, blk, bias.data(), pre, ld_pre, colsum);
+      if constexpr (!std::is_same_v<TC, float>) {
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < n; ++j)
+            c_b[args.offset(row0 + r, j, ldc)] = from_float<TC>(blk.c[args.offset(r, j, blk.ldc)]);
+      }
+    };
+
+    if constexpr (gemm_uses_cblas()) {
+      std::vector<float> cbuf, scratch;
+      for (std::int64_t blk = 0; blk < blocks; ++blk) run_block(blk, cbuf, scratch);
+    } else {
+      parallel_for(blocks, [&](std::int64_t blk) {
+        std::vector<float> cbuf, scratch;
+        run_block(blk, cbuf, scratch);
+      });
+    }
+  }
+
+  if constexpr (traits::bias_grad) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      float s = ep.accumulate ? to_float(ep.bias_grad[j]) : 0.0f;
+      for (std::int64_t i = 0; i < args.batch * blocks; ++i) s += colsums[i * n + j];
+      ep.bias_grad[j] = from_float<TE>(s);
+    }
+  }
+}
+
+}  // namespace trellis::kernels::host
