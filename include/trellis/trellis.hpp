@@ -3,3 +3,4 @@
 #pragma once
 
 #include "trellis/core.hpp"
+#include "trellis/kernels.hpp"

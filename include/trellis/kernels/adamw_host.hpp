@@ -1,0 +1,145 @@
+// Host AdamW over many tensors in one fused call, and global gradient-norm clipping.
+//   host::adamw_step(tensors, config, step, grad_scale);
+//   double n2 = host::grad_norm_squared(grads);  // fp64 sum of squares over all tensors
+//   float s = host::clip_scale(std::sqrt(n2), max_norm);  -> pass as grad_scale
+// AdamW (decoupled weight decay, Loshchilov & Hutter; PyTorch's torch.optim.AdamW), step t >= 1:
+//   g = grad_scale * grad
+//   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
+//   p = p - lr * weight_decay * decay_mult * p - lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+// Parameters and moments are fp32 (master weights); gradients fp32, half or bfloat16.
+// Tensors are cut into fixed chunks that the thread pool runs in parallel; results are exact
+// elementwise, so they do not depend on the thread count. The norm sums per fixed chunk in fp64
+// and adds the chunks in order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "trellis/core/dtype.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/kernels/host_math.hpp"
+#include "trellis/kernels/thread_pool.hpp"
+
+namespace trellis::kernels::host {
+
+struct AdamWConfig {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+};
+
+template <class G = float>
+struct AdamWTensor {
+  std::span<float> param;
+  std::span<const G> grad;
+  std::span<float> m;
+  std::span<float> v;
+  float decay_mult = 1.0f;  // 0 for tensors without weight decay (biases, norms)
+};
+
+namespace detail {
+inline constexpr std::int64_t optim_chunk = 1 << 15;
+
+// (tensor index, first element) of every fixed-size chunk of every tensor.
+template <class Span>
+std::vector<std::pair<std::int64_t, std::int64_t>> tensor_chunks(std::span<const Span> tensors,
+                                                                 std::int64_t (*size_of)(const Span&)) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> chunks;
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    for (std::int64_t e = 0; e < size_of(tensors[t]); e += optim_chunk) chunks.emplace_back(t, e);
+  return chunks;
+}
+}  // namespace detail
+
+template <class G>
+void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
+                float grad_scale = 1.0f) {
+  TRELLIS_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
+  TRELLIS_CHECK(config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
+                "adamw_step: betas must be in [0, 1), got ", config.beta1, ", ", config.beta2);
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    const auto& x = tensors[t];
+    TRELLIS_CHECK(x.grad.size() == x.param.size() && x.m.size() == x.param.size() && x.v.size() == x.param.size(),
+                  "adamw_step: tensor ", t, " has param/grad/m/v of sizes ", x.param.size(), "/", x.grad.size(), "/",
+                  x.m.size(), "/", x.v.size());
+  }
+  const double bc1 = 1.0 - std::pow(static_cast<double>(config.beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(config.beta2), static_cast<double>(step));
+  const float step_size = static_cast<float>(config.lr / bc1);
+  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float b1 = config.beta1, b2 = config.beta2, eps = config.eps;
+  auto chunks = detail::tensor_chunks<AdamWTensor<G>>(
+      tensors, +[](const AdamWTensor<G>& x) { return static_cast<std::int64_t>(x.param.size()); });
+  parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t c) {
+    const auto& x = tensors[chunks[c].first];
+    const std::int64_t e0 = chunks[c].second;
+    const std::int64_t e1 = std::min<std::int64_t>(static_cast<std::int64_t>(x.param.size()), e0 + detail::optim_chunk);
+    const float decay = 1.0f - config.lr * config.weight_decay * x.decay_mult;
+    float* TRELLIS_RESTRICT p = x.param.data();
+    float* TRELLIS_RESTRICT m = x.m.data();
+    float* TRELLIS_RESTRICT v = x.v.data();
+    const G* g = x.grad.data();
+    for (std::int64_t e = e0; e < e1; ++e) {
+      const float gs = grad_scale * to_float(g[e]);
+      const float mn = b1 * m[e] + (1.0f - b1) * gs;
+      const float vn = b2 * v[e] + (1.0f - b2) * gs * gs;
+      m[e] = mn;
+      v[e] = vn;
+      p[e] = p[e] * decay - step_size * mn / (std::sqrt(vn) * inv_sqrt_bc2 + eps);
+    }
+  });
+}
+
+template <class G>
+void adamw_step(const std::vector<AdamWTensor<G>>& tensors, const AdamWConfig& config, std::int64_t step,
+                float grad_scale = 1.0f) {
+  adamw_step(std::span<const AdamWTensor<G>>(tensors), config, step, grad_scale);
+}
+
+// Sum of squares of every element of every tensor, accumulated in fp64.
+template <class G>
+double grad_norm_squared(std::span<const std::span<const G>> grads) {
+  auto chunks = detail::tensor_chunks<std::span<const G>>(
+      grads, +[](const std::span<const G>& x) { return static_cast<std::int64_t>(x.size()); });
+  std::vector<double> partial(chunks.size(), 0.0);
+  parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t c) {
+    const auto& x = grads[chunks[c].first];
+    const std::int64_t e0 = chunks[c].second;
+    const std::int64_t e1 = std::min<std::int64_t>(static_cast<std::int64_t>(x.size()), e0 + detail::optim_chunk);
+    double lanes[8] = {};
+    std::int64_t e = e0;
+    for (; e + 8 <= e1; e += 8)
+      for (int l = 0; l < 8; ++l) {
+        const double g = to_float(x[e + l]);
+        lanes[l] += g * g;
+      }
+    double s = 0.0;
+    for (; e < e1; ++e) s += static_cast<double>(to_float(x[e])) * to_float(x[e]);
+    for (int l = 0; l < 8; ++l) s += lanes[l];
+    partial[c] = s;
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+template <class G>
+double grad_norm_squared(const std::vector<std::span<const G>>& grads) {
+  return grad_norm_squared(std::span<const std::span<const G>>(grads));
+}
+
+// Factor that brings a global norm down to max_norm (1 when it is already below): multiply the
+// gradients by it, e.g. as adamw_step's grad_scale. A non-finite norm is an error: silently
+// skipping or zeroing a step would hide a divergence.
+inline float clip_scale(double norm, double max_norm, double eps = 1e-6) {
+  TRELLIS_CHECK(std::isfinite(norm), "clip_scale: the gradient norm is not finite (", norm, ")");
+  TRELLIS_CHECK(max_norm > 0.0, "clip_scale: max_norm must be > 0, got ", max_norm);
+  return norm > max_norm ? static_cast<float>(max_norm / (norm + eps)) : 1.0f;
+}
+
+}  // namespace trellis::kernels::host
