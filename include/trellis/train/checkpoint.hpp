@@ -1,0 +1,641 @@
+// Reshardable, crash-safe checkpoints (format and protocol: docs/checkpoint.md).
+//
+//   <root>/step-00000100/shard-<rank>.safetensors   each rank's pieces ("boxes") of its tensors
+//   <root>/step-00000100/index.json                  per tensor: dtype, GLOBAL shape, and per
+//                                                    shard: file, key, offsets, shape, crc32c
+//   <root>/latest                                    "step-00000100": the newest complete one
+//
+// Saving, on every rank:                     then, after a barrier, on one rank:
+//   CheckpointWriter w(root, step, rank, n);   commit_checkpoint(root, step, n);
+//   w.add("h.0.attn.c_attn.weight", view, global_shape, offsets); ...
+//   w.finish();
+// Ranks write into <root>/step-N.partial/; commit checks that the shards tile every tensor,
+// writes index.json, renames the directory to step-N and only then points `latest` at it, so
+// the previous checkpoint stays the loadable one until the new one is complete.
+//
+// Loading: Checkpoint ck(root); ck.read(name, offsets, out_view) reads any box of the global
+// tensor from whichever shards overlap it, so any layout (dp/tp/pp/ZeRO-1) loads any other.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "trellis/core/dtype.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/core/tensor.hpp"
+#include "trellis/shard/layout.hpp"
+#include "trellis/train/atomic_file.hpp"
+#include "trellis/train/json.hpp"
+#include "trellis/train/safetensors.hpp"
+
+namespace trellis::train {
+
+// The elements [offsets[d], offsets[d] + shape[d]) in every dimension d of a tensor.
+struct Box {
+  Shape offsets;
+  Shape shape;
+  bool operator==(const Box&) const = default;
+};
+
+inline std::string box_string(const Box& b) {
+  return "offsets " + shape_string(b.offsets) + " shape " + shape_string(b.shape);
+}
+
+// A whole tensor as a box.
+inline Box full_box(const Shape& shape) { return {Shape(shape.size(), 0), shape}; }
+
+// `n` items split into `parts`: {offset, size} of part `index`, by the project's one uneven
+// rule (shard::chunk: the first n % parts parts get one extra).
+inline std::pair<index_t, index_t> split_extent(index_t n, int parts, int index) {
+  TRELLIS_CHECK(parts > 0 && index >= 0 && index < parts, "split_extent: part ", index, " of ", parts);
+  TRELLIS_CHECK(n >= 0, "split_extent: negative extent ", n);
+  const shard::Chunk c = shard::chunk(n, parts, index);
+  return {c.offset, c.size};
+}
+
+// A rank's box from shard::local_box (its per-dimension chunks of the global tensor).
+template <std::size_t R>
+Box box_from_chunks(const std::array<shard::Chunk, R>& chunks) {
+  Box b;
+  for (const auto& c : chunks) {
+    b.offsets.push_back(c.offset);
+    b.shape.push_back(c.size);
+  }
+  return b;
+}
+
+// Part `index` of `parts` of a tensor split along `dim` (the rest whole).
+inline Box split_box(const Shape& global_shape, int dim, int parts, int index) {
+  TRELLIS_CHECK(dim >= 0 && dim < static_cast<int>(global_shape.size()), "split_box: dimension ", dim,
+                " of a rank-", global_shape.size(), " tensor");
+  Box b = full_box(global_shape);
+  auto [offset, size] = split_extent(global_shape[dim], parts, index);
+  b.offsets[dim] = offset;
+  b.shape[dim] = size;
+  return b;
+}
+
+// The flat (row-major) element range [begin, end) of a tensor with `shape`, as boxes in order
+// (at most 2 * rank - 1 of them). ZeRO-1 partitions of flat buffers are saved this way.
+inline std::vector<Box> flat_range_boxes(const Shape& shape, index_t begin, index_t end) {
+  index_t total = shape_elements(shape);
+  TRELLIS_CHECK(0 <= begin && begin <= end && end <= total, "flat range [", begin, ", ", end,
+                ") outside a tensor of ", total, " elements");
+  std::vector<Box> out;
+  const int rank = static_cast<int>(shape.size());
+  if (begin == end) return out;
+  if (rank == 0) {
+    out.push_back({{}, {}});
+    return out;
+  }
+  // Recursive over dimensions; `prefix` fixes the indices of the outer dimensions (size 1).
+  auto recurse = [&](auto& self, int dim, Shape prefix, index_t b, index_t e) -> void {
+    if (b == e) return;
+    index_t inner = 1;
+    for (int d = dim + 1; d < rank; ++d) inner *= shape[d];
+    auto emit = [&](index_t lo, index_t hi) {  // whole slices [lo, hi) along `dim`
+      Box box;
+      box.offsets = prefix;
+      box.shape = Shape(prefix.size(), 1);
+      box.offsets.push_back(lo);
+      box.shape.push_back(hi - lo);
+      for (int d = dim + 1; d < rank; ++d) {
+        box.offsets.push_back(0);
+        box.shape.push_back(shape[d]);
+      }
+      out.push_back(std::move(box));
+    };
+    auto into = [&](index_t i) {
+      Shape p = prefix;
+      p.push_back(i);
+      return p;
+    };
+    index_t first = b / inner, last = e / inner;  // slices containing b and e
+    if (first == last) {
+      self(self, dim + 1, into(first), b % inner, e % inner);
+      return;
+    }
+    if (b % inner != 0) {
+      self(self, dim + 1, into(first), b % inner, inner);
+      ++first;
+    }
+    if (last > first) emit(first, last);
+    if (e % inner != 0) self(self, dim + 1, into(last), 0, e % inner);
+  };
+  recurse(recurse, 0, Shape{}, begin, end);
+  return out;
+}
+
+// "step-00000100": the directory name of a step's checkpoint.
+inline std::string step_directory_name(std::int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+inline std::string shard_file_name(int rank) { return "shard-" + std::to_string(rank) + ".safetensors"; }
+
+namespace detail {
+inline constexpr std::string_view ckpt_shard_prefix = "trellis.shard.";
+inline const char* ckpt_step_key = "trellis.step";
+inline const char* ckpt_rank_key = "trellis.rank";
+inline const char* ckpt_world_key = "trellis.world_size";
+
+inline json::Value shape_json(const Shape& s) {
+  json::Array a;
+  for (index_t d : s) a.emplace_back(d);
+  return json::Value(std::move(a));
+}
+inline Shape shape_from_json(const json::Value& v, const std::string& what) {
+  Shape s;
+  for (const auto& d : v.as_array(what)) s.push_back(d.as_int(what));
+  return s;
+}
+inline bool is_reserved_metadata(std::string_view key) {
+  return key.starts_with("trellis.") || key.starts_with(safetensors_crc_prefix);
+}
+inline void check_box_in(const Shape& global, const Box& box, const std::string& what) {
+  TRELLIS_CHECK(box.offsets.size() == global.size() && box.shape.size() == global.size(), what, ": ",
+                box_string(box), " has the wrong rank for global shape ", shape_string(global));
+  for (std::size_t d = 0; d < global.size(); ++d)
+    TRELLIS_CHECK(box.offsets[d] >= 0 && box.shape[d] >= 0 && box.offsets[d] + box.shape[d] <= global[d],
+                  what, ": ", box_string(box), " lies outside global shape ", shape_string(global));
+}
+// The intersection of two boxes, or nullopt when it is empty.
+inline std::optional<Box> intersect(const Box& a, const Box& b) {
+  Box r;
+  for (std::size_t d = 0; d < a.offsets.size(); ++d) {
+    index_t lo = std::max(a.offsets[d], b.offsets[d]);
+    index_t hi = std::min(a.offsets[d] + a.shape[d], b.offsets[d] + b.shape[d]);
+    if (hi <= lo) return std::nullopt;
+    r.offsets.push_back(lo);
+    r.shape.push_back(hi - lo);
+  }
+  return r;
+}
+// Copies the region `region` (global coordinates) from a row-major block `src` laid out as box
+// `src_box` into a row-major block `dst` laid out as box `dst_box`; elements of `elem` bytes.
+inline void copy_region(const Box& region, const std::byte* src, const Box& src_box, std::byte* dst,
+                        const Box& dst_box, std::size_t elem) {
+  const int rank = static_cast<int>(region.shape.size());
+  if (rank == 0) {
+    std::memcpy(dst, src, elem);
+    return;
+  }
+  auto strides = [&](const Shape& shape) {
+    Shape s(shape.size(), 1);
+    for (int d = rank - 2; d >= 0; --d) s[d] = s[d + 1] * shape[d + 1];
+    return s;
+  };
+  Shape ss = strides(src_box.shape), ds = strides(dst_box.shape);
+  const std::size_t run = static_cast<std::size_t>(region.shape[rank - 1]) * elem;
+  Shape idx(rank, 0);  // index within region, last dimension fixed at 0
+  index_t rows = 1;
+  for (int d = 0; d < rank - 1; ++d) rows *= region.shape[d];
+  for (index_t r = 0; r < rows; ++r) {
+    index_t so = 0, doff = 0;
+    for (int d = 0; d < rank; ++d) {
+      index_t g = region.offsets[d] + idx[d];
+      so += (g - src_box.offsets[d]) * ss[d];
+      doff += (g - dst_box.offsets[d]) * ds[d];
+    }
+    std::memcpy(dst + doff * static_cast<index_t>(elem), src + so * static_cast<index_t>(elem), run);
+    for (int d = rank - 2; d >= 0; --d) {  // odometer over the outer dimensions
+      if (++idx[d] < region.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+inline std::filesystem::path staging_directory(const std::filesystem::path& root, std::int64_t step) {
+  return root / (step_directory_name(step) + ".partial");
+}
+}  // namespace detail
+
+// One rank's part of a checkpoint. Tensor memory is referenced, not copied: keep it unchanged
+// until finish() returns.
+class CheckpointWriter {
+ public:
+  CheckpointWriter(std::filesystem::path root, std::int64_t step, int rank, int world_size)
+      : root_(std::move(root)), step_(step), rank_(rank), world_size_(world_size) {
+    TRELLIS_CHECK(world_size > 0 && rank >= 0 && rank < world_size, "checkpoint rank ", rank,
+                  " of world size ", world_size);
+    TRELLIS_CHECK(step >= 0, "checkpoint step ", step, " is negative");
+  }
+
+  // This rank's box of tensor `name` (row-major bytes of box.shape at `data`).
+  void add(std::string_view name, DType dtype, const Shape& global_shape, const Box& box, const void* data) {
+    std::string what = "checkpoint tensor \"" + std::string(name) + "\"";
+    TRELLIS_CHECK(!name.empty() && name.find('#') == std::string_view::npos, what,
+                  ": names must be non-empty and may not contain '#'");
+    detail::check_box_in(global_shape, box, what);
+    int count = 0;
+    for (const auto& p : pieces_) count += p.name == name;
+    std::string key = count == 0 ? std::string(name) : std::string(name) + "#" + std::to_string(count);
+    if (count == 1) {  // a second box of the same tensor: the first one becomes "#0"
+      for (auto& p : pieces_)
+        if (p.name == name) p.key = std::string(name) + "#0";
+    }
+    pieces_.push_back({std::string(name), key, dtype, global_shape, box, data});
+  }
+  template <class T, class E>
+  void add(std::string_view name, TensorView<T, E, Host> local, const Shape& global_shape, const Shape& offsets) {
+    TRELLIS_CHECK(local.is_contiguous(), "checkpoint tensor \"", name, "\": the local view must be contiguous");
+    auto ext = local.extents().array();
+    add(name, dtype_v<std::remove_const_t<T>>, global_shape, Box{offsets, Shape(ext.begin(), ext.end())}, local.data());
+  }
+  // A whole (unsharded) tensor.
+  template <class T>
+  void add_whole(std::string_view name, std::span<const T> data, const Shape& shape) {
+    TRELLIS_CHECK(static_cast<index_t>(data.size()) == shape_elements(shape), "checkpoint tensor \"",
+                  name, "\": ", data.size(), " elements for shape ", shape_string(shape));
+    add(name, dtype_v<T>, shape, full_box(shape), data.data());
+  }
+  // ZeRO-1: `data` holds the flat elements [flat_begin, flat_begin + data.size()) of this rank's
+  // local block `local_box` of the global tensor (row-major within the block).
+  template <class T>
+  void add_flat_range(std::string_view name, const Shape& global_shape, const Box& local_box,
+                      index_t flat_begin, std::span<const T> data) {
+    detail::check_box_in(global_shape, local_box, "checkpoint tensor \"" + std::string(name) + "\"");
+    const T* p = data.data();
+    for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(data.size()))) {
+      for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
+      add(name, dtype_v<T>, global_shape, b, p);
+      p += shape_elements(b.shape);
+    }
+  }
+
+  // Free-form metadata (RNG state, data position, config...). Rank 0's goes into index.json.
+  void set_metadata(std::string key, std::string value) {
+    TRELLIS_CHECK(!detail::is_reserved_metadata(key), "checkpoint metadata key \"", key, "\" is reserved");
+    metadata_[std::move(key)] = std::move(value);
+  }
+
+  // Writes <root>/step-N.partial/shard-<rank>.safetensors (temporary name, fsync, rename).
+  void finish() {
+    auto staging = detail::staging_directory(root_, step_);
+    std::error_code ec;  // several ranks may create it at once: only its absence afterwards is an error
+    std::filesystem::create_directories(staging, ec);
+    TRELLIS_CHECK(std::filesystem::is_directory(staging), "cannot create checkpoint directory ", staging,
+                  ": ", ec.message());
+    SafetensorsWriter w;
+    for (const auto& p : pieces_) {
+      w.add(p.key, p.dtype, p.box.shape, p.data);
+      json::Object info;
+      info["tensor"] = json::Value(p.name);
+      info["global_shape"] = detail::shape_json(p.global_shape);
+      info["offsets"] = detail::shape_json(p.box.offsets);
+      w.set_metadata(std::string(detail::ckpt_shard_prefix) + p.key, json::dump(json::Value(std::move(info))));
+    }
+    for (const auto& [k, v] : metadata_) w.set_metadata(k, v);
+    w.set_metadata(detail::ckpt_step_key, std::to_string(step_));
+    w.set_metadata(detail::ckpt_rank_key, std::to_string(rank_));
+    w.set_metadata(detail::ckpt_world_key, std::to_string(world_size_));
+    w.write(staging / shard_file_name(rank_));
+    fsync_directory(staging);
+  }
+
+ private:
+  struct Piece {
+    std::string name, key;
+    DType dtype;
+    Shape global_shape;
+    Box box;
+    const void* data;
+  };
+  std::filesystem::path root_;
+  std::int64_t step_;
+  int rank_, world_size_;
+  std::vector<Piece> pieces_;
+  Metadata metadata_;
+};
+
+// Where one shard of a tensor lives.
+struct ShardInfo {
+  std::string file;  // relative to the checkpoint directory
+  std::string key;   // tensor name inside that file
+  Box box;           // in global coordinates
+  std::string crc32c;
+};
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;  // global
+  std::vector<ShardInfo> shards;
+};
+
+namespace detail {
+// Every element of the global tensor covered exactly once.
+inline void check_tiling(const TensorInfo& t) {
+  std::string what = "checkpoint tensor \"" + t.name + "\"";
+  index_t covered = 0;
+  for (std::size_t i = 0; i < t.shards.size(); ++i) {
+    check_box_in(t.shape, t.shards[i].box, what + " in " + t.shards[i].file);
+    covered += shape_elements(t.shards[i].box.shape);
+    for (std::size_t j = 0; j < i; ++j) {
+      auto overlap = intersect(t.shards[i].box, t.shards[j].box);
+      TRELLIS_CHECK(!overlap || shape_elements(overlap->shape) == 0, what, ": shards in ", t.shards[j].file,
+                    " (", box_string(t.shards[j].box), ") and ", t.shards[i].file, " (",
+                    box_string(t.shards[i].box), ") overlap");
+    }
+  }
+  TRELLIS_CHECK(covered == shape_elements(t.shape), what, ": shards cover ", covered, " of ",
+                shape_elements(t.shape), " elements of global shape ", shape_string(t.shape),
+                " (a rank did not write its part?)");
+}
+
+inline json::Value index_json(std::int64_t step, int world_size, const std::map<std::string, TensorInfo>& tensors,
+                              const Metadata& metadata) {
+  json::Object root;
+  root["format"] = json::Value("trellis-checkpoint");
+  root["version"] = json::Value(1);
+  root["step"] = json::Value(step);
+  root["world_size"] = json::Value(world_size);
+  json::Object meta;
+  for (const auto& [k, v] : metadata) meta[k] = json::Value(v);
+  root["metadata"] = json::Value(std::move(meta));
+  json::Object ts;
+  for (const auto& [name, t] : tensors) {
+    json::Object o;
+    o["dtype"] = json::Value(safetensors_dtype(t.dtype));
+    o["shape"] = shape_json(t.shape);
+    json::Array shards;
+    for (const auto& s : t.shards) {
+      json::Object so;
+      so["file"] = json::Value(s.file);
+      so["key"] = json::Value(s.key);
+      so["offsets"] = shape_json(s.box.offsets);
+      so["shape"] = shape_json(s.box.shape);
+      so["crc32c"] = json::Value(s.crc32c);
+      shards.emplace_back(std::move(so));
+    }
+    o["shards"] = json::Value(std::move(shards));
+    ts[name] = json::Value(std::move(o));
+  }
+  root["tensors"] = json::Value(std::move(ts));
+  return json::Value(std::move(root));
+}
+}  // namespace detail
+
+// After every rank's finish(): validates the shard files, writes index.json, publishes the
+// directory as <root>/step-N and points <root>/latest at it. Call on exactly one rank.
+inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t step, int world_size) {
+  namespace fs = std::filesystem;
+  const fs::path staging = detail::staging_directory(root, step);
+  std::map<std::string, TensorInfo> tensors;
+  Metadata metadata;
+  for (int r = 0; r < world_size; ++r) {
+    const fs::path path = staging / shard_file_name(r);
+    TRELLIS_CHECK(fs::exists(path), "checkpoint step ", step, ": ", path, " is missing (rank ", r,
+                  " did not finish?)");
+    SafetensorsFile file(path);
+    const auto& meta = file.metadata();
+    auto get = [&](const std::string& key) -> const std::string& {
+      auto it = meta.find(key);
+      if (it == meta.end()) TRELLIS_THROW(path, ": metadata key ", key, " missing");
+      return it->second;
+    };
+    TRELLIS_CHECK(get(detail::ckpt_step_key) == std::to_string(step), path, " belongs to step ",
+                  get(detail::ckpt_step_key), ", not ", step);
+    TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path, " was written for world size ",
+                  get(detail::ckpt_world_key), ", not ", world_size);
+    if (r == 0)
+      for (const auto& [k, v] : meta)
+        if (!detail::is_reserved_metadata(k)) metadata[k] = v;
+    for (const auto& e : file.entries()) {
+      std::string what = path.string() + ", tensor \"" + e.name + "\"";
+      json::Value info = json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
+      std::string name = info.at("tensor", what).as_string(what);
+      Shape global = detail::shape_from_json(info.at("global_shape", what), what);
+      Box box{detail::shape_from_json(info.at("offsets", what), what), e.shape};
+      auto [it, inserted] = tensors.try_emplace(name);
+      TensorInfo& t = it->second;
+      if (inserted) {
+        t.name = name;
+        t.dtype = e.dtype;
+        t.shape = global;
+      }
+      TRELLIS_CHECK(t.dtype == e.dtype && t.shape == global, what, ": ", safetensors_dtype(e.dtype),
+                    shape_string(global), " disagrees with another shard's ", safetensors_dtype(t.dtype),
+                    shape_string(t.shape), " for tensor \"", name, "\"");
+      t.shards.push_back({shard_file_name(r), e.name, std::move(box), get(std::string(safetensors_crc_prefix) + e.name)});
+    }
+  }
+  for (const auto& [name, t] : tensors) detail::check_tiling(t);
+
+  // Files of a larger, crashed attempt at this step do not belong to this checkpoint.
+  for (const auto& entry : fs::directory_iterator(staging)) {
+    std::string f = entry.path().filename().string();
+    bool ours = f == "index.json";
+    for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r);
+    if (!ours) fs::remove_all(entry.path());
+  }
+  write_file_atomically(staging / "index.json", json::dump(detail::index_json(step, world_size, tensors, metadata), 1) + "\n");
+
+  const fs::path final_dir = root / step_directory_name(step);
+  const fs::path old_dir = root / (step_directory_name(step) + ".old");
+  if (fs::exists(final_dir)) {  // re-saving a step: keep the old one aside until the swap is done
+    fs::remove_all(old_dir);
+    fs::rename(final_dir, old_dir);
+  }
+  fs::rename(staging, final_dir);
+  fsync_directory(root);
+  write_file_atomically(root / "latest", step_directory_name(step) + "\n");
+  fs::remove_all(old_dir);
+}
+
+// The newest committed checkpoint directory under `root`, if any.
+inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root) {
+  const auto pointer = root / "latest";
+  if (!std::filesystem::exists(pointer)) return std::nullopt;
+  std::string name = read_whole_file(pointer);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  TRELLIS_CHECK(name.starts_with("step-") && name.find('/') == std::string::npos, pointer,
+                " holds \"", name, "\", not a step directory name");
+  return root / name;
+}
+
+// Removes committed step directories older than the newest `keep` (never the one `latest` names).
+inline void prune_checkpoints(const std::filesystem::path& root, int keep) {
+  namespace fs = std::filesystem;
+  TRELLIS_CHECK(keep >= 1, "prune_checkpoints: keep ", keep, " < 1");
+  auto latest = latest_checkpoint(root);
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::directory_iterator(root)) {
+    std::string f = e.path().filename().string();
+    if (e.is_directory() && f.starts_with("step-") && f.find('.') == std::string::npos) dirs.push_back(e.path());
+  }
+  std::sort(dirs.begin(), dirs.end());  // zero-padded names sort by step
+  for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < dirs.size(); ++i)
+    if (!latest || dirs[i] != *latest) fs::remove_all(dirs[i]);
+}
+
+// A committed checkpoint, opened for reading. Opening validates the index and every shard file's
+// header against it (a truncated file or a shape that disagrees fails here, naming the file and
+// tensor); reading verifies each shard's CRC32C.
+class Checkpoint {
+ public:
+  // `path` is a step directory (holding index.json) or a root holding `latest`.
+  explicit Checkpoint(const std::filesystem::path& path) {
+    namespace fs = std::filesystem;
+    if (fs::exists(path / "index.json")) {
+      dir_ = path;
+    } else {
+      auto latest = latest_checkpoint(path);
+      TRELLIS_CHECK(latest.has_value(), "no checkpoint at ", path, " (neither index.json nor latest)");
+      dir_ = *latest;
+    }
+    const fs::path index_path = dir_ / "index.json";
+    const std::string what = index_path.string();
+    json::Value index = json::parse(read_whole_file(index_path), what);
+    TRELLIS_CHECK(index.at("format", what).as_string(what) == "trellis-checkpoint", what, " is not a trellis checkpoint index");
+    TRELLIS_CHECK(index.at("version", what).as_int(what) == 1, what, ": unsupported version");
+    step_ = index.at("step", what).as_int(what + " step");
+    world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
+    for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
+    for (const auto& [name, t] : index.at("tensors", what).as_object(what)) {
+      std::string where = what + ", tensor \"" + name + "\"";
+      TensorInfo info;
+      info.name = name;
+      info.dtype = parse_safetensors_dtype(t.at("dtype", where).as_string(where), where);
+      info.shape = detail::shape_from_json(t.at("shape", where), where);
+      for (const auto& s : t.at("shards", where).as_array(where)) {
+        ShardInfo si;
+        si.file = s.at("file", where).as_string(where);
+        TRELLIS_CHECK(si.file.find('/') == std::string::npos, where, ": shard file \"", si.file, "\" is not a plain name");
+        si.key = s.at("key", where).as_string(where);
+        si.box = {detail::shape_from_json(s.at("offsets", where), where), detail::shape_from_json(s.at("shape", where), where)};
+        si.crc32c = s.at("crc32c", where).as_string(where);
+        info.shards.push_back(std::move(si));
+      }
+      detail::check_tiling(info);
+      tensors_.emplace(name, std::move(info));
+    }
+    // Every shard file's header must agree with the index.
+    for (const auto& [name, t] : tensors_) {
+      for (const auto& s : t.shards) {
+        const SafetensorsFile& f = file(s.file);
+        const auto* e = f.find(s.key);
+        TRELLIS_CHECK(e != nullptr, f.path(), ": tensor \"", s.key, "\" (of \"", name, "\") listed in index.json is missing");
+        TRELLIS_CHECK(e->dtype == t.dtype && e->shape == s.box.shape, f.path(), ": tensor \"", s.key,
+                      "\" is ", safetensors_dtype(e->dtype), shape_string(e->shape), " but index.json says ",
+                      safetensors_dtype(t.dtype), shape_string(s.box.shape));
+        auto crc = f.metadata().find(std::string(safetensors_crc_prefix) + s.key);
+        TRELLIS_CHECK(crc != f.metadata().end() && crc->second == s.crc32c, f.path(), ": checksum of tensor \"",
+                      s.key, "\" disagrees with index.json");
+      }
+    }
+  }
+
+  const std::filesystem::path& directory() const { return dir_; }
+  std::int64_t step() const { return step_; }
+  int world_size() const { return world_size_; }
+  const Metadata& metadata() const { return metadata_; }
+  const std::string& metadata(std::string_view key) const {
+    auto it = metadata_.find(key);
+    if (it == metadata_.end()) TRELLIS_THROW("checkpoint ", dir_, ": no metadata \"", key, "\"");
+    return it->second;
+  }
+  bool contains(std::string_view name) const { return tensors_.find(std::string(name)) != tensors_.end(); }
+  std::vector<std::string> tensor_names() const {
+    std::vector<std::string> names;
+    for (const auto& [n, t] : tensors_) names.push_back(n);
+    return names;
+  }
+  const TensorInfo& tensor(std::string_view name) const {
+    auto it = tensors_.find(std::string(name));
+    if (it == tensors_.end()) TRELLIS_THROW("checkpoint ", dir_, ": no tensor \"", name, "\"");
+    return it->second;
+  }
+  // Throws unless tensor `name` exists with this dtype and global shape.
+  void expect(std::string_view name, DType dtype, const Shape& global_shape) const {
+    const auto& t = tensor(name);
+    TRELLIS_CHECK(t.dtype == dtype && t.shape == global_shape, "checkpoint ", dir_, ": tensor \"", name,
+                  "\" is ", safetensors_dtype(t.dtype), shape_string(t.shape), ", expected ",
+                  safetensors_dtype(dtype), shape_string(global_shape));
+  }
+
+  // Reads box `want` of the global tensor into `out` (row-major, want.shape), from every shard
+  // that overlaps it.
+  void read(std::string_view name, DType dtype, const Box& want, void* out) const {
+    const auto& t = tensor(name);
+    std::string what = "checkpoint " + dir_.string() + ": tensor \"" + std::string(name) + "\"";
+    TRELLIS_CHECK(t.dtype == dtype, what, " is ", safetensors_dtype(t.dtype), ", read as ", safetensors_dtype(dtype));
+    detail::check_box_in(t.shape, want, what + " read");
+    const std::size_t elem = dtype_size(dtype);
+    index_t copied = 0;
+    std::vector<std::byte> block;
+    for (const auto& s : t.shards) {
+      std::optional<Box> region = t.shape.empty() ? std::optional<Box>(Box{}) : detail::intersect(want, s.box);
+      if (!region) continue;
+      block.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * elem);
+      file(s.file).read(s.key, block.data());  // verifies the CRC32C
+      detail::copy_region(*region, block.data(), s.box, static_cast<std::byte*>(out), want, elem);
+      copied += shape_elements(region->shape);
+    }
+    TRELLIS_CHECK(copied == shape_elements(want.shape), what, ": shards cover ", copied, " of the ",
+                  shape_elements(want.shape), " elements requested");
+  }
+  // Typed: the box at `offsets` with the shape of `out` (contiguous).
+  template <class T, class E>
+    requires(!std::is_const_v<T>)
+  void read(std::string_view name, const Shape& offsets, TensorView<T, E, Host> out) const {
+    TRELLIS_CHECK(out.is_contiguous(), "checkpoint read of \"", name, "\": the output view must be contiguous");
+    auto ext = out.extents().array();
+    read(name, dtype_v<T>, Box{offsets, Shape(ext.begin(), ext.end())}, out.data());
+  }
+  template <class T>
+  std::vector<T> read_whole(std::string_view name) const {
+    const auto& t = tensor(name);
+    std::vector<T> out(static_cast<std::size_t>(shape_elements(t.shape)));
+    read(name, dtype_v<T>, full_box(t.shape), out.data());
+    return out;
+  }
+  // ZeRO-1: the flat elements [flat_begin, flat_begin + out.size()) of block `local_box`.
+  template <class T>
+  void read_flat_range(std::string_view name, const Box& local_box, index_t flat_begin, std::span<T> out) const {
+    T* p = out.data();
+    for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(out.size()))) {
+      for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
+      read(name, dtype_v<T>, b, p);
+      p += shape_elements(b.shape);
+    }
+  }
+
+  // Reads every shard and checks its CRC32C.
+  void verify() const {
+    std::vector<std::byte> block;
+    for (const auto& [name, t] : tensors_)
+      for (const auto& s : t.shards) {
+        block.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * dtype_size(t.dtype));
+        file(s.file).read(s.key, block.data());
+      }
+  }
+
+ private:
+  const SafetensorsFile& file(const std::string& name) const {
+    auto it = files_.find(name);
+    if (it == files_.end()) it = files_.emplace(name, std::make_unique<SafetensorsFile>(dir_ / name)).first;
+    return *it->second;
+  }
+
+  std::filesystem::path dir_;
+  std::int64_t step_ = 0;
+  int world_size_ = 0;
+  Metadata metadata_;
+  std::map<std::string, TensorInfo> tensors_;
+  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+};
+
+}  // namespace trellis::train

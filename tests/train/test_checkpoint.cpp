@@ -1,0 +1,339 @@
+// Checkpoints: bitwise round trips, resharding between layouts (every read compared with the
+// same slice of the full tensor, computed directly), ZeRO-1 flat ranges, crash safety (the
+// previous checkpoint survives every failure) and clear errors for bad files.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "train/temp_dir.hpp"
+#include "trellis/train/checkpoint.hpp"
+
+using namespace trellis;
+using namespace trellis::train;
+
+namespace {
+// The value of element `flat` of a test tensor: distinct per tensor and element, exact in float.
+float value_at(int tensor_id, index_t flat) { return static_cast<float>(tensor_id * 100000 + flat) * 0.5f; }
+
+std::vector<float> full_tensor(int tensor_id, const Shape& shape) {
+  std::vector<float> v(static_cast<std::size_t>(shape_elements(shape)));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = value_at(tensor_id, static_cast<index_t>(i));
+  return v;
+}
+
+// Box `b` of a full row-major tensor, computed element by element (the reference for reads).
+std::vector<float> slice_of(const std::vector<float>& full, const Shape& shape, const Box& b) {
+  std::vector<float> out;
+  const int rank = static_cast<int>(shape.size());
+  Shape idx(rank, 0);
+  index_t n = shape_elements(b.shape);
+  for (index_t k = 0; k < n; ++k) {
+    index_t rem = k, flat = 0;
+    for (int d = rank - 1; d >= 0; --d) {
+      idx[d] = rem % b.shape[d];
+      rem /= b.shape[d];
+    }
+    for (int d = 0; d < rank; ++d) flat = flat * shape[d] + b.offsets[d] + idx[d];
+    out.push_back(full[static_cast<std::size_t>(flat)]);
+  }
+  return out;
+}
+
+struct TestTensor {
+  std::string name;
+  Shape shape;
+  int id;
+};
+const std::vector<TestTensor> gpt_like = {
+    {"wte.weight", {50, 16}, 1},          {"wpe.weight", {12, 16}, 2},
+    {"h.0.ln_1.weight", {16}, 3},         {"h.0.attn.c_attn.weight", {16, 48}, 4},
+    {"h.0.attn.c_attn.bias", {48}, 5},    {"h.0.mlp.c_fc.weight", {16, 64}, 6},
+    {"ln_f.weight", {16}, 7},             {"scale", {}, 8},
+    {"cube", {5, 6, 7}, 9},
+};
+
+// Writes every test tensor split into `parts` pieces along `dim` (1-D and scalar tensors: rank 0
+// writes them whole), from `parts` threads, then commits.
+void write_split(const std::filesystem::path& root, std::int64_t step, int dim, int parts,
+                 const std::map<std::string, std::string>& meta = {}) {
+  std::vector<std::vector<float>> fulls;
+  for (const auto& t : gpt_like) fulls.push_back(full_tensor(t.id, t.shape));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < parts; ++r) {
+    ranks.emplace_back([&, r] {
+      CheckpointWriter w(root, step, r, parts);
+      std::vector<std::vector<float>> locals;
+      locals.reserve(gpt_like.size());
+      for (std::size_t i = 0; i < gpt_like.size(); ++i) {
+        const auto& t = gpt_like[i];
+        Box b = static_cast<int>(t.shape.size()) > dim ? split_box(t.shape, dim, parts, r) : full_box(t.shape);
+        if (static_cast<int>(t.shape.size()) <= dim && r != 0) continue;
+        locals.push_back(slice_of(fulls[i], t.shape, b));
+        w.add(t.name, DType::f32, t.shape, b, locals.back().data());
+      }
+      for (const auto& [k, v] : meta) w.set_metadata(k, v);
+      w.finish();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  commit_checkpoint(root, step, parts);
+}
+}  // namespace
+
+TEST_CASE("flat ranges decompose into boxes in order", "[checkpoint]") {
+  const Shape shape = {3, 4, 5};
+  const auto full = full_tensor(0, shape);
+  std::mt19937 gen(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    index_t a = static_cast<index_t>(gen() % 61), b = static_cast<index_t>(gen() % 61);
+    if (a > b) std::swap(a, b);
+    auto boxes = flat_range_boxes(shape, a, b);
+    REQUIRE(boxes.size() <= 5);
+    std::vector<float> got;
+    for (const auto& box : boxes) {
+      auto s = slice_of(full, shape, box);
+      got.insert(got.end(), s.begin(), s.end());
+    }
+    REQUIRE(got == std::vector<float>(full.begin() + a, full.begin() + b));
+  }
+  REQUIRE(flat_range_boxes(shape, 0, 60) == std::vector<Box>{full_box(shape)});
+  REQUIRE_THROWS_AS(flat_range_boxes(shape, 5, 61), Error);
+}
+
+TEST_CASE("split_extent: first n % parts parts get one more", "[checkpoint]") {
+  REQUIRE(split_extent(10, 4, 0) == std::pair<index_t, index_t>{0, 3});
+  REQUIRE(split_extent(10, 4, 1) == std::pair<index_t, index_t>{3, 3});
+  REQUIRE(split_extent(10, 4, 2) == std::pair<index_t, index_t>{6, 2});
+  REQUIRE(split_extent(10, 4, 3) == std::pair<index_t, index_t>{8, 2});
+  REQUIRE(split_extent(2, 4, 3) == std::pair<index_t, index_t>{2, 0});
+  REQUIRE_THROWS_AS(split_extent(2, 4, 4), Error);
+}
+
+TEST_CASE("single-rank checkpoint round trip is bitwise, with metadata", "[checkpoint]") {
+  TempDir dir("ckpt-rt");
+  write_split(dir.path, 100, 0, 1, {{"rng", "0123456789abcdef"}, {"data", "{\"next_batch\":7}"}});
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.directory() == dir.path / "step-00000100");
+  REQUIRE(ck.step() == 100);
+  REQUIRE(ck.world_size() == 1);
+  REQUIRE(ck.metadata("rng") == "0123456789abcdef");
+  REQUIRE(ck.metadata("data") == "{\"next_batch\":7}");
+  REQUIRE_THROWS_WITH(ck.metadata("nope"), Catch::Contains("no metadata \"nope\""));
+  REQUIRE(ck.tensor_names().size() == gpt_like.size());
+  for (const auto& t : gpt_like) {
+    auto got = ck.read_whole<float>(t.name);
+    auto want = full_tensor(t.id, t.shape);
+    REQUIRE(std::memcmp(got.data(), want.data(), want.size() * 4) == 0);
+    ck.expect(t.name, DType::f32, t.shape);
+  }
+  ck.verify();
+  REQUIRE_THROWS_WITH(ck.expect("wte.weight", DType::f32, {50, 17}), Catch::Contains("wte.weight") && Catch::Contains("(50, 16)"));
+  REQUIRE_THROWS_WITH(ck.expect("wte.weight", DType::bf16, {50, 16}), Catch::Contains("expected BF16"));
+  REQUIRE_THROWS_WITH(ck.tensor("h.1.ln_1.weight"), Catch::Contains("no tensor \"h.1.ln_1.weight\""));
+  std::vector<float> out(10);
+  REQUIRE_THROWS_WITH(ck.read("ln_f.weight", DType::f32, Box{{10}, {10}}, out.data()), Catch::Contains("outside"));
+}
+
+TEST_CASE("reshard: 4 shards along dim 0 read as 3 shards along dim 1 and arbitrary boxes", "[checkpoint]") {
+  TempDir dir("ckpt-reshard");
+  write_split(dir.path, 5, 0, 4);
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.world_size() == 4);
+  REQUIRE(ck.tensor("wte.weight").shards.size() == 4);
+  for (const auto& t : gpt_like) {
+    const auto full = full_tensor(t.id, t.shape);
+    if (t.shape.size() >= 2) {
+      for (int part = 0; part < 3; ++part) {  // the tp=3 column layout
+        Box b = split_box(t.shape, 1, 3, part);
+        std::vector<float> got(static_cast<std::size_t>(shape_elements(b.shape)));
+        ck.read(t.name, DType::f32, b, got.data());
+        REQUIRE(got == slice_of(full, t.shape, b));
+      }
+    }
+    REQUIRE(ck.read_whole<float>(t.name) == full);
+  }
+  // Random boxes of the 3-D tensor, through the typed View interface.
+  std::mt19937 gen(11);
+  const Shape cube = {5, 6, 7};
+  const auto full = full_tensor(9, cube);
+  for (int trial = 0; trial < 100; ++trial) {
+    Box b;
+    for (index_t n : cube) {
+      index_t lo = static_cast<index_t>(gen() % n), hi = lo + 1 + static_cast<index_t>(gen() % (n - lo));
+      b.offsets.push_back(lo);
+      b.shape.push_back(hi - lo);
+    }
+    Tensor<float, 3> out({b.shape[0], b.shape[1], b.shape[2]});
+    ck.read("cube", b.offsets, out.view());
+    REQUIRE(std::vector<float>(out.data(), out.data() + out.size()) == slice_of(full, cube, b));
+  }
+}
+
+TEST_CASE("ZeRO-1 flat partitions save and load across dp sizes", "[checkpoint]") {
+  // Optimizer state of "cube" held as a flat buffer split over dp=3 ranks (uneven), with the
+  // parameter itself tp-split in 2 along dim 1: each (tp, dp) rank owns a flat range of its
+  // tp block. Reload with tp=1, dp=4.
+  TempDir dir("ckpt-zero");
+  const Shape cube = {5, 6, 7};
+  const auto full = full_tensor(9, cube);
+  const int tp = 2, dp = 3;
+  std::vector<std::vector<float>> locals;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < tp * dp; ++r) {
+    ranks.emplace_back([&, r] {
+      int t = r / dp, d = r % dp;
+      Box tp_block = split_box(cube, 1, tp, t);
+      auto block = slice_of(full, cube, tp_block);
+      auto [begin, size] = split_extent(static_cast<index_t>(block.size()), dp, d);
+      std::vector<float> mine(block.begin() + begin, block.begin() + begin + size);
+      CheckpointWriter w(dir.path, 3, r, tp * dp);
+      w.add_flat_range<float>("optimizer.m.cube", cube, tp_block, begin, mine);
+      w.finish();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  commit_checkpoint(dir.path, 3, tp * dp);
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.read_whole<float>("optimizer.m.cube") == full);
+  for (int d = 0; d < 4; ++d) {
+    auto [begin, size] = split_extent(shape_elements(cube), 4, d);
+    std::vector<float> got(static_cast<std::size_t>(size));
+    ck.read_flat_range<float>("optimizer.m.cube", full_box(cube), begin, got);
+    REQUIRE(got == std::vector<float>(full.begin() + begin, full.begin() + begin + size));
+  }
+}
+
+TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[checkpoint]") {
+  TempDir dir("ckpt-safe");
+  write_split(dir.path, 1, 0, 2);
+  auto expect_step1_intact = [&] {
+    Checkpoint ck(dir.path);
+    REQUIRE(ck.step() == 1);
+    ck.verify();
+    for (const auto& t : gpt_like) REQUIRE(ck.read_whole<float>(t.name) == full_tensor(t.id, t.shape));
+  };
+
+  SECTION("a rank never finished: commit refuses, latest unchanged") {
+    std::vector<float> w(16, 1.0f);
+    CheckpointWriter only(dir.path, 2, 0, 2);
+    only.add_whole<float>("ln_f.weight", w, {16});
+    only.finish();
+    REQUIRE_THROWS_WITH(commit_checkpoint(dir.path, 2, 2), Catch::Contains("shard-1.safetensors") && Catch::Contains("missing"));
+    expect_step1_intact();
+  }
+  SECTION("shards that do not cover a tensor: commit names it") {
+    std::vector<float> half_rows(8 * 16, 1.0f);
+    for (int r = 0; r < 2; ++r) {
+      CheckpointWriter w(dir.path, 2, r, 2);
+      if (r == 0) w.add("wte.weight", DType::f32, {50, 16}, Box{{0, 0}, {8, 16}}, half_rows.data());
+      w.finish();
+    }
+    REQUIRE_THROWS_WITH(commit_checkpoint(dir.path, 2, 2), Catch::Contains("wte.weight") && Catch::Contains("cover 128 of 800"));
+    expect_step1_intact();
+  }
+  SECTION("overlapping shards: commit names both files") {
+    std::vector<float> rows(10 * 16, 1.0f);
+    for (int r = 0; r < 2; ++r) {
+      CheckpointWriter w(dir.path, 2, r, 2);
+      w.add("wte.weight", DType::f32, {50, 16}, Box{{r * 5, 0}, {10, 16}}, rows.data());
+      w.finish();
+    }
+    REQUIRE_THROWS_WITH(commit_checkpoint(dir.path, 2, 2), Catch::Contains("overlap"));
+    expect_step1_intact();
+  }
+  SECTION("a committed checkpoint corrupted afterwards: errors name the file; older one loads") {
+    write_split(dir.path, 2, 0, 2);
+    REQUIRE(Checkpoint(dir.path).step() == 2);
+    const auto shard1 = dir.path / "step-00000002" / "shard-1.safetensors";
+    const auto size = std::filesystem::file_size(shard1);
+    SECTION("bit flip") {
+      std::fstream f(shard1, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(size - 3));
+      f.put('\x7f');
+      f.close();
+      Checkpoint ck(dir.path);  // headers are intact
+      REQUIRE_THROWS_WITH(ck.verify(), Catch::Contains("shard-1.safetensors") && Catch::Contains("checksum mismatch"));
+    }
+    SECTION("truncation") {
+      std::filesystem::resize_file(shard1, size - 100);
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("shard-1.safetensors") && Catch::Contains("truncated"));
+    }
+    SECTION("shape in index disagrees with the file") {
+      auto index_path = dir.path / "step-00000002" / "index.json";
+      auto index = read_whole_file(index_path);
+      auto pos = index.find("\"shape\": [50, 16]");
+      REQUIRE(pos != std::string::npos);
+      index.replace(pos, 17, "\"shape\": [51, 16]");
+      std::ofstream(index_path) << index;
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wte.weight") && Catch::Contains("cover"));
+    }
+    SECTION("missing tensor in a shard file") {
+      auto index_path = dir.path / "step-00000002" / "index.json";
+      auto index = read_whole_file(index_path);
+      auto pos = index.find("\"key\": \"wpe.weight\"");
+      REQUIRE(pos != std::string::npos);
+      index.replace(pos, 19, "\"key\": \"wpe.weighX\"");
+      std::ofstream(index_path) << index;
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wpe.weighX") && Catch::Contains("missing"));
+    }
+    // The previous step is untouched and loads by its directory.
+    Checkpoint older(dir.path / "step-00000001");
+    older.verify();
+    REQUIRE(older.read_whole<float>("cube") == full_tensor(9, {5, 6, 7}));
+  }
+}
+
+TEST_CASE("re-saving a step replaces it; pruning keeps the newest", "[checkpoint]") {
+  TempDir dir("ckpt-prune");
+  for (int step : {10, 20, 30}) write_split(dir.path, step, 0, 1, {{"tag", "first"}});
+  write_split(dir.path, 30, 1, 3, {{"tag", "second"}});  // same step, other layout
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.world_size() == 3);
+  REQUIRE(ck.metadata("tag") == "second");
+  REQUIRE(!std::filesystem::exists(dir.path / "step-00000030.old"));
+  prune_checkpoints(dir.path, 2);
+  REQUIRE(!std::filesystem::exists(dir.path / "step-00000010"));
+  REQUIRE(std::filesystem::exists(dir.path / "step-00000020"));
+  REQUIRE(Checkpoint(dir.path).step() == 30);
+}
+
+TEST_CASE("Python's safetensors opens a checkpoint shard", "[checkpoint][python]") {
+  if (std::system("python3 -c 'import safetensors, numpy' >/dev/null 2>&1") != 0) {
+    WARN("SKIPPED: python3 with safetensors + numpy is not importable (pip install safetensors numpy)");
+    return;
+  }
+  TempDir dir("ckpt-python");
+  write_split(dir.path, 7, 0, 2);
+  // Rank 1 holds rows 25..49 of wte.weight; values are (1 * 100000 + flat) * 0.5.
+  std::string cmd =
+      "python3 -c \"import numpy as np; from safetensors.numpy import load_file; "
+      "t = load_file('" + (dir.path / "step-00000007" / "shard-1.safetensors").string() + "'); "
+      "ref = ((100000 + np.arange(25 * 16, 50 * 16)) * 0.5).astype(np.float32).reshape(25, 16); "
+      "assert np.array_equal(t['wte.weight'], ref), t['wte.weight']\"";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+}
+
+TEST_CASE("a 2x3 mesh layout from shard::local_box loads as one tensor", "[checkpoint]") {
+  // Placements<Shard<0>, Shard<1>> on a (2, 3) mesh: uneven in both dimensions.
+  TempDir dir("ckpt-mesh");
+  const std::array<index_t, 2> global = {7, 11};
+  const Shape shape = {7, 11};
+  const auto full = full_tensor(4, shape);
+  const std::array<shard::PlacementCode, 2> codes = {shard::shard_code(0), shard::shard_code(1)};
+  std::vector<std::vector<float>> locals(6);
+  for (int r = 0; r < 6; ++r) {
+    Box b = box_from_chunks(shard::local_box<2>(global, codes, {2, 3}, {r / 3, r % 3}));
+    locals[r] = slice_of(full, shape, b);
+    CheckpointWriter w(dir.path, 1, r, 6);
+    w.add("h.0.mlp.c_proj.weight", DType::f32, shape, b, locals[r].data());
+    w.finish();
+  }
+  commit_checkpoint(dir.path, 1, 6);
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.tensor("h.0.mlp.c_proj.weight").shards.size() == 6);
+  REQUIRE(ck.read_whole<float>("h.0.mlp.c_proj.weight") == full);
+}
