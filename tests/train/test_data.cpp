@@ -1,0 +1,173 @@
+// Data: bytes-as-tokens, llm.c shards, split, unigram baselines vs hand formulas, and the loader
+// (window contents, determinism, epochs are permutations, dp shards == single-rank batch,
+// exact resume).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <vector>
+
+#include "train/temp_dir.hpp"
+#include "trellis/train/data.hpp"
+
+using namespace trellis;
+using namespace trellis::train;
+
+namespace {
+std::vector<token_t> counting_tokens(std::size_t n, int vocab) {
+  std::vector<token_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<token_t>((i * 7 + i / 13) % static_cast<std::size_t>(vocab));
+  return t;
+}
+}  // namespace
+
+TEST_CASE("text bytes become tokens; llm.c shards round trip", "[data]") {
+  auto d = tokens_from_bytes("Hi\xff");
+  REQUIRE(d.vocab_size == 256);
+  REQUIRE(d.tokens == std::vector<token_t>{'H', 'i', 255});
+
+  TempDir dir("data-llmc");
+  auto tokens = counting_tokens(1000, 50257);
+  tokens[5] = 50256;
+  auto path = dir.path / "train_000.bin";
+  write_llmc_tokens(path, tokens);
+  REQUIRE(std::filesystem::file_size(path) == 1024 + 2000);
+  {  // header by hand
+    std::ifstream in(path, std::ios::binary);
+    std::int32_t h[3];
+    in.read(reinterpret_cast<char*>(h), sizeof h);
+    REQUIRE(h[0] == 20240520);
+    REQUIRE(h[1] == 1);
+    REQUIRE(h[2] == 1000);
+  }
+  REQUIRE(load_llmc_tokens(path).tokens == tokens);
+  REQUIRE_THROWS_WITH(load_llmc_tokens(path, 50000), Catch::Contains("outside the vocabulary"));
+  std::filesystem::resize_file(path, 1024 + 1998);
+  REQUIRE_THROWS_WITH(load_llmc_tokens(path), Catch::Contains("train_000.bin") && Catch::Contains("truncated"));
+  std::ofstream(path, std::ios::binary) << std::string(1100, 'x');
+  REQUIRE_THROWS_WITH(load_llmc_tokens(path), Catch::Contains("magic"));
+}
+
+TEST_CASE("train/val split and unigram baselines match the formulas", "[data]") {
+  TokenData all{counting_tokens(1000, 256), 256};
+  auto [train, val] = train_val_split(all, 0.1);
+  REQUIRE(train.tokens.size() == 900);
+  REQUIRE(val.tokens.size() == 100);
+  REQUIRE(val.tokens.front() == all.tokens[900]);
+
+  std::vector<token_t> aabb = {0, 0, 1, 1};
+  REQUIRE(unigram_entropy(aabb, 4) == Approx(std::log(2.0)));
+  std::vector<token_t> aaab = {2, 2, 2, 3};
+  REQUIRE(unigram_entropy(aaab, 4) == Approx(-(0.75 * std::log(0.75) + 0.25 * std::log(0.25))));
+  // Add-one smoothing: counts {0: 3, 1: 1, 2: 1} over 5 + 3 = ... with vocab 3, train {0,0,1}.
+  std::vector<token_t> tr = {0, 0, 1}, ev = {0, 2};
+  REQUIRE(unigram_cross_entropy(tr, ev, 3) == Approx(-(std::log(3.0 / 6) + std::log(1.0 / 6)) / 2));
+}
+
+TEST_CASE("the shipped corpus loads and has an English-like unigram entropy", "[data]") {
+  auto corpus = load_text_as_bytes(TRELLIS_SOURCE_DIR "/data/tiny_corpus.txt");
+  REQUIRE(corpus.tokens.size() > 10000);
+  double h = unigram_entropy(corpus.tokens, 256);
+  REQUIRE(h > 2.5);  // English letters: about 4.1 bits = 2.85 nats per character
+  REQUIRE(h < 3.2);
+  auto [train, val] = train_val_split(corpus, 0.1);
+  double baseline = unigram_cross_entropy(train.tokens, val.tokens, 256);
+  REQUIRE(baseline > h - 0.3);
+  REQUIRE(baseline < h + 0.5);
+}
+
+TEST_CASE("loader windows hold the right tokens, shifted by one", "[data][loader]") {
+  auto tokens = counting_tokens(1001, 256);
+  DataLoader loader(tokens, {.batch_rows = 4, .seq_len = 10, .seed = 3, .shuffle = true});
+  REQUIRE(loader.windows() == 100);
+  REQUIRE(loader.batches_per_epoch() == 25);
+  for (int step = 0; step < 30; ++step) {
+    Batch b = loader.next();
+    REQUIRE(b.rows == 4);
+    for (index_t r = 0; r < 4; ++r) {
+      // Find the window from the first input token's position: inputs must be a run of the data.
+      bool found = false;
+      for (index_t w = 0; w < 100 && !found; ++w) {
+        bool match = true;
+        for (index_t t = 0; t < 10 && match; ++t) {
+          match = b.input_view()(r, t) == tokens[static_cast<std::size_t>(w * 10 + t)] &&
+                  b.target_view()(r, t) == tokens[static_cast<std::size_t>(w * 10 + t + 1)];
+        }
+        found = match;
+      }
+      REQUIRE(found);
+    }
+  }
+}
+
+TEST_CASE("loader order: deterministic per seed, each epoch a permutation", "[data][loader]") {
+  std::vector<token_t> tokens(241);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<token_t>(i);  // token == position
+  auto first_tokens = [&](std::uint64_t seed, int batches) {
+    DataLoader l(tokens, {.batch_rows = 3, .seq_len = 4, .seed = seed});
+    std::vector<int> firsts;
+    for (int i = 0; i < batches; ++i) {
+      Batch b = l.next();
+      for (index_t r = 0; r < b.rows; ++r) firsts.push_back(b.inputs[static_cast<std::size_t>(r * 4)]);
+    }
+    return firsts;
+  };
+  // 60 windows, 20 batches per epoch.
+  auto a = first_tokens(1, 40), b = first_tokens(1, 40), c = first_tokens(2, 40);
+  REQUIRE(a == b);
+  REQUIRE(a != c);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::set<int> seen(a.begin() + epoch * 60, a.begin() + epoch * 60 + 60);
+    REQUIRE(seen.size() == 60);
+    for (int s : seen) REQUIRE(s % 4 == 0);
+  }
+  REQUIRE(std::vector<int>(a.begin(), a.begin() + 60) != std::vector<int>(a.begin() + 60, a.end()));
+  // No shuffle: windows in order.
+  DataLoader plain(tokens, {.batch_rows = 3, .seq_len = 4, .shuffle = false});
+  Batch p = plain.next();
+  REQUIRE(p.inputs[0] == 0);
+  REQUIRE(p.inputs[4] == 4);
+  REQUIRE(p.targets[3] == 4);
+}
+
+TEST_CASE("dp ranks' rows together are exactly the single-rank batch", "[data][loader]") {
+  auto tokens = counting_tokens(5000, 256);
+  for (int dp : {1, 2, 3, 4, 5}) {
+    INFO("dp = " << dp);
+    DataLoader single(tokens, {.batch_rows = 8, .seq_len = 16, .seed = 9});
+    std::vector<DataLoader> ranks;
+    for (int r = 0; r < dp; ++r) ranks.emplace_back(tokens, DataLoader::Options{.batch_rows = 8, .seq_len = 16, .seed = 9, .dp_rank = r, .dp_size = dp});
+    for (int step = 0; step < 50; ++step) {
+      Batch whole = single.next();
+      std::vector<std::int32_t> in, tg;
+      index_t rows = 0;
+      for (auto& l : ranks) {
+        Batch part = l.next();
+        REQUIRE(part.first_row == rows);
+        rows += part.rows;
+        in.insert(in.end(), part.inputs.begin(), part.inputs.end());
+        tg.insert(tg.end(), part.targets.begin(), part.targets.end());
+      }
+      REQUIRE(rows == 8);
+      REQUIRE(in == whole.inputs);
+      REQUIRE(tg == whole.targets);
+    }
+  }
+}
+
+TEST_CASE("loader position saves and resumes the exact sequence", "[data][loader]") {
+  auto tokens = counting_tokens(3000, 256);
+  DataLoader a(tokens, {.batch_rows = 4, .seq_len = 8, .seed = 77});
+  for (int i = 0; i < 123; ++i) a.next();  // crosses epoch boundaries (93 windows, 23 per epoch)
+  const std::string saved = a.state().to_string();
+  REQUIRE(saved == "seed=77;next_batch=123");
+  DataLoader b(tokens, {.batch_rows = 4, .seq_len = 8, .seed = 77});
+  b.restore(DataState::parse(saved));
+  for (int i = 0; i < 30; ++i) REQUIRE(a.next().inputs == b.next().inputs);
+  DataLoader other(tokens, {.batch_rows = 4, .seq_len = 8, .seed = 78});
+  REQUIRE_THROWS_WITH(other.restore(DataState::parse(saved)), Catch::Contains("seed 77"));
+  REQUIRE_THROWS_AS(DataState::parse("seed=1;batch=2"), Error);
+  REQUIRE_THROWS_WITH(DataLoader(std::span<const token_t>(tokens.data(), 20), {.batch_rows = 4, .seq_len = 8}),
+                      Catch::Contains("fewer than one batch"));
+}
