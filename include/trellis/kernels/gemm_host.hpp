@@ -1,7 +1,7 @@
 // Host GEMM with fused epilogues (contract in kernels/epilogue.hpp):
 //   trellis::kernels::host::gemm(args, A, B, C, epilogue::BiasGelu<>{bias, pre});
 // A, B and C may each be float, half or bfloat16; the arithmetic is fp32. With TRELLIS_HAS_CBLAS
-// (link trellis::blas) the product is OpenBLAS' cblas_sgemm, called once per row block of C, and
+// (link trellis::blas) the product is OpenBLAS' sgemm, called once per row block of C, and
 // the epilogue runs on that block right after it is produced, while it is still in cache: there is
 // no second pass over the whole output. Without CBLAS a plain blocked kernel (threads of
 // kernels/thread_pool.hpp) computes the product, so this header compiles with g++ alone.
@@ -21,7 +21,11 @@
 #include "trellis/kernels/thread_pool.hpp"
 
 #if defined(TRELLIS_HAS_CBLAS)
-#include <cblas.h>
+// OpenBLAS' sgemm through its Fortran entry point, declared exactly as OpenBLAS' f77blas.h does
+// (32-bit integers). cblas.h is not included on purpose: it declares a global `bfloat16` typedef
+// that would make trellis::bfloat16 ambiguous in user code saying `using namespace trellis`.
+extern "C" void sgemm_(char* transa, char* transb, int* m, int* n, int* k, float* alpha, float* a, int* lda,
+                       float* b, int* ldb, float* beta, float* c, int* ldc);
 #endif
 
 namespace trellis::kernels::host {
@@ -68,6 +72,10 @@ inline void check_gemm_args(const GemmArgs& a) {
   check_ld("lda", a.lda_or_packed(), a.a_rows(), a.a_cols());
   check_ld("ldb", a.ldb_or_packed(), a.b_rows(), a.b_cols());
   check_ld("ldc", a.ldc_or_packed(), a.m, a.n);
+  constexpr std::int64_t int_max = 2147483647;
+  TRELLIS_CHECK(a.m <= int_max && a.n <= int_max && a.k <= int_max && a.lda_or_packed() <= int_max &&
+                    a.ldb_or_packed() <= int_max && a.ldc_or_packed() <= int_max,
+                "gemm: sizes and leading dimensions must fit in 32 bits (BLAS interface)");
   TRELLIS_CHECK(a.batch == 1 || a.stride_c != 0 || a.m * a.n == 0,
                 "gemm: stride_c is 0 with batch ", a.batch, " (batches would overwrite each other)");
 }
@@ -115,10 +123,18 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
   (void)a_at;
   (void)scratch;
   const float* a_block = args.op_a == Op::none ? a + args.offset(blk.row0, 0, lda) : a + args.offset(0, blk.row0, lda);
-  cblas_sgemm(row_major ? CblasRowMajor : CblasColMajor, args.op_a == Op::none ? CblasNoTrans : CblasTrans,
-              args.op_b == Op::none ? CblasNoTrans : CblasTrans, static_cast<int>(blk.rows), static_cast<int>(n),
-              static_cast<int>(k), args.alpha, a_block, static_cast<int>(lda), b, static_cast<int>(ldb), args.beta,
-              blk.c, static_cast<int>(blk.ldc));
+  char ta = args.op_a == Op::none ? 'N' : 'T', tb = args.op_b == Op::none ? 'N' : 'T';
+  int rows = static_cast<int>(blk.rows), cols = static_cast<int>(n), depth = static_cast<int>(k);
+  int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(blk.ldc);
+  float alpha = args.alpha, beta = args.beta;
+  float* am = const_cast<float*>(a_block);
+  float* bm = const_cast<float*>(b);
+  if (row_major) {
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+    sgemm_(&tb, &ta, &cols, &rows, &depth, &alpha, bm, &ld_b, am, &ld_a, &beta, blk.c, &ld_c);
+  } else {
+    sgemm_(&ta, &tb, &rows, &cols, &depth, &alpha, am, &ld_a, bm, &ld_b, &beta, blk.c, &ld_c);
+  }
 #else
   // scratch holds op(B) packed row-major (k x n), prepared by the caller; acc is one row of C.
   const float* bp = b;

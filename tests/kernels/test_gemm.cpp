@@ -1,0 +1,236 @@
+// Host GEMM + epilogues against a triple loop in double, for every layout, transpose, epilogue,
+// batch stride (packed, padded, broadcast) and element type, with alpha/beta accumulation.
+// Tolerances: fp32 output 1e-4 abs + 1e-4 rel (k <= 64, |inputs| <= 1, fp32 accumulation);
+// bfloat16 output adds its own rounding (2^-8 relative); half output 2^-11 relative.
+#include <catch2/catch.hpp>
+
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "kernels/reference.hpp"
+#include "trellis/kernels/gemm_host.hpp"
+
+using namespace trellis;
+using namespace trellis::kernels;
+using trellis_test::random_vector;
+using trellis_test::require_close;
+
+namespace {
+
+// Element (row, col) of a stored matrix.
+std::int64_t at(const GemmArgs& g, std::int64_t r, std::int64_t c, std::int64_t ld) {
+  return g.layout == Layout::row_major ? r * ld + c : c * ld + r;
+}
+
+struct Case {
+  GemmArgs args;
+  std::int64_t row_block = 0;
+};
+
+// Storage sizes for a batched operand.
+std::int64_t storage(std::int64_t ld, std::int64_t rows, std::int64_t cols, const GemmArgs& g, std::int64_t stride,
+                     std::int64_t batch) {
+  const std::int64_t one = ld * (g.layout == Layout::row_major ? rows : cols);
+  return one + stride * (batch - 1);
+}
+
+template <class TA, class TB, class TC, class E>
+void run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
+  const GemmArgs& g = cs.args;
+  constexpr auto kind = epilogue_traits<E>::kind;
+  const std::int64_t lda = g.lda_or_packed(), ldb = g.ldb_or_packed(), ldc = g.ldc_or_packed();
+  auto a = random_vector<TA>(storage(lda, g.a_rows(), g.a_cols(), g, g.stride_a, g.batch), 1);
+  auto b = random_vector<TB>(storage(ldb, g.b_rows(), g.b_cols(), g, g.stride_b, g.batch), 2);
+  auto c = random_vector<TC>(storage(ldc, g.m, g.n, g, g.stride_c, g.batch), 3);
+  if (g.beta == 0.0f)
+    for (auto& x : c) x = TC(std::numeric_limits<float>::quiet_NaN());  // must never be read
+  auto bias = random_vector<float>(g.n, 4);
+  auto pre_in = random_vector<float>(c.size(), 5, -3.0f, 3.0f);
+  std::vector<float> pre_out(c.size(), -7.0f);
+  std::vector<float> bias_grad = random_vector<float>(g.n, 6);
+  const std::vector<float> bias_grad_before = bias_grad;
+
+  // Reference in double from the same (rounded) inputs.
+  std::vector<double> want_c(c.size()), want_pre(c.size(), -7.0), want_bgrad(g.n, 0.0);
+  for (std::size_t i = 0; i < c.size(); ++i) want_c[i] = static_cast<float>(c[i]);
+  for (std::int64_t bt = 0; bt < g.batch; ++bt)
+    for (std::int64_t i = 0; i < g.m; ++i)
+      for (std::int64_t j = 0; j < g.n; ++j) {
+        double acc = 0.0;
+        for (std::int64_t p = 0; p < g.k; ++p) {
+          const double av = static_cast<float>(
+              a[bt * g.stride_a + (g.op_a == Op::none ? at(g, i, p, lda) : at(g, p, i, lda))]);
+          const double bv = static_cast<float>(
+              b[bt * g.stride_b + (g.op_b == Op::none ? at(g, p, j, ldb) : at(g, j, p, ldb))]);
+          acc += av * bv;
+        }
+        const std::int64_t ci = bt * g.stride_c + at(g, i, j, ldc);
+        double x = g.alpha * acc + (g.beta == 0.0f ? 0.0 : g.beta * want_c[ci]);
+        switch (kind) {
+          case EpilogueKind::none: break;
+          case EpilogueKind::bias: x += bias[j]; break;
+          case EpilogueKind::relu: x = x > 0 ? x : 0; break;
+          case EpilogueKind::bias_relu: x = x + bias[j] > 0 ? x + bias[j] : 0; break;
+          case EpilogueKind::gelu: x = trellis_test::gelu_ref(x); break;
+          case EpilogueKind::bias_gelu:
+            want_pre[ci] = x + bias[j];
+            x = trellis_test::gelu_ref(x + bias[j]);
+            break;
+          case EpilogueKind::dgelu:
+          case EpilogueKind::dgelu_bias_grad: x *= trellis_test::gelu_grad_ref(pre_in[ci]); break;
+          case EpilogueKind::bias_grad: break;
+        }
+        want_c[ci] = x;
+        want_bgrad[j] += x;
+      }
+
+  E ep = ep_template;
+  if constexpr (epilogue_traits<E>::has_bias) ep.bias = bias.data();
+  if constexpr (epilogue_traits<E>::writes_pre) ep.pre_activation = pre_out.data();
+  if constexpr (epilogue_traits<E>::reads_pre) ep.pre_activation = pre_in.data();
+  if constexpr (epilogue_traits<E>::bias_grad) ep.bias_grad = bias_grad.data();
+  host::GemmOptions options;
+  options.row_block = cs.row_block;
+  host::gemm(g, a.data(), b.data(), c.data(), ep, options);
+
+  // Only the matrix elements are compared; padding must be left alone (checked via NaN/-7 below).
+  std::vector<float> got_c, got_pre;
+  std::vector<double> ref_c, ref_pre;
+  for (std::int64_t bt = 0; bt < g.batch; ++bt)
+    for (std::int64_t i = 0; i < g.m; ++i)
+      for (std::int64_t j = 0; j < g.n; ++j) {
+        const std::int64_t ci = bt * g.stride_c + at(g, i, j, ldc);
+        got_c.push_back(static_cast<float>(c[ci]));
+        ref_c.push_back(want_c[ci]);
+        got_pre.push_back(pre_out[ci]);
+        ref_pre.push_back(want_pre[ci]);
+      }
+  const double out_rel = std::is_same_v<TC, bfloat16> ? 8e-3 : std::is_same_v<TC, half> ? 1e-3 : 0.0;
+  require_close(got_c, ref_c, abs_tol + out_rel, rel_tol + out_rel, "C");
+  if constexpr (epilogue_traits<E>::writes_pre) require_close(got_pre, ref_pre, abs_tol, rel_tol, "pre_activation");
+  if constexpr (epilogue_traits<E>::bias_grad) {
+    const bool acc = ep.accumulate;
+    for (std::int64_t j = 0; j < g.n; ++j) want_bgrad[j] += acc ? bias_grad_before[j] : 0.0;
+    require_close(bias_grad, want_bgrad, abs_tol * 10 + out_rel * 10, rel_tol + out_rel, "bias_grad");
+  }
+  // Padding between leading dimension and matrix width is untouched.
+  if (g.beta == 0.0f && ldc > g.packed_ld(g.m, g.n)) {
+    const std::int64_t pad_elem = at(g, g.layout == Layout::row_major ? 0 : g.m, g.layout == Layout::row_major ? g.n : 0, ldc);
+    REQUIRE(std::isnan(static_cast<float>(c[pad_elem])));
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Layout layout : {Layout::row_major, Layout::col_major})
+    for (Op op_a : {Op::none, Op::transpose})
+      for (Op op_b : {Op::none, Op::transpose})
+        for (int variant = 0; variant < 3; ++variant) {
+          Case cs;
+          GemmArgs& g = cs.args;
+          g = gemm_args(37, 29, 45, op_a, op_b, 1.0f, 0.0f, layout);
+          if (variant == 1) {  // padded leading dimensions, alpha/beta accumulation, tiny row blocks
+            g.lda = g.packed_ld(g.a_rows(), g.a_cols()) + 3;
+            g.ldb = g.packed_ld(g.b_rows(), g.b_cols()) + 5;
+            g.ldc = g.packed_ld(g.m, g.n) + 2;
+            g.alpha = 0.75f;
+            g.beta = 1.0f;
+            cs.row_block = 16;
+          }
+          if (variant == 2) {  // strided batches; B shared by all batches (stride 0)
+            g.batch = 3;
+            g.ldc = g.packed_ld(g.m, g.n) + 1;
+            g.packed();
+            g.stride_b = 0;
+            g.stride_c += 7;
+            g.beta = 0.5f;
+            cs.row_block = 8;
+          }
+          cases.push_back(cs);
+        }
+  return cases;
+}
+
+template <class TA, class TB, class TC>
+void run_all_epilogues(double abs_tol, double rel_tol) {
+  for (const Case& cs : all_cases()) {
+    INFO("layout " << int(cs.args.layout) << " op_a " << int(cs.args.op_a) << " op_b " << int(cs.args.op_b)
+                   << " batch " << cs.args.batch << " beta " << cs.args.beta);
+    run_case<TA, TB, TC>(cs, epilogue::None{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::Bias<>{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::Relu{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::BiasRelu<>{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::Gelu{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::BiasGelu<>{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::DGelu<>{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::BiasGrad<>{}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::BiasGrad<>{nullptr, true}, abs_tol, rel_tol);
+    run_case<TA, TB, TC>(cs, epilogue::DGeluBiasGrad<>{}, abs_tol, rel_tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gemm fp32: layouts x transposes x epilogues x batches, alpha/beta", "[kernels][gemm]") {
+  INFO("cblas: " << host::gemm_uses_cblas());
+  run_all_epilogues<float, float, float>(1e-4, 1e-4);
+}
+
+TEST_CASE("gemm with half and bfloat16 operands and outputs (fp32 accumulation)", "[kernels][gemm]") {
+  run_all_epilogues<half, half, float>(1e-4, 1e-4);
+  run_all_epilogues<bfloat16, bfloat16, bfloat16>(1e-4, 1e-4);
+  run_all_epilogues<bfloat16, float, half>(1e-4, 1e-4);
+}
+
+TEST_CASE("gemm with 16-bit epilogue vectors (bias, pre-activation)", "[kernels][gemm]") {
+  const std::int64_t m = 20, n = 24, k = 16;
+  auto a = random_vector<float>(m * k, 1), b = random_vector<float>(k * n, 2);
+  auto bias = random_vector<bfloat16>(n, 3);
+  std::vector<bfloat16> pre(m * n);
+  std::vector<float> c(m * n);
+  host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGelu<bfloat16>{bias.data(), pre.data()});
+  std::vector<double> want(m * n), want_pre(m * n);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (std::int64_t p = 0; p < k; ++p) acc += double(a[i * k + p]) * b[p * n + j];
+      want_pre[i * n + j] = acc + float(bias[j]);
+      want[i * n + j] = trellis_test::gelu_ref(acc + float(bias[j]));
+    }
+  require_close(c, want, 1e-4, 1e-4, "C");
+  require_close(pre, want_pre, 1e-2, 8e-3, "bf16 pre_activation");
+}
+
+TEST_CASE("gemm degenerate shapes and bad arguments", "[kernels][gemm]") {
+  std::vector<float> a(12, 1.0f), b(12, 1.0f), c(16, 2.0f), g(4, 5.0f);
+  // k == 0: C = beta * C, and the bias gradient is the column sums of that.
+  host::gemm(gemm_args(4, 4, 0, Op::none, Op::none, 1.0f, 0.5f), a.data(), b.data(), c.data(),
+             epilogue::BiasGrad<>{g.data(), false});
+  for (float x : c) REQUIRE(x == 1.0f);
+  for (float x : g) REQUIRE(x == 4.0f);
+  // m == 0 leaves an overwritten bias gradient at 0.
+  host::gemm(gemm_args(0, 4, 3), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g.data(), false});
+  for (float x : g) REQUIRE(x == 0.0f);
+  auto bad = gemm_args(4, 4, 3);
+  bad.lda = 2;  // < k for row-major A
+  REQUIRE_THROWS_AS(host::gemm(bad, a.data(), b.data(), c.data()), Error);
+  bad = gemm_args(4, 4, 3);
+  bad.batch = 2;  // stride_c 0: batches would overwrite each other
+  REQUIRE_THROWS_AS(host::gemm(bad, a.data(), b.data(), c.data()), Error);
+  REQUIRE_THROWS_AS(host::gemm(gemm_args(4, 4, 3), a.data(), b.data(), c.data(), epilogue::Bias<>{nullptr}), Error);
+  REQUIRE_THROWS_AS(host::gemm(gemm_args(-1, 4, 3), a.data(), b.data(), c.data()), Error);
+}
+
+TEST_CASE("gemm bias gradient is identical for every row block size", "[kernels][gemm]") {
+  // Different blocking may round differently, but each result must match the reference; and two
+  // runs with the same blocking must agree bit for bit.
+  const std::int64_t m = 300, n = 33, k = 20;
+  auto a = random_vector<float>(m * k, 7), b = random_vector<float>(k * n, 8);
+  std::vector<float> c(m * n), g1(n), g2(n);
+  host::GemmOptions opt;
+  opt.row_block = 64;
+  host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g1.data()}, opt);
+  host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g2.data()}, opt);
+  REQUIRE(g1 == g2);
+}
