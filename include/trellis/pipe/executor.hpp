@@ -1,0 +1,176 @@
+// The executor: runs a verified schedule on real stages over any Communicator, with asynchronous
+// point-to-point messages (isend/irecv), and records a timeline of what really ran.
+//
+// A rank's stage object holds this rank's chunks and satisfies trellis::pipe::Stage:
+//   value_type                               element type of activations and gradients
+//   input_size(chunk), output_size(chunk)    elements of one microbatch's input / output activation
+//                                            of that chunk (also the sizes of the gradients)
+//   forward(mb, chunk, input, output)        input is empty for the model's first stage (the stage
+//                                            reads its own microbatch); the last stage computes its
+//                                            loss and may have output_size 0
+//   backward_input(mb, chunk, grad_output, grad_input)
+//                                            B: grad_output is empty where the stage's own loss
+//                                            starts the backward (last stage, or every stage under
+//                                            local learning); grad_input is empty where nobody
+//                                            needs it (first stage, local learning)
+//   backward_weight(mb, chunk)               W: accumulate parameter gradients (summed over the
+//                                            step's microbatches) and free what F/B kept for mb
+// The spans are valid only during the call: a stage copies what it keeps. The executor frees its
+// own buffers as soon as they are consumed (sent, or passed to the next chunk on the same rank);
+// an activation counts as alive from its F to its W (ExecutionResult::peak_live_activations).
+#pragma once
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <deque>
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "trellis/comm/communicator.hpp"
+#include "trellis/core/dtype.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/pipe/schedule.hpp"
+#include "trellis/pipe/timeline.hpp"
+#include "trellis/pipe/verify.hpp"
+
+namespace trellis::pipe {
+
+template <class S>
+concept Stage = requires(S& s, const S& cs, int mb, int chunk, std::span<const typename S::value_type> in,
+                         std::span<typename S::value_type> out) {
+  typename S::value_type;
+  requires Element<typename S::value_type>;
+  { cs.input_size(chunk) } -> std::convertible_to<std::size_t>;
+  { cs.output_size(chunk) } -> std::convertible_to<std::size_t>;
+  s.forward(mb, chunk, in, out);
+  s.backward_input(mb, chunk, in, out);
+  s.backward_weight(mb, chunk);
+};
+
+struct ExecuteOptions {
+  // Time zero of the recorded timeline. Give every rank the same origin (ThreadWorld: one clock
+  // read before run) so the ranks' timelines line up; by default each rank uses its own start.
+  std::chrono::steady_clock::time_point origin{};
+  bool verify = true;  // verify the schedule before running (every rank, cheap)
+};
+
+struct ExecutionResult {
+  std::vector<TimedAction> events;  // this rank's actions, seconds since the origin
+  int peak_live_activations = 0;    // (mb, chunk) activations alive at once, F to W
+  double seconds = 0;               // wall time of this rank's run
+};
+
+// Message tag: unique per (direction, microbatch, consuming virtual stage) within one step.
+inline int message_tag(const Schedule& s, int rank, const Action& a) {
+  auto [dir, mb, consumer] = detail::message_of(s, rank, a);
+  return (mb * s.virtual_stages() + consumer) * 2 + dir;
+}
+
+template <comm::Communicator Comm, Stage S>
+ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const ExecuteOptions& options = {}) {
+  using T = typename S::value_type;
+  using clock = std::chrono::steady_clock;
+  const int rank = comm.rank();
+  if (comm.size() != schedule.stages)
+    TRELLIS_THROW("pipe::execute: schedule '", schedule.name, "' has ", schedule.stages,
+                  " stages but the communicator has ", comm.size(), " ranks");
+  if (options.verify) verify(schedule);
+  const auto origin = options.origin == clock::time_point{} ? clock::now() : options.origin;
+  auto seconds_since = [&](clock::time_point t) { return std::chrono::duration<double>(t - origin).count(); };
+
+  using Key = std::pair<int, int>;                 // (microbatch, chunk)
+  std::map<Key, std::vector<T>> activation_in;     // input of F(mb, chunk): received or local
+  std::map<Key, std::vector<T>> gradient_in;       // output gradient for B(mb, chunk)
+  std::map<Key, std::vector<T>> activation_out;    // F's output waiting for its send
+  std::map<Key, std::vector<T>> gradient_out;      // B's input gradient waiting for its send
+  struct PendingSend {
+    typename Comm::request_type request;
+    std::vector<T> buffer;  // kept alive until the send completes
+  };
+  std::deque<PendingSend> sends;
+
+  ExecutionResult result;
+  int live = 0;
+  const auto t_begin = clock::now();
+  auto take = [&](std::map<Key, std::vector<T>>& from, Key key, const Action& a, const char* what) {
+    auto it = from.find(key);
+    if (it == from.end())
+      TRELLIS_THROW("pipe::execute: rank ", rank, ": ", describe(a), " has no ", what, " (schedule not verified?)");
+    std::vector<T> out = std::move(it->second);
+    from.erase(it);
+    return out;
+  };
+
+  for (const Action& a : schedule.ranks[rank]) {
+    const Key key{a.microbatch, a.chunk};
+    const bool first = schedule.is_first(rank, a.chunk);
+    const bool last = schedule.is_last(rank, a.chunk);
+    const auto start = clock::now();
+    switch (a.kind) {
+      case ActionKind::forward: {
+        std::vector<T> input;
+        if (!first) input = take(activation_in, key, a, "input activation");
+        std::vector<T> output(static_cast<std::size_t>(stage.output_size(a.chunk)));
+        ++live;
+        result.peak_live_activations = std::max(result.peak_live_activations, live);
+        stage.forward(a.microbatch, a.chunk, std::span<const T>(input), std::span<T>(output));
+        if (!last) {
+          auto next = schedule.next_slot(rank, a.chunk);
+          if (next.rank == rank) activation_in[{a.microbatch, next.chunk}] = std::move(output);
+          else activation_out[key] = std::move(output);
+        }
+        break;
+      }
+      case ActionKind::backward_input: {
+        const bool own_loss = last || schedule.local_learning;
+        const bool pass_back = !first && !schedule.local_learning;
+        std::vector<T> grad_output;
+        if (!own_loss) grad_output = take(gradient_in, key, a, "output gradient");
+        std::vector<T> grad_input(pass_back ? static_cast<std::size_t>(stage.input_size(a.chunk)) : 0);
+        stage.backward_input(a.microbatch, a.chunk, std::span<const T>(grad_output), std::span<T>(grad_input));
+        if (pass_back) {
+          auto prev = schedule.prev_slot(rank, a.chunk);
+          if (prev.rank == rank) gradient_in[{a.microbatch, prev.chunk}] = std::move(grad_input);
+          else gradient_out[key] = std::move(grad_input);
+        }
+        break;
+      }
+      case ActionKind::backward_weight:
+        stage.backward_weight(a.microbatch, a.chunk);
+        --live;
+        break;
+      case ActionKind::send: {
+        auto& from = a.direction == Direction::activation ? activation_out : gradient_out;
+        std::vector<T> buffer = take(from, key, a, a.direction == Direction::activation ? "output activation" : "input gradient");
+        auto request = comm.isend(buffer.data(), buffer.size(), a.peer, message_tag(schedule, rank, a));
+        sends.push_back(PendingSend{std::move(request), std::move(buffer)});
+        break;
+      }
+      case ActionKind::recv: {
+        const bool act = a.direction == Direction::activation;
+        std::vector<T> buffer(static_cast<std::size_t>(act ? stage.input_size(a.chunk) : stage.output_size(a.chunk)));
+        comm.irecv(buffer.data(), buffer.size(), a.peer, message_tag(schedule, rank, a)).wait();
+        (act ? activation_in : gradient_in)[key] = std::move(buffer);
+        break;
+      }
+    }
+    result.events.push_back({rank, a, seconds_since(start), seconds_since(clock::now())});
+    while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
+  }
+  for (auto& pending : sends) pending.request.wait();
+  result.seconds = std::chrono::duration<double>(clock::now() - t_begin).count();
+  return result;
+}
+
+// Collects every rank's events into one timeline (for pictures and statistics).
+inline Timeline merge_timelines(int stages, const std::vector<ExecutionResult>& per_rank) {
+  Timeline t;
+  t.stages = stages;
+  for (const auto& r : per_rank) t.events.insert(t.events.end(), r.events.begin(), r.events.end());
+  return t;
+}
+
+}  // namespace trellis::pipe

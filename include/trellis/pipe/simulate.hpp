@@ -1,0 +1,113 @@
+// The pipeline simulator: runs a schedule's action lists on costs instead of stages and returns
+// step time, bubble fraction and peak activation memory per rank.
+//
+// Conventions (also in docs/pipe.md):
+//  - Costs are for one microbatch through ONE RANK'S WHOLE SHARE of the layers (L/p layers); a
+//    chunk action costs that divided by v (the rank holds v chunks of L/(p*v) layers each).
+//  - Memory is counted in units of one microbatch's activations for one rank's whole share (the
+//    unit of the 1F1B papers, where 1F1B's peak is p): an activation of one chunk is alive from
+//    its F's start to its W's end and counts 1/v. peak_chunk_activations gives the raw count.
+//  - Sends are asynchronous and cost nothing on the sender; the data arrives `comm` later; a recv
+//    blocks until then.
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/pipe/schedule.hpp"
+#include "trellis/pipe/timeline.hpp"
+#include "trellis/pipe/verify.hpp"
+
+namespace trellis::pipe {
+
+struct Costs {
+  double forward = 1;          // t_F
+  double backward_input = 1;   // t_B
+  double backward_weight = 1;  // t_W
+  double comm = 0;             // one point-to-point message, send to arrival
+};
+
+struct Simulation {
+  double step_time = 0;
+  double bubble_fraction = 0;         // 1 - compute / (p * step_time)
+  double steady_bubble_fraction = 0;  // see TimelineStats
+  std::vector<double> busy;            // per rank
+  std::vector<double> peak_memory;     // per rank, in rank-share microbatch units (see above)
+  std::vector<int> peak_chunk_activations;  // per rank, raw count of live (mb, chunk) activations
+  double max_peak_memory = 0;
+  int forward_messages = 0;   // activation messages between ranks
+  int backward_messages = 0;  // gradient messages between ranks
+  Timeline timeline;
+};
+
+// Simulates `s` (verified first; schedules without send/recv get insert_communication()).
+inline Simulation simulate(const Schedule& schedule, const Costs& costs = {}) {
+  bool has_comm = false;
+  for (const auto& list : schedule.ranks)
+    for (const auto& a : list) has_comm = has_comm || a.is_comm();
+  bool needs_comm = schedule.stages > 1;
+  const Schedule s = (!has_comm && needs_comm) ? insert_communication(schedule) : schedule;
+  verify(s);
+  const int p = s.stages;
+  const double v = s.chunks;
+  Simulation out;
+  out.timeline.stages = p;
+  out.peak_memory.assign(static_cast<std::size_t>(p), 0.0);
+  out.peak_chunk_activations.assign(static_cast<std::size_t>(p), 0);
+  std::vector<double> clock(p, 0.0);
+  std::vector<std::size_t> pc(p, 0);
+  std::vector<int> live(p, 0);
+  std::map<detail::MessageKey, double> arrival;
+  std::size_t remaining = 0;
+  for (const auto& list : s.ranks) remaining += list.size();
+  while (remaining > 0) {
+    bool progress = false;
+    for (int r = 0; r < p; ++r) {
+      while (pc[r] < s.ranks[r].size()) {
+        const Action& a = s.ranks[r][pc[r]];
+        if (a.kind == ActionKind::recv) {
+          auto it = arrival.find(detail::message_of(s, r, a));
+          if (it == arrival.end()) break;
+          const double start = clock[r];
+          clock[r] = std::max(clock[r], it->second);
+          out.timeline.events.push_back({r, a, start, clock[r]});
+        } else if (a.kind == ActionKind::send) {
+          arrival[detail::message_of(s, r, a)] = clock[r] + costs.comm;
+          (a.direction == Direction::activation ? out.forward_messages : out.backward_messages)++;
+          out.timeline.events.push_back({r, a, clock[r], clock[r]});
+        } else {
+          double cost = a.kind == ActionKind::forward          ? costs.forward
+                        : a.kind == ActionKind::backward_input ? costs.backward_input
+                                                               : costs.backward_weight;
+          cost /= v;
+          if (a.kind == ActionKind::forward) {
+            ++live[r];
+            out.peak_chunk_activations[r] = std::max(out.peak_chunk_activations[r], live[r]);
+          }
+          out.timeline.events.push_back({r, a, clock[r], clock[r] + cost});
+          clock[r] += cost;
+          if (a.kind == ActionKind::backward_weight) --live[r];
+        }
+        ++pc[r];
+        --remaining;
+        progress = true;
+      }
+    }
+    if (!progress) TRELLIS_THROW("simulate: schedule '", s.name, "' is stuck (verify() should have caught this)");
+  }
+  auto stats = timeline_stats(out.timeline);
+  out.step_time = stats.step_time;
+  out.bubble_fraction = stats.bubble_fraction;
+  out.steady_bubble_fraction = stats.steady_bubble_fraction;
+  out.busy = stats.busy;
+  for (int r = 0; r < p; ++r) {
+    out.peak_memory[r] = out.peak_chunk_activations[r] / v;
+    out.max_peak_memory = std::max(out.max_peak_memory, out.peak_memory[r]);
+  }
+  return out;
+}
+
+}  // namespace trellis::pipe

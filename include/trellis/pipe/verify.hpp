@@ -1,0 +1,272 @@
+// The schedule verifier: rejects a broken schedule before anything runs, with a message that names
+// the rank, the action and what it waits for. Checks, in order:
+//   1. shape and ranges (microbatch, chunk, peer);
+//   2. every rank runs each of its F, B, W exactly once per microbatch and chunk;
+//   3. every send/recv is one the data flow needs, and every send has its receive (peer,
+//      microbatch, chunk, direction) and vice versa;
+//   4. each action's inputs exist when it runs, in its own rank's order: F of a chunk needs the
+//      previous stage's activation (a recv, or the local F when the previous stage is on the same
+//      rank), B needs its F and the output gradient, W needs its B, a send needs its producer;
+//   5. no deadlock: the ranks are run abstractly with blocking receives and either buffered sends
+//      (asynchronous, as the executor does them) or rendezvous sends (a send completes only when
+//      the receiver reaches the matching recv). A deadlock is reported with the cycle of waits.
+#pragma once
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/pipe/schedule.hpp"
+
+namespace trellis::pipe {
+
+enum class SendMode : std::uint8_t {
+  buffered,    // sends never block (isend): what the executor does
+  rendezvous,  // a send blocks until its receive is posted (synchronous send, small NCCL buffers)
+};
+
+struct VerifyOptions {
+  SendMode mode = SendMode::buffered;
+};
+
+namespace detail {
+
+[[noreturn]] inline void schedule_error(const Schedule& s, int rank, const std::string& msg) {
+  TRELLIS_THROW("pipe schedule '", s.name, "': rank ", rank, ": ", msg);
+}
+
+// Identifies one message: direction, microbatch, consuming virtual stage.
+using MessageKey = std::tuple<int, int, int>;
+
+inline MessageKey message_of(const Schedule& s, int rank, const Action& a) {
+  const int vs = s.virtual_stage(rank, a.chunk);
+  int consumer = vs;
+  if (a.kind == ActionKind::send) consumer = a.direction == Direction::activation ? vs + 1 : vs - 1;
+  return {static_cast<int>(a.direction), a.microbatch, consumer};
+}
+
+inline std::string expected_partner(const Schedule& s, int rank, const Action& a) {
+  const int vs = s.virtual_stage(rank, a.chunk);
+  if (a.kind == ActionKind::send) {
+    const int consumer = a.direction == Direction::activation ? vs + 1 : vs - 1;
+    auto slot = s.locate(consumer);
+    return action_token(recv_action(a.direction, a.microbatch, slot.chunk, rank));
+  }
+  const int producer = a.direction == Direction::activation ? vs - 1 : vs + 1;
+  auto slot = s.locate(producer);
+  return action_token(send_action(a.direction, a.microbatch, slot.chunk, rank));
+}
+
+}  // namespace detail
+
+// Throws trellis::Error describing the first problem found; returns normally for a good schedule.
+inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
+  s.check_shape();
+  const int p = s.stages, m = s.microbatches, v = s.chunks;
+
+  // 1. ranges
+  for (int r = 0; r < p; ++r)
+    for (std::size_t i = 0; i < s.ranks[r].size(); ++i) {
+      const Action& a = s.ranks[r][i];
+      auto where = [&] { return "action " + std::to_string(i) + " (" + action_token(a) + ")"; };
+      if (a.microbatch < 0 || a.microbatch >= m)
+        detail::schedule_error(s, r, where() + ": microbatch " + std::to_string(a.microbatch) +
+                                         " is out of range [0, " + std::to_string(m) + ")");
+      if (a.chunk < 0 || a.chunk >= v)
+        detail::schedule_error(s, r, where() + ": chunk " + std::to_string(a.chunk) +
+                                         " is out of range [0, " + std::to_string(v) + ")");
+      if (a.is_comm() && (a.peer < 0 || a.peer >= p || a.peer == r))
+        detail::schedule_error(s, r, where() + ": peer " + std::to_string(a.peer) +
+                                         " is not another rank of [0, " + std::to_string(p) + ")");
+    }
+
+  // 2. every compute action exactly once
+  for (int r = 0; r < p; ++r) {
+    std::map<std::tuple<int, int, int>, int> count;  // (kind, mb, chunk)
+    for (const auto& a : s.ranks[r])
+      if (a.is_compute()) ++count[{static_cast<int>(a.kind), a.microbatch, a.chunk}];
+    for (int c = 0; c < v; ++c)
+      for (int mb = 0; mb < m; ++mb)
+        for (ActionKind k : {ActionKind::forward, ActionKind::backward_input, ActionKind::backward_weight}) {
+          int n = count[{static_cast<int>(k), mb, c}];
+          Action a{k, mb, c};
+          if (n == 0) detail::schedule_error(s, r, describe(a) + " never runs");
+          if (n > 1) detail::schedule_error(s, r, describe(a) + " runs " + std::to_string(n) + " times");
+        }
+  }
+
+  // 3. communication: needed by the data flow, and matched
+  std::map<detail::MessageKey, std::pair<int, Action>> sends, recvs;  // key -> (rank, action)
+  for (int r = 0; r < p; ++r)
+    for (const auto& a : s.ranks[r]) {
+      if (!a.is_comm()) continue;
+      const bool grad = a.direction == Direction::gradient;
+      if (grad && s.local_learning)
+        detail::schedule_error(s, r, describe(a) + ": a local-learning schedule sends no gradients between stages");
+      bool ok = true;
+      if (a.kind == ActionKind::send) {
+        if (grad ? s.is_first(r, a.chunk) : s.is_last(r, a.chunk)) ok = false;
+        else ok = (grad ? s.prev_slot(r, a.chunk) : s.next_slot(r, a.chunk)).rank == a.peer;
+      } else {
+        if (grad ? s.is_last(r, a.chunk) : s.is_first(r, a.chunk)) ok = false;
+        else ok = (grad ? s.next_slot(r, a.chunk) : s.prev_slot(r, a.chunk)).rank == a.peer;
+      }
+      if (!ok)
+        detail::schedule_error(s, r, describe(a) + " does not follow the data flow of the " +
+                                         (s.placement == Placement::vee ? "vee" : "loop") + " placement");
+      auto& table = a.kind == ActionKind::send ? sends : recvs;
+      auto key = detail::message_of(s, r, a);
+      if (table.count(key)) detail::schedule_error(s, r, describe(a) + " appears twice");
+      table[key] = {r, a};
+    }
+  for (const auto& [key, ra] : sends)
+    if (!recvs.count(key))
+      detail::schedule_error(s, ra.first, describe(ra.second) + " has no matching receive: rank " +
+                                              std::to_string(ra.second.peer) + " never runs " +
+                                              detail::expected_partner(s, ra.first, ra.second));
+  for (const auto& [key, ra] : recvs)
+    if (!sends.count(key))
+      detail::schedule_error(s, ra.first, describe(ra.second) + " has no matching send: rank " +
+                                              std::to_string(ra.second.peer) + " never runs " +
+                                              detail::expected_partner(s, ra.first, ra.second));
+
+  // 4. inputs exist, in each rank's own order
+  for (int r = 0; r < p; ++r) {
+    std::set<std::pair<int, int>> f_done, b_done, recv_act, recv_grad;  // (mb, chunk)
+    std::vector<Action> all = s.ranks[r];
+    auto later_or_never = [&](const Action& need) {
+      for (const auto& x : all)
+        if (x == need) return std::string(", which comes later in rank ") + std::to_string(r) + "'s list";
+      return std::string(", which rank ") + std::to_string(r) + " never runs";
+    };
+    auto fail = [&](const Action& a, const Action& need) {
+      detail::schedule_error(s, r, describe(a) + " runs before its input: it needs " + describe(need) +
+                                       later_or_never(need));
+    };
+    for (const auto& a : s.ranks[r]) {
+      const std::pair<int, int> key{a.microbatch, a.chunk};
+      switch (a.kind) {
+        case ActionKind::forward: {
+          if (!s.is_first(r, a.chunk)) {
+            auto prev = s.prev_slot(r, a.chunk);
+            if (prev.rank == r) {
+              if (!f_done.count({a.microbatch, prev.chunk})) fail(a, forward_action(a.microbatch, prev.chunk));
+            } else if (!recv_act.count(key)) {
+              fail(a, recv_action(Direction::activation, a.microbatch, a.chunk, prev.rank));
+            }
+          }
+          f_done.insert(key);
+          break;
+        }
+        case ActionKind::backward_input: {
+          if (!f_done.count(key)) fail(a, forward_action(a.microbatch, a.chunk));
+          if (!s.local_learning && !s.is_last(r, a.chunk)) {
+            auto next = s.next_slot(r, a.chunk);
+            if (next.rank == r) {
+              if (!b_done.count({a.microbatch, next.chunk}))
+                fail(a, backward_input_action(a.microbatch, next.chunk));
+            } else if (!recv_grad.count(key)) {
+              fail(a, recv_action(Direction::gradient, a.microbatch, a.chunk, next.rank));
+            }
+          }
+          b_done.insert(key);
+          break;
+        }
+        case ActionKind::backward_weight:
+          if (!b_done.count(key)) fail(a, backward_input_action(a.microbatch, a.chunk));
+          break;
+        case ActionKind::send:
+          if (a.direction == Direction::activation && !f_done.count(key))
+            fail(a, forward_action(a.microbatch, a.chunk));
+          if (a.direction == Direction::gradient && !b_done.count(key))
+            fail(a, backward_input_action(a.microbatch, a.chunk));
+          break;
+        case ActionKind::recv:
+          (a.direction == Direction::activation ? recv_act : recv_grad).insert(key);
+          break;
+      }
+    }
+  }
+
+  // 5. deadlock: run the ranks abstractly
+  const bool rendezvous = options.mode == SendMode::rendezvous;
+  std::vector<std::size_t> pc(p, 0);
+  std::set<detail::MessageKey> sent;
+  auto current = [&](int r) -> const Action* {
+    return pc[r] < s.ranks[r].size() ? &s.ranks[r][pc[r]] : nullptr;
+  };
+  auto is_partner = [&](int r, const Action& a, int q) {
+    const Action* b = current(q);
+    return b && b->is_comm() && b->kind != a.kind && b->peer == r &&
+           detail::message_of(s, q, *b) == detail::message_of(s, r, a);
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      while (const Action* a = current(r)) {
+        if (a->is_compute()) {
+          ++pc[r];
+        } else if (!rendezvous) {
+          if (a->kind == ActionKind::send) {
+            sent.insert(detail::message_of(s, r, *a));
+            ++pc[r];
+          } else if (sent.count(detail::message_of(s, r, *a))) {
+            ++pc[r];
+          } else {
+            break;
+          }
+        } else if (is_partner(r, *a, a->peer)) {
+          ++pc[a->peer];
+          ++pc[r];
+        } else {
+          break;
+        }
+        progress = true;
+      }
+    }
+  }
+  bool done = true;
+  for (int r = 0; r < p; ++r) done = done && current(r) == nullptr;
+  if (done) return;
+
+  // name the cycle of waits, starting from the first blocked rank
+  int start = 0;
+  while (!current(start)) ++start;
+  std::vector<int> path;
+  std::vector<int> seen(p, -1);
+  int r = start;
+  while (r >= 0 && seen[r] < 0 && current(r)) {
+    seen[r] = static_cast<int>(path.size());
+    path.push_back(r);
+    r = current(r)->peer;
+  }
+  std::ostringstream msg;
+  msg << "deadlock (" << (rendezvous ? "rendezvous" : "buffered") << " sends): ";
+  const std::size_t first = (r >= 0 && seen[r] >= 0) ? static_cast<std::size_t>(seen[r]) : 0;
+  for (std::size_t i = first; i < path.size(); ++i) {
+    const int q = path[i];
+    msg << (i > first ? "; " : "") << "rank " << q << " waits at action " << pc[q] << ", "
+        << describe(*current(q)) << ", for rank " << current(q)->peer;
+    const Action* at_peer = current(current(q)->peer);
+    msg << (at_peer ? " (which is blocked at " + action_token(*at_peer) + ")" : " (which has finished)");
+  }
+  if (r >= 0 && seen[r] >= 0) msg << " -- a cycle of waits";
+  detail::schedule_error(s, path[first], msg.str());
+}
+
+// True when verify() accepts the schedule in the given mode (for quick checks; use verify() to get
+// the reason).
+inline bool is_valid(const Schedule& s, const VerifyOptions& options = {}) {
+  try {
+    verify(s, options);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+}  // namespace trellis::pipe

@@ -1,0 +1,151 @@
+// The simulator pinned to published results (units: see simulate.hpp; costs are per microbatch for
+// one rank's whole share of layers, memory in microbatches of one rank's share):
+//   GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2019): bubble (p-1)/(m+p-1); peak memory m
+//     (GPipe) vs p (1F1B) on rank 0.
+//   Interleaved 1F1B (Narayanan et al. 2021): bubble time divided by v; memory p + (p-1)/v.
+//   ZB-H1 / ZB-H2 (Qi et al. 2024): H1 bubble (p-1)(t_F+t_B-t_W), one third of 1F1B's when
+//     t_F = t_B = t_W; H2 no bubble inside each rank's span, memory 2p-1.
+//   DualPipeV (DeepSeek-V3 report): peak memory p + 1/2 here (2p+1 chunk activations), within the
+//     report's PP+1.
+//   Local learning: no backward message between stages.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+
+#include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/simulate.hpp"
+
+using namespace trellis::pipe;
+
+TEST_CASE("GPipe and 1F1B: bubble (p-1)/(m+p-1), memory m vs p", "[pipe][simulate]") {
+  for (Costs c : {Costs{1, 1, 1, 0}, Costs{1, 2, 0.5, 0}, Costs{2, 3, 1, 0}})
+    for (int p : {1, 2, 3, 4, 6})
+      for (int m : {1, 2, 4, 7, 16}) {
+        INFO("p=" << p << " m=" << m << " tF=" << c.forward << " tB=" << c.backward_input);
+        const double full = c.forward + c.backward_input + c.backward_weight;
+        for (const auto& s : {gpipe(p, m), one_f_one_b(p, m)}) {
+          auto sim = simulate(s, c);
+          REQUIRE(sim.step_time == Approx((m + p - 1) * full));
+          REQUIRE(sim.bubble_fraction == Approx(double(p - 1) / (m + p - 1)).margin(1e-12));
+          for (int r = 0; r < p; ++r) REQUIRE(sim.busy[r] == Approx(m * full));
+        }
+        auto g = simulate(gpipe(p, m), c);
+        auto o = simulate(one_f_one_b(p, m), c);
+        for (int r = 0; r < p; ++r) {
+          REQUIRE(g.peak_memory[r] == m);
+          REQUIRE(o.peak_memory[r] == std::min(p - r, m));
+        }
+      }
+}
+
+TEST_CASE("communication time adds 2(p-1) message latencies to GPipe", "[pipe][simulate]") {
+  const Costs c{1, 1, 1, 0.25};
+  for (int p : {2, 4})
+    for (int m : {1, 4, 8}) {
+      auto sim = simulate(gpipe(p, m), c);
+      REQUIRE(sim.step_time == Approx((m + p - 1) * 3.0 + 2 * (p - 1) * 0.25));
+      REQUIRE(sim.forward_messages == (p - 1) * m);
+      REQUIRE(sim.backward_messages == (p - 1) * m);
+    }
+}
+
+TEST_CASE("interleaved 1F1B: bubble divided by v, memory p + (p-1)/v", "[pipe][simulate]") {
+  for (Costs c : {Costs{1, 1, 1, 0}, Costs{1, 2, 1, 0}})
+    for (int p : {2, 3, 4})
+      for (int v : {1, 2, 3, 4})
+        for (int groups : {2, 3, 4}) {
+          const int m = groups * p;
+          INFO("p=" << p << " v=" << v << " m=" << m);
+          const double full = c.forward + c.backward_input + c.backward_weight;
+          auto sim = simulate(interleaved_1f1b(p, m, v), c);
+          // bubble time per rank = (p-1)(t_F+t_B)/v  (Megatron-LM 2021, section 2.2)
+          REQUIRE(sim.step_time == Approx(m * full + (p - 1) * full / v));
+          REQUIRE(sim.bubble_fraction == Approx(((p - 1) * full / v) / (m * full + (p - 1) * full / v)));
+          // Megatron-LM's interleaved warm-up keeps p + (p-1)/v on rank 0 (v = 1 is plain 1F1B: p)
+          const double memory = v == 1 ? p : p + double(p - 1) / v;
+          REQUIRE(sim.peak_memory[0] == Approx(memory));
+          REQUIRE(sim.max_peak_memory == Approx(memory));
+        }
+}
+
+TEST_CASE("ZB-H1: one third of 1F1B's bubble at t_F = t_B = t_W, same memory", "[pipe][simulate]") {
+  for (int p : {2, 3, 4, 6})
+    for (int m : {p, 2 * p, 3 * p + 1}) {
+      INFO("p=" << p << " m=" << m);
+      const Costs c{1, 1, 1, 0};
+      auto zb = simulate(zero_bubble_h1(p, m), c);
+      auto base = simulate(one_f_one_b(p, m), c);
+      const double zb_bubble = zb.step_time - 3.0 * m, base_bubble = base.step_time - 3.0 * m;
+      REQUIRE(base_bubble == Approx(3.0 * (p - 1)));
+      REQUIRE(zb_bubble == Approx(base_bubble / 3));
+      REQUIRE(zb.max_peak_memory == Approx(base.max_peak_memory));
+      REQUIRE(zb.max_peak_memory == p);
+    }
+  // the paper's general form (p-1)(t_F + t_B - t_W) while t_W <= t_F
+  const int p = 4, m = 12;
+  const Costs c{1, 1.5, 0.5, 0};
+  auto zb = simulate(zero_bubble_h1(p, m), c);
+  REQUIRE(zb.step_time - m * 3.0 == Approx((p - 1) * (1 + 1.5 - 0.5)));
+}
+
+TEST_CASE("ZB-H2: no bubble inside each rank's span, memory 2p-1", "[pipe][simulate]") {
+  for (int p : {2, 3, 4, 6})
+    for (int m : {2 * p, 3 * p}) {
+      INFO("p=" << p << " m=" << m);
+      auto sim = simulate(zero_bubble_h2(p, m), {1, 1, 1, 0});
+      REQUIRE(sim.steady_bubble_fraction == Approx(0).margin(1e-12));
+      REQUIRE(sim.peak_memory[0] == 2 * p - 1);
+      REQUIRE(sim.max_peak_memory == 2 * p - 1);
+      // what remains is the parallelogram's start-up: rank r starts r forwards late
+      REQUIRE(sim.step_time == Approx(3.0 * m + (p - 1)));
+      auto base = simulate(one_f_one_b(p, m), {1, 1, 1, 0});
+      REQUIRE(sim.bubble_fraction < base.bubble_fraction);
+    }
+}
+
+TEST_CASE("ZB-V and DualPipeV: vee memory, smaller bubble than 1F1B", "[pipe][simulate]") {
+  for (int p : {2, 3, 4, 6})
+    for (int m : {2 * p, 4 * p}) {
+      INFO("p=" << p << " m=" << m);
+      auto base = simulate(one_f_one_b(p, m), {1, 1, 1, 0});
+      auto zbv = simulate(zero_bubble_v(p, m), {1, 1, 1, 0});
+      auto dpv = simulate(dualpipe_v(p, m), {1, 1, 1, 0});
+      REQUIRE(zbv.max_peak_memory == Approx(p));  // 2p chunk activations: 1F1B's memory
+      REQUIRE(dpv.max_peak_memory == Approx(p + 0.5));
+      REQUIRE(dpv.max_peak_memory <= p + 1);  // the DeepSeek-V3 report's PP+1
+      for (int r = 0; r < p; ++r) REQUIRE(dpv.peak_chunk_activations[r] == 2 * p + 1);
+      REQUIRE(zbv.bubble_fraction < base.bubble_fraction / 2);
+      REQUIRE(dpv.bubble_fraction < base.bubble_fraction / 2);
+    }
+}
+
+TEST_CASE("local learning: no backward traffic, one microbatch alive", "[pipe][simulate]") {
+  for (int p : {1, 2, 4})
+    for (int m : {1, 5}) {
+      auto sim = simulate(local_learning(p, m), {1, 1, 1, 0.1});
+      REQUIRE(sim.backward_messages == 0);
+      REQUIRE(sim.forward_messages == (p - 1) * m);
+      REQUIRE(sim.max_peak_memory == 1);
+      // each rank is busy 3m; the last starts after p-1 forwards and messages
+      REQUIRE(sim.step_time == Approx(3.0 * m + (p - 1) * 1.1));
+    }
+}
+
+TEST_CASE("simulated timelines respect the costs and list order", "[pipe][simulate]") {
+  const Costs c{1, 2, 0.5, 0};
+  auto s = interleaved_1f1b(2, 4, 2);
+  auto sim = simulate(s, c);
+  for (int r = 0; r < 2; ++r) {
+    double last_end = 0;
+    for (const auto& e : sim.timeline.events) {
+      if (e.rank != r || !e.action.is_compute()) continue;
+      const double expected = (e.action.kind == ActionKind::forward          ? 1.0
+                               : e.action.kind == ActionKind::backward_input ? 2.0
+                                                                             : 0.5) /
+                              2;
+      REQUIRE(e.end - e.start == Approx(expected));
+      REQUIRE(e.start >= last_end - 1e-12);
+      last_end = e.end;
+    }
+  }
+}
