@@ -4,3 +4,4 @@
 
 #include "trellis/core.hpp"
 #include "trellis/kernels.hpp"
+#include "trellis/pipe.hpp"
