@@ -4,4 +4,5 @@
 
 #include "trellis/core.hpp"
 #include "trellis/kernels.hpp"
+#include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
