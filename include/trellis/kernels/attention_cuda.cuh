@@ -2,9 +2,12 @@
 // fp16 inputs, fp32 accumulation on tensor cores through mma.sync.m16n8k16, causal or not, head
 // dimension 64 or 128, grouped-query / multi-query attention (kv_heads divides heads).
 //
-// Layout: q, o, dq: [B, H, T, d]; k, v, dk, dv: [B, Hkv, T, d]; lse: [B, H, T] (fp32, natural log
-// of the softmax denominator of each row, scores already scaled). All contiguous, 16-byte aligned.
-//   S = scale * Q K^T (masked above the diagonal when causal), P = softmax(S), O = P V.
+// Arguments, layout and math are kernels::AttentionArgs (kernels/attention.hpp), the same as the
+// host attention: q, o, dq [B, Hq, Tq, d]; k, v, dk, dv [B, Hkv, Tkv, d]; lse [B, Hq, Tq] fp32
+// (natural log; -inf for a row that sees no key, whose output is 0); causal mask aligned
+// bottom-right (j <= i + Tkv - Tq). Pointers are device pointers, 16-byte aligned.
+//   cuda::attention_forward(args, q, k, v, o, lse, stream);
+//   cuda::attention_backward(args, q, k, v, o, d_o, lse, dq, dk, dv, workspace, bytes, stream, accumulate);
 //
 // Forward: one block of 4 warps per (64 query rows, batch*head); each warp owns 16 rows and keeps
 // its output tile, running row max and row sum in registers; K/V tiles of 64 keys stream through
@@ -30,31 +33,22 @@
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
+#include "trellis/kernels/attention.hpp"
 
 namespace trellis::kernels::cuda {
 
-// Sizes of one attention call ([B, H, T, d] layout).
-struct AttentionShape {
-  std::int64_t batch = 1;
-  std::int64_t heads = 1;
-  std::int64_t kv_heads = 0;  // 0: same as heads (plain multi-head attention)
-  std::int64_t seq = 0;       // T, for queries and keys alike
-  std::int64_t head_dim = 0;  // 64 or 128
-  bool causal = false;
-  float scale = 0.0f;  // 0: 1/sqrt(head_dim)
-
-  TRELLIS_HD std::int64_t kv_heads_or_heads() const { return kv_heads ? kv_heads : heads; }
-  TRELLIS_HD float scale_or_default() const {
-    return scale != 0.0f ? scale : 1.0f / ::sqrtf(static_cast<float>(head_dim));
-  }
-  // Multiply-adds of the forward pass (2 GEMMs of T x T x d per head; half of them when causal).
-  double forward_flops() const {
-    double f = 4.0 * static_cast<double>(batch) * heads * static_cast<double>(seq) * seq * head_dim;
-    return causal ? f / 2 : f;
-  }
-  // Backward: 5 GEMMs (S recomputed, dV, dP, dK, dQ) = 2.5x the forward.
-  double backward_flops() const { return 2.5 * forward_flops(); }
-};
+// Multiply-adds x 2 of the forward pass: two GEMMs of Tq x Tkv x d per head, the visible part
+// only when causal (Tq == Tkv: about half).
+inline double attention_forward_flops(const AttentionArgs& a) {
+  double full = 4.0 * static_cast<double>(a.batch) * static_cast<double>(a.q_heads) * static_cast<double>(a.q_len) *
+                static_cast<double>(a.kv_len) * static_cast<double>(a.head_dim);
+  if (!a.causal || a.q_len == 0 || a.kv_len == 0) return full;
+  double visible = 0;  // sum over rows of the visible keys
+  for (std::int64_t i = 0; i < a.q_len; ++i) visible += static_cast<double>(a.last_visible_key(i) + 1 > 0 ? a.last_visible_key(i) + 1 : 0);
+  return full * visible / (static_cast<double>(a.q_len) * static_cast<double>(a.kv_len));
+}
+// Backward: five GEMMs (S recomputed, dV, dP, dK, dQ) = 2.5x the forward.
+inline double attention_backward_flops(const AttentionArgs& a) { return 2.5 * attention_forward_flops(a); }
 
 namespace attention_detail {
 
@@ -179,8 +173,8 @@ constexpr std::size_t backward_smem_bytes() {
 template <class T, int D, bool Causal>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
-    std::uint16_t* __restrict__ o, float* __restrict__ lse, int heads, int group_size, std::int64_t seq,
-    float scale_log2) {
+    std::uint16_t* __restrict__ o, float* __restrict__ lse, int heads, int group_size, std::int64_t q_len,
+    std::int64_t kv_len, float scale_log2) {
   static_assert(D % 16 == 0 && D <= 256, "head dimension must be a multiple of 16");
   using E = MmaElement<T>;
   constexpr int kLd = D + kPad;
@@ -190,17 +184,18 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   std::uint16_t* v_tile = k_tile + kBlockRows * kLd;  // (64, D)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
-  const int query_blocks = static_cast<int>((seq + kBlockRows - 1) / kBlockRows);
+  const int query_blocks = static_cast<int>((q_len + kBlockRows - 1) / kBlockRows);
+  const std::int64_t causal_offset = kv_len - q_len;  // row i sees keys j <= i + offset
   // Causal: the longest rows first, so the short blocks fill the tail of the grid.
   const int qb = Causal ? query_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
   const std::int64_t kv_bh = static_cast<std::int64_t>(b) * (heads / group_size) + h / group_size;
-  const std::uint16_t* q_head = q + static_cast<std::int64_t>(bh) * seq * D;
-  const std::uint16_t* k_head = k + kv_bh * seq * D;
-  const std::uint16_t* v_head = v + kv_bh * seq * D;
+  const std::uint16_t* q_head = q + static_cast<std::int64_t>(bh) * q_len * D;
+  const std::uint16_t* k_head = k + kv_bh * kv_len * D;
+  const std::uint16_t* v_head = v + kv_bh * kv_len * D;
   const std::int64_t q_row0 = static_cast<std::int64_t>(qb) * kBlockRows;
 
-  load_tile<D>(q_tile, q_head, q_row0, seq);
+  load_tile<D>(q_tile, q_head, q_row0, q_len);
   __syncthreads();
   std::uint32_t q_frag[D / 16][4];  // this warp's 16 rows of Q as A fragments
 #pragma unroll
@@ -213,12 +208,16 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   float row_sum[2] = {0.0f, 0.0f};            // this thread's share of the row sums
   const std::int64_t my_row[2] = {q_row0 + warp * 16 + group, q_row0 + warp * 16 + group + 8};
 
-  const int key_blocks = static_cast<int>((seq + kBlockCols - 1) / kBlockCols);
-  const int last_block = Causal ? min(key_blocks, qb + 1) : key_blocks;
+  const int key_blocks = static_cast<int>((kv_len + kBlockCols - 1) / kBlockCols);
+  int last_block = key_blocks;
+  if (Causal) {  // blocks holding a key visible to the block's last row
+    std::int64_t last_key = q_row0 + kBlockRows - 1 + causal_offset;
+    last_block = last_key < 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(key_blocks), last_key / kBlockCols + 1));
+  }
   for (int kb = 0; kb < last_block; ++kb) {
     __syncthreads();  // previous tiles consumed
-    load_tile<D>(k_tile, k_head, static_cast<std::int64_t>(kb) * kBlockCols, seq);
-    load_tile<D>(v_tile, v_head, static_cast<std::int64_t>(kb) * kBlockCols, seq);
+    load_tile<D>(k_tile, k_head, static_cast<std::int64_t>(kb) * kBlockCols, kv_len);
+    load_tile<D>(v_tile, v_head, static_cast<std::int64_t>(kb) * kBlockCols, kv_len);
     __syncthreads();
 
     float s[kBlockCols / 8][4];  // (16, 64) scores
@@ -235,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
     }
     // Scale into the log2 domain and mask (keys past T; keys after the query when causal).
     const std::int64_t key0 = static_cast<std::int64_t>(kb) * kBlockCols;
-    const bool needs_mask = key0 + kBlockCols > seq || (Causal && kb == qb);
+    const bool needs_mask = key0 + kBlockCols > kv_len || (Causal && key0 + kBlockCols - 1 > q_row0 + causal_offset);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kBlockCols / 8; ++j) {
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
         float x = s[j][e] * scale_log2;
         if (needs_mask) {
           std::int64_t key = key0 + j * 8 + 2 * quad + (e & 1);
-          if (key >= seq || (Causal && key > my_row[e / 2])) x = -INFINITY;
+          if (key >= kv_len || (Causal && key > my_row[e / 2] + causal_offset)) x = -INFINITY;
         }
         s[j][e] = x;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
@@ -296,10 +295,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
   }
-  std::uint16_t* o_head = o + static_cast<std::int64_t>(bh) * seq * D;
+  std::uint16_t* o_head = o + static_cast<std::int64_t>(bh) * q_len * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (my_row[r] >= seq) continue;
+    if (my_row[r] >= q_len) continue;
     float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
     std::uint16_t* out_row = o_head + my_row[r] * D;
 #pragma unroll
@@ -307,7 +306,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
       *reinterpret_cast<std::uint32_t*>(out_row + n * 8 + 2 * quad) =
           E::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
     }
-    if (quad == 0) lse[static_cast<std::int64_t>(bh) * seq + my_row[r]] = (row_max[r] + log2f(row_sum[r])) * kLn2;
+    // Nothing visible: max -inf, sum 0 -> lse -inf and o 0, as on the host.
+    if (quad == 0) lse[static_cast<std::int64_t>(bh) * q_len + my_row[r]] = (row_max[r] + log2f(row_sum[r])) * kLn2;
   }
 }
 
@@ -328,12 +328,17 @@ __global__ void attention_backward_prepare_kernel(const std::uint16_t* __restric
   if (lane == 0) delta[row] = sum;
 }
 
+// dst = src (or dst + src when accumulating), rounded to T.
 template <class T>
 __global__ void attention_convert_kernel(const float* __restrict__ src, std::uint16_t* __restrict__ dst,
-                                         std::int64_t count) {
+                                         std::int64_t count, bool accumulate) {
   std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (; i < count; i += step) dst[i] = MmaElement<T>::from_float(src[i]);
+  for (; i < count; i += step) {
+    float value = src[i];
+    if (accumulate) value += MmaElement<T>::to_float(dst[i]);
+    dst[i] = MmaElement<T>::from_float(value);
+  }
 }
 
 // grid (ceil(T/64), B*Hkv), 128 threads.
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
     const std::uint16_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
     float* __restrict__ dq_accum, std::uint16_t* __restrict__ dk, std::uint16_t* __restrict__ dv, int heads,
-    int group_size, std::int64_t seq, float scale) {
+    int group_size, std::int64_t q_len, std::int64_t kv_len, float scale, bool accumulate) {
   using E = MmaElement<T>;
   constexpr int kLd = D + kPad;
   constexpr int kLdS = kBlockCols + kPad;
@@ -361,9 +366,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   const int kv_bh = blockIdx.y, b = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
   const std::int64_t key0 = static_cast<std::int64_t>(kb) * kBlockRows;
   const float scale_log2 = scale * kLog2e;
+  const std::int64_t causal_offset = kv_len - q_len;  // query i sees keys j <= i + offset
 
-  load_tile<D>(k_tile, k + static_cast<std::int64_t>(kv_bh) * seq * D, key0, seq);
-  load_tile<D>(v_tile, v + static_cast<std::int64_t>(kv_bh) * seq * D, key0, seq);
+  load_tile<D>(k_tile, k + static_cast<std::int64_t>(kv_bh) * kv_len * D, key0, kv_len);
+  load_tile<D>(v_tile, v + static_cast<std::int64_t>(kv_bh) * kv_len * D, key0, kv_len);
 
   float dk_acc[D / 8][4], dv_acc[D / 8][4];  // (16 keys, D) each
 #pragma unroll
@@ -372,21 +378,26 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
   }
   const std::int64_t my_key[2] = {key0 + warp * 16 + group, key0 + warp * 16 + group + 8};
-  const int query_blocks = static_cast<int>((seq + kBlockCols - 1) / kBlockCols);
+  const int query_blocks = static_cast<int>((q_len + kBlockCols - 1) / kBlockCols);
+  int first_query_block = 0;
+  if (Causal) {  // the first query that sees key0 is key0 - offset
+    std::int64_t first_query = key0 - causal_offset;
+    first_query_block = first_query <= 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(query_blocks), first_query / kBlockCols));
+  }
 
   for (int hh = 0; hh < group_size; ++hh) {
     const std::int64_t bh = static_cast<std::int64_t>(b) * heads + kvh * group_size + hh;
-    const std::uint16_t* q_head = q + bh * seq * D;
-    const std::uint16_t* do_head = dout + bh * seq * D;
-    for (int qb = Causal ? kb : 0; qb < query_blocks; ++qb) {
+    const std::uint16_t* q_head = q + bh * q_len * D;
+    const std::uint16_t* do_head = dout + bh * q_len * D;
+    for (int qb = first_query_block; qb < query_blocks; ++qb) {
       const std::int64_t q0 = static_cast<std::int64_t>(qb) * kBlockCols;
       __syncthreads();  // previous tiles consumed
-      load_tile<D>(q_tile, q_head, q0, seq);
-      load_tile<D>(do_tile, do_head, q0, seq);
+      load_tile<D>(q_tile, q_head, q0, q_len);
+      load_tile<D>(do_tile, do_head, q0, q_len);
       for (int i = threadIdx.x; i < kBlockCols; i += kThreads) {
-        bool valid = q0 + i < seq;
-        lse_tile[i] = valid ? lse[bh * seq + q0 + i] : 0.0f;
-        delta_tile[i] = valid ? delta[bh * seq + q0 + i] : 0.0f;
+        bool valid = q0 + i < q_len;
+        lse_tile[i] = valid ? lse[bh * q_len + q0 + i] : 0.0f;
+        delta_tile[i] = valid ? delta[bh * q_len + q0 + i] : 0.0f;
       }
       __syncthreads();
 
@@ -419,7 +430,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
           int qi = j * 8 + 2 * quad + (e & 1);
           std::int64_t query = q0 + qi;
           std::int64_t key = my_key[e / 2];
-          bool valid = query < seq && key < seq && (!Causal || key <= query);
+          bool valid = query < q_len && key < kv_len && (!Causal || key <= query + causal_offset);
           float p = valid ? exp2f(st[j][e] * scale_log2 - lse_tile[qi] * kLog2e) : 0.0f;
           st[j][e] = p;
           dpt[j][e] = p * (dpt[j][e] - delta_tile[qi]);
@@ -462,7 +473,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
         a_frag[kk][2] = pack_bits(p[8 * kLdS], p[9 * kLdS]);
         a_frag[kk][3] = pack_bits(p[8 * kLdS + 8], p[9 * kLdS + 8]);
       }
-      float* dq_head = dq_accum + bh * seq * D;
+      float* dq_head = dq_accum + bh * q_len * D;
       const std::int64_t my_query[2] = {q0 + warp * 16 + group, q0 + warp * 16 + group + 8};
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -475,7 +486,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if (my_query[r] < seq) {
+          if (my_query[r] < q_len) {
             float* dst = dq_head + my_query[r] * D + n * 8 + 2 * quad;
             atomicAdd(dst, c[2 * r] * scale);
             atomicAdd(dst + 1, c[2 * r + 1] * scale);
@@ -486,35 +497,41 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   }
 
   // This block owns dK, dV of its keys for every head of the group: plain stores.
-  std::uint16_t* dk_head = dk + static_cast<std::int64_t>(kv_bh) * seq * D;
-  std::uint16_t* dv_head = dv + static_cast<std::int64_t>(kv_bh) * seq * D;
+  std::uint16_t* dk_head = dk + static_cast<std::int64_t>(kv_bh) * kv_len * D;
+  std::uint16_t* dv_head = dv + static_cast<std::int64_t>(kv_bh) * kv_len * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (my_key[r] >= seq) continue;
+    if (my_key[r] >= kv_len) continue;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       std::int64_t offset = my_key[r] * D + n * 8 + 2 * quad;
-      *reinterpret_cast<std::uint32_t*>(dk_head + offset) =
-          E::pack(dk_acc[n][2 * r] * scale, dk_acc[n][2 * r + 1] * scale);
-      *reinterpret_cast<std::uint32_t*>(dv_head + offset) = E::pack(dv_acc[n][2 * r], dv_acc[n][2 * r + 1]);
+      float k0 = dk_acc[n][2 * r] * scale, k1 = dk_acc[n][2 * r + 1] * scale;
+      float v0 = dv_acc[n][2 * r], v1 = dv_acc[n][2 * r + 1];
+      if (accumulate) {
+        k0 += E::to_float(dk_head[offset]), k1 += E::to_float(dk_head[offset + 1]);
+        v0 += E::to_float(dv_head[offset]), v1 += E::to_float(dv_head[offset + 1]);
+      }
+      *reinterpret_cast<std::uint32_t*>(dk_head + offset) = E::pack(k0, k1);
+      *reinterpret_cast<std::uint32_t*>(dv_head + offset) = E::pack(v0, v1);
     }
   }
 }
 
-inline void check_shape(const AttentionShape& s) {
-  TRELLIS_CHECK(s.batch > 0 && s.heads > 0 && s.seq > 0, "attention: batch, heads and seq must be positive (got ",
-                s.batch, ", ", s.heads, ", ", s.seq, ")");
-  TRELLIS_CHECK(s.head_dim == 64 || s.head_dim == 128, "attention (CUDA): head_dim must be 64 or 128, got ",
-                s.head_dim);
-  std::int64_t kvh = s.kv_heads_or_heads();
-  TRELLIS_CHECK(kvh > 0 && s.heads % kvh == 0, "attention: kv_heads ", kvh, " must divide heads ", s.heads);
-  TRELLIS_CHECK(s.batch * s.heads <= 65535, "attention (CUDA): batch*heads ", s.batch * s.heads,
+inline void check_args(const AttentionArgs& a) {
+  TRELLIS_CHECK(a.batch >= 1 && a.q_len >= 1 && a.kv_len >= 1, "attention (CUDA): batch, q_len and kv_len must be "
+                "positive (got ", a.batch, ", ", a.q_len, ", ", a.kv_len, ")");
+  TRELLIS_CHECK(a.q_heads >= 1 && a.kv_heads >= 1 && a.q_heads % a.kv_heads == 0, "attention: kv_heads (",
+                a.kv_heads, ") must divide q_heads (", a.q_heads, ")");
+  TRELLIS_CHECK(a.head_dim == 64 || a.head_dim == 128, "attention (CUDA): head_dim must be 64 or 128, got ",
+                a.head_dim);
+  TRELLIS_CHECK(std::isfinite(a.scale), "attention: scale is not finite");
+  TRELLIS_CHECK(a.batch * a.q_heads <= 65535, "attention (CUDA): batch*q_heads ", a.batch * a.q_heads,
                 " exceeds the grid's y limit 65535");
 }
 
 inline void check_aligned(const void* p, const char* what) {
-  TRELLIS_CHECK(reinterpret_cast<std::uintptr_t>(p) % 16 == 0, "attention (CUDA): ", what,
-                " must be 16-byte aligned");
+  TRELLIS_CHECK(p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 == 0, "attention (CUDA): ", what,
+                " must be a non-null, 16-byte aligned device pointer");
 }
 
 template <class Kernel>
@@ -525,33 +542,31 @@ void set_smem(Kernel kernel, std::size_t bytes) {
 }
 
 template <class T, int D, bool Causal>
-void launch_forward(const AttentionShape& s, const T* q, const T* k, const T* v, T* o, float* lse,
+void launch_forward(const AttentionArgs& a, const T* q, const T* k, const T* v, T* o, float* lse,
                     cudaStream_t stream) {
   auto kernel = attention_forward_kernel<T, D, Causal>;
   constexpr std::size_t smem = forward_smem_bytes<D>();
   set_smem(kernel, smem);
-  dim3 grid(static_cast<unsigned>((s.seq + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(s.batch * s.heads));
-  int group = static_cast<int>(s.heads / s.kv_heads_or_heads());
+  dim3 grid(static_cast<unsigned>((a.q_len + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(a.batch * a.q_heads));
   kernel<<<grid, kThreads, smem, stream>>>(
       reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
       reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<std::uint16_t*>(o), lse,
-      static_cast<int>(s.heads), group, s.seq, s.scale_or_default() * kLog2e);
+      static_cast<int>(a.q_heads), static_cast<int>(a.group_size()), a.q_len, a.kv_len, a.softmax_scale() * kLog2e);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
 template <class T, int D, bool Causal>
-void launch_backward(const AttentionShape& s, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                     const float* delta, float* dq_accum, T* dk, T* dv, cudaStream_t stream) {
+void launch_backward(const AttentionArgs& a, const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                     const float* delta, float* dq_accum, T* dk, T* dv, bool accumulate, cudaStream_t stream) {
   auto kernel = attention_backward_kernel<T, D, Causal>;
   constexpr std::size_t smem = backward_smem_bytes<D>();
   set_smem(kernel, smem);
-  std::int64_t kvh = s.kv_heads_or_heads();
-  dim3 grid(static_cast<unsigned>((s.seq + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(s.batch * kvh));
+  dim3 grid(static_cast<unsigned>((a.kv_len + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(a.batch * a.kv_heads));
   kernel<<<grid, kThreads, smem, stream>>>(
       reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
       reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<const std::uint16_t*>(dout), lse, delta, dq_accum,
-      reinterpret_cast<std::uint16_t*>(dk), reinterpret_cast<std::uint16_t*>(dv), static_cast<int>(s.heads),
-      static_cast<int>(s.heads / kvh), s.seq, s.scale_or_default());
+      reinterpret_cast<std::uint16_t*>(dk), reinterpret_cast<std::uint16_t*>(dv), static_cast<int>(a.q_heads),
+      static_cast<int>(a.group_size()), a.q_len, a.kv_len, a.softmax_scale(), accumulate);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -559,58 +574,59 @@ void launch_backward(const AttentionShape& s, const T* q, const T* k, const T* v
 
 // ---- launchers -----------------------------------------------------------------------------------
 
-// O = softmax(scale Q K^T [causal mask]) V and lse per row. T is bfloat16 or half.
+// o = softmax(scale q k^T [causal]) v and lse per row (kernels/attention.hpp). T: bfloat16 or half.
 template <class T>
-void attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, T* o, float* lse,
+void attention_forward(const AttentionArgs& args, const T* q, const T* k, const T* v, T* o, float* lse,
                        cudaStream_t stream);
 
-// Bytes of device workspace attention_backward needs (fp32 dQ accumulator + row dot products).
-inline std::size_t attention_backward_workspace_bytes(const AttentionShape& s) {
-  std::size_t rows = static_cast<std::size_t>(s.batch * s.heads * s.seq);
-  std::size_t dq = rows * static_cast<std::size_t>(s.head_dim) * sizeof(float);
+// Bytes of device workspace attention_backward needs (fp32 dq accumulator + row terms delta).
+inline std::size_t attention_backward_workspace_bytes(const AttentionArgs& a) {
+  std::size_t rows = static_cast<std::size_t>(a.batch * a.q_heads * a.q_len);
+  std::size_t dq = rows * static_cast<std::size_t>(a.head_dim) * sizeof(float);
   return (dq + 255) / 256 * 256 + rows * sizeof(float);
 }
 
-// dQ, dK, dV from the forward's inputs, output O, its lse and dO. `workspace` holds
-// attention_backward_workspace_bytes(shape) bytes of device memory; everything runs on `stream`.
+// dq, dk, dv from the forward's inputs, its output o and lse, and d_o; overwritten, or added to
+// when `accumulate`. `workspace` holds attention_backward_workspace_bytes(args) bytes of device
+// memory; everything runs on `stream`.
 template <class T>
-void attention_backward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* o, const T* dout,
+void attention_backward(const AttentionArgs& args, const T* q, const T* k, const T* v, const T* o, const T* d_o,
                         const float* lse, T* dq, T* dk, T* dv, void* workspace, std::size_t workspace_bytes,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool accumulate = false);
 
 #if !defined(TRELLIS_ATTENTION_CUDA_EXTERN)
 template <class T>
-void attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, T* o, float* lse,
+void attention_forward(const AttentionArgs& args, const T* q, const T* k, const T* v, T* o, float* lse,
                        cudaStream_t stream) {
   static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, half>, "attention takes bfloat16 or half");
   namespace ad = attention_detail;
-  ad::check_shape(shape);
+  ad::check_args(args);
   ad::check_aligned(q, "q"), ad::check_aligned(k, "k"), ad::check_aligned(v, "v"), ad::check_aligned(o, "o");
   TRELLIS_CHECK(lse != nullptr, "attention: lse must not be null");
-  if (shape.head_dim == 64) {
-    shape.causal ? ad::launch_forward<T, 64, true>(shape, q, k, v, o, lse, stream)
-                 : ad::launch_forward<T, 64, false>(shape, q, k, v, o, lse, stream);
+  if (args.head_dim == 64) {
+    args.causal ? ad::launch_forward<T, 64, true>(args, q, k, v, o, lse, stream)
+                : ad::launch_forward<T, 64, false>(args, q, k, v, o, lse, stream);
   } else {
-    shape.causal ? ad::launch_forward<T, 128, true>(shape, q, k, v, o, lse, stream)
-                 : ad::launch_forward<T, 128, false>(shape, q, k, v, o, lse, stream);
+    args.causal ? ad::launch_forward<T, 128, true>(args, q, k, v, o, lse, stream)
+                : ad::launch_forward<T, 128, false>(args, q, k, v, o, lse, stream);
   }
 }
 
 template <class T>
-void attention_backward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* o, const T* dout,
+void attention_backward(const AttentionArgs& args, const T* q, const T* k, const T* v, const T* o, const T* d_o,
                         const float* lse, T* dq, T* dk, T* dv, void* workspace, std::size_t workspace_bytes,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool accumulate) {
   static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, half>, "attention takes bfloat16 or half");
   namespace ad = attention_detail;
-  ad::check_shape(shape);
-  for (auto [p, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {o, "o"}, {dout, "dout"},
-                         {dq, "dq"}, {dk, "dk"}, {dv, "dv"}})
-    ad::check_aligned(p, name);
-  TRELLIS_CHECK(workspace && workspace_bytes >= attention_backward_workspace_bytes(shape),
+  ad::check_args(args);
+  ad::check_aligned(q, "q"), ad::check_aligned(k, "k"), ad::check_aligned(v, "v"), ad::check_aligned(o, "o");
+  ad::check_aligned(d_o, "d_o"), ad::check_aligned(dq, "dq"), ad::check_aligned(dk, "dk"), ad::check_aligned(dv, "dv");
+  TRELLIS_CHECK(lse != nullptr, "attention_backward: lse must not be null");
+  TRELLIS_CHECK(workspace && workspace_bytes >= attention_backward_workspace_bytes(args),
                 "attention_backward: workspace of ", workspace_bytes, " bytes, needs ",
-                attention_backward_workspace_bytes(shape));
-  const std::int64_t rows = shape.batch * shape.heads * shape.seq;
-  const std::int64_t dq_count = rows * shape.head_dim;
+                attention_backward_workspace_bytes(args));
+  const std::int64_t rows = args.batch * args.q_heads * args.q_len;
+  const std::int64_t dq_count = rows * args.head_dim;
   float* dq_accum = static_cast<float*>(workspace);
   float* delta = reinterpret_cast<float*>(static_cast<char*>(workspace) +
                                           (static_cast<std::size_t>(dq_count) * sizeof(float) + 255) / 256 * 256);
@@ -618,30 +634,32 @@ void attention_backward(const AttentionShape& shape, const T* q, const T* k, con
   constexpr int kRowsPerBlock = 8;  // one warp per row
   ad::attention_backward_prepare_kernel<T>
       <<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowsPerBlock * 32, 0, stream>>>(
-          reinterpret_cast<const std::uint16_t*>(o), reinterpret_cast<const std::uint16_t*>(dout), delta, rows,
-          static_cast<int>(shape.head_dim));
+          reinterpret_cast<const std::uint16_t*>(o), reinterpret_cast<const std::uint16_t*>(d_o), delta, rows,
+          static_cast<int>(args.head_dim));
   TRELLIS_CHECK_CUDA(cudaGetLastError());
-  if (shape.head_dim == 64) {
-    shape.causal ? ad::launch_backward<T, 64, true>(shape, q, k, v, dout, lse, delta, dq_accum, dk, dv, stream)
-                 : ad::launch_backward<T, 64, false>(shape, q, k, v, dout, lse, delta, dq_accum, dk, dv, stream);
+  if (args.head_dim == 64) {
+    args.causal ? ad::launch_backward<T, 64, true>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream)
+                : ad::launch_backward<T, 64, false>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream);
   } else {
-    shape.causal ? ad::launch_backward<T, 128, true>(shape, q, k, v, dout, lse, delta, dq_accum, dk, dv, stream)
-                 : ad::launch_backward<T, 128, false>(shape, q, k, v, dout, lse, delta, dq_accum, dk, dv, stream);
+    args.causal ? ad::launch_backward<T, 128, true>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream)
+                : ad::launch_backward<T, 128, false>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream);
   }
-  ad::attention_convert_kernel<T><<<1024, 256, 0, stream>>>(dq_accum, reinterpret_cast<std::uint16_t*>(dq), dq_count);
+  ad::attention_convert_kernel<T>
+      <<<1024, 256, 0, stream>>>(dq_accum, reinterpret_cast<std::uint16_t*>(dq), dq_count, accumulate);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 #else
-extern template void attention_forward<bfloat16>(const AttentionShape&, const bfloat16*, const bfloat16*,
+extern template void attention_forward<bfloat16>(const AttentionArgs&, const bfloat16*, const bfloat16*,
                                                  const bfloat16*, bfloat16*, float*, cudaStream_t);
-extern template void attention_forward<half>(const AttentionShape&, const half*, const half*, const half*, half*,
+extern template void attention_forward<half>(const AttentionArgs&, const half*, const half*, const half*, half*,
                                              float*, cudaStream_t);
-extern template void attention_backward<bfloat16>(const AttentionShape&, const bfloat16*, const bfloat16*,
+extern template void attention_backward<bfloat16>(const AttentionArgs&, const bfloat16*, const bfloat16*,
                                                   const bfloat16*, const bfloat16*, const bfloat16*, const float*,
-                                                  bfloat16*, bfloat16*, bfloat16*, void*, std::size_t, cudaStream_t);
-extern template void attention_backward<half>(const AttentionShape&, const half*, const half*, const half*,
+                                                  bfloat16*, bfloat16*, bfloat16*, void*, std::size_t, cudaStream_t,
+                                                  bool);
+extern template void attention_backward<half>(const AttentionArgs&, const half*, const half*, const half*,
                                               const half*, const half*, const float*, half*, half*, half*, void*,
-                                              std::size_t, cudaStream_t);
+                                              std::size_t, cudaStream_t, bool);
 #endif
 
 }  // namespace trellis::kernels::cuda

@@ -4,14 +4,14 @@
 #include "trellis/kernels/attention_cuda.cuh"
 
 namespace trellis::kernels::cuda {
-template void attention_forward<bfloat16>(const AttentionShape&, const bfloat16*, const bfloat16*, const bfloat16*,
+template void attention_forward<bfloat16>(const AttentionArgs&, const bfloat16*, const bfloat16*, const bfloat16*,
                                           bfloat16*, float*, cudaStream_t);
-template void attention_forward<half>(const AttentionShape&, const half*, const half*, const half*, half*, float*,
+template void attention_forward<half>(const AttentionArgs&, const half*, const half*, const half*, half*, float*,
                                       cudaStream_t);
-template void attention_backward<bfloat16>(const AttentionShape&, const bfloat16*, const bfloat16*, const bfloat16*,
+template void attention_backward<bfloat16>(const AttentionArgs&, const bfloat16*, const bfloat16*, const bfloat16*,
                                            const bfloat16*, const bfloat16*, const float*, bfloat16*, bfloat16*,
-                                           bfloat16*, void*, std::size_t, cudaStream_t);
-template void attention_backward<half>(const AttentionShape&, const half*, const half*, const half*, const half*,
+                                           bfloat16*, void*, std::size_t, cudaStream_t, bool);
+template void attention_backward<half>(const AttentionArgs&, const half*, const half*, const half*, const half*,
                                        const half*, const float*, half*, half*, half*, void*, std::size_t,
-                                       cudaStream_t);
+                                       cudaStream_t, bool);
 }  // namespace trellis::kernels::cuda
