@@ -3,6 +3,7 @@
 #pragma once
 
 #include "trellis/core.hpp"
+#include "trellis/comm.hpp"
 #include "trellis/kernels.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
