@@ -1,0 +1,208 @@
+// NcclComm on the GPUs of one process (skipped, exit 77, without a CUDA device):
+//  - one-rank communicator semantics for every collective, compared with the host formula
+//    (a one-rank reduction is the input itself; avg divides by one);
+//  - stream ordering: work enqueued before and after a collective on the communicator's stream,
+//    and a second stream ordered after it only through NcclRequest::wait_on;
+//  - async handles (test until done, wait), batches of self send/recv, split, argument errors;
+//  - with two or more GPUs: a two-rank all_reduce / all_gather driven from two threads.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "trellis/comm/nccl.hpp"
+#include "trellis/core/check_cuda.hpp"
+
+using trellis::comm::NcclComm;
+using trellis::comm::P2POp;
+using trellis::comm::ReduceOp;
+
+namespace {
+
+template <class T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit DeviceArray(std::size_t count) : n(count) {
+    TRELLIS_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&ptr), count * sizeof(T)));
+  }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  void upload(const std::vector<T>& host) {
+    TRELLIS_CHECK_CUDA(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n);
+    TRELLIS_CHECK_CUDA(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+template <class T>
+std::vector<T> ramp(std::size_t n, int offset) {
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<T>(static_cast<float>((static_cast<int>(i) + offset) % 17 - 8));
+  return v;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+NcclComm one_rank() {
+  std::array<int, 1> devices{0};
+  auto comms = NcclComm::init_all(devices, "one");
+  return std::move(comms[0]);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("one-rank NcclComm: every reduction returns its input", "[nccl]", float, double, trellis::half,
+                   trellis::bfloat16, std::int8_t, std::int32_t, std::uint64_t) {
+  using T = TestType;
+  NcclComm comm = one_rank();
+  REQUIRE(comm.rank() == 0);
+  REQUIRE(comm.size() == 1);
+  const std::size_t n = 1000;
+  const auto host = ramp<T>(n, 3);
+  DeviceArray<T> in(n), out(n);
+  in.upload(host);
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max, ReduceOp::prod}) {
+    INFO("op " << trellis::comm::reduce_op_name(op));
+    TRELLIS_CHECK_CUDA(cudaMemsetAsync(out.ptr, 0, n * sizeof(T), comm.stream()));
+    comm.all_reduce(in.ptr, out.ptr, n, op);
+    comm.synchronize();
+    REQUIRE(same_bits(out.download(), host));
+
+    TRELLIS_CHECK_CUDA(cudaMemsetAsync(out.ptr, 0, n * sizeof(T), comm.stream()));
+    comm.reduce(in.ptr, out.ptr, n, op, 0);
+    comm.reduce_scatter(in.ptr, out.ptr, n, op);
+    comm.synchronize();
+    REQUIRE(same_bits(out.download(), host));
+  }
+}
+
+TEST_CASE("one-rank NcclComm: movement, batches, split and errors", "[nccl]") {
+  NcclComm comm = one_rank();
+  const std::size_t n = 4096;
+  const auto host = ramp<float>(n, 5);
+  DeviceArray<float> a(n), b(n);
+  a.upload(host);
+
+  comm.all_gather(a.ptr, b.ptr, n);
+  comm.synchronize();
+  REQUIRE(b.download() == host);
+
+  TRELLIS_CHECK_CUDA(cudaMemsetAsync(b.ptr, 0, n * sizeof(float), comm.stream()));
+  comm.all_to_all(a.ptr, b.ptr, n);
+  comm.broadcast(b.ptr, n, 0);
+  comm.synchronize();
+  REQUIRE(b.download() == host);
+
+  // Self send/recv inside one group.
+  TRELLIS_CHECK_CUDA(cudaMemsetAsync(b.ptr, 0, n * sizeof(float), comm.stream()));
+  std::array<P2POp, 2> ops{P2POp{P2POp::Kind::send, a.ptr, n, trellis::DType::f32, 0},
+                           P2POp{P2POp::Kind::recv, b.ptr, n, trellis::DType::f32, 0}};
+  comm.batch(ops).wait();
+  REQUIRE(b.download() == host);
+
+  NcclComm sub = comm.split(0, 0);
+  REQUIRE(sub.size() == 1);
+  REQUIRE(sub.label() == "one/split(0)");
+  TRELLIS_CHECK_CUDA(cudaMemsetAsync(b.ptr, 0, n * sizeof(float), sub.stream()));
+  sub.all_reduce(a.ptr, b.ptr, n, ReduceOp::sum);
+  sub.barrier();
+  REQUIRE(b.download() == host);
+
+  CHECK_THROWS_WITH(comm.broadcast(a.ptr, n, 1), Catch::Contains("broadcast: root 1 is not a rank"));
+  CHECK_THROWS_WITH(comm.send(a.ptr, n, -1), Catch::Contains("send: peer -1 is not a rank"));
+  CHECK_THROWS_WITH(comm.all_to_all(a.ptr, a.ptr, n), Catch::Contains("separate input and output"));
+  REQUIRE(comm.recorder().calls() > 0);
+}
+
+TEST_CASE("NcclComm: stream ordering and async handles", "[nccl]") {
+  NcclComm comm = one_rank();
+  const std::size_t n = 1 << 20;
+  std::vector<std::int32_t> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<std::int32_t>(i * 7);
+  DeviceArray<std::int32_t> a(n), b(n), c(n);
+  a.upload(host);
+
+  // Before: a memset on the same stream is overwritten by the all_reduce enqueued after it.
+  TRELLIS_CHECK_CUDA(cudaMemsetAsync(b.ptr, 0xff, n * sizeof(std::int32_t), comm.stream()));
+  auto request = comm.all_reduce_async(a.ptr, b.ptr, n, ReduceOp::max);
+  // After, on another stream: ordered only through the request's event.
+  cudaStream_t other = nullptr;
+  TRELLIS_CHECK_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  request.wait_on(other);
+  TRELLIS_CHECK_CUDA(cudaMemcpyAsync(c.ptr, b.ptr, n * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, other));
+  TRELLIS_CHECK_CUDA(cudaStreamSynchronize(other));
+  REQUIRE(c.download() == host);
+  while (!request.test()) std::this_thread::yield();
+  REQUIRE(request.test());
+  request.wait();  // released already: returns at once
+
+  // A user stream set on the communicator.
+  comm.set_stream(other);
+  REQUIRE(comm.stream() == other);
+  TRELLIS_CHECK_CUDA(cudaMemsetAsync(c.ptr, 0, n * sizeof(std::int32_t), other));
+  auto gather = comm.all_gather_async(a.ptr, c.ptr, n);
+  gather.wait();
+  REQUIRE(c.download() == host);
+  auto scatter = comm.reduce_scatter_async(a.ptr, b.ptr, n, ReduceOp::sum);
+  scatter.wait();
+  REQUIRE(b.download() == host);
+  comm.synchronize();
+  TRELLIS_CHECK_CUDA(cudaStreamDestroy(other));
+}
+
+TEST_CASE("NcclComm: two GPUs in one process, one thread each", "[nccl]") {
+  int devices = 0;
+  TRELLIS_CHECK_CUDA(cudaGetDeviceCount(&devices));
+  if (devices < 2) {
+    WARN("fewer than two GPUs: two-rank test not run");
+    return;
+  }
+  std::array<int, 2> list{0, 1};
+  auto comms = NcclComm::init_all(list, "pair");
+  const std::size_t n = 3000;
+  std::array<std::vector<float>, 2> gathered, reduced;
+  std::array<std::exception_ptr, 2> errors;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+      TRELLIS_CHECK_CUDA(cudaSetDevice(list[r]));
+      NcclComm& comm = comms[r];
+      DeviceArray<float> in(n), sum(n), all(2 * n);
+      in.upload(ramp<float>(n, r));
+      comm.all_reduce(in.ptr, sum.ptr, n, ReduceOp::sum);
+      comm.all_gather(in.ptr, all.ptr, n);
+      comm.synchronize();
+      reduced[r] = sum.download();
+      gathered[r] = all.download();
+      } catch (...) {
+      errors[r] = std::current_exception();
+     }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  const auto r0 = ramp<float>(n, 0), r1 = ramp<float>(n, 1);
+  for (int r = 0; r < 2; ++r) {
+    for (std::size_t i = 0; i < n; ++i) {
+      REQUIRE(reduced[r][i] == r0[i] + r1[i]);
+      REQUIRE(gathered[r][i] == r0[i]);
+      REQUIRE(gathered[r][n + i] == r1[i]);
+    }
+  }
+}
