@@ -7,3 +7,4 @@
 #include "trellis/kernels.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
+#include "trellis/train.hpp"

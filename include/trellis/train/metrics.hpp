@@ -1,0 +1,95 @@
+// metrics.jsonl: one JSON object per line per step, flushed as written, so a crashed run keeps
+// everything up to its last step and any tool (jq, pandas.read_json(lines=True)) reads it.
+//   {"step":10,"loss":3.2,"lr":0.0003,"grad_norm":1.1,"tokens_per_s":51200,"mfu":0.31,"elapsed_s":12.5}
+// plus "val_loss" on the steps that evaluated, and any extra fields the caller adds.
+// Also the model-FLOPs helpers behind MFU.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/train/atomic_file.hpp"
+#include "trellis/train/json.hpp"
+
+namespace trellis::train {
+
+struct StepMetrics {
+  std::int64_t step = 0;
+  double loss = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;  // fraction of peak, 0..1
+  double elapsed_s = 0.0;
+  std::optional<double> val_loss{};
+  json::Object extra{};  // anything else worth a column
+
+  json::Value to_json() const {
+    json::Object o = extra;
+    o["step"] = json::Value(step);
+    o["loss"] = json::Value(loss);
+    o["lr"] = json::Value(lr);
+    o["grad_norm"] = json::Value(grad_norm);
+    o["tokens_per_s"] = json::Value(tokens_per_s);
+    o["mfu"] = json::Value(mfu);
+    o["elapsed_s"] = json::Value(elapsed_s);
+    if (val_loss) o["val_loss"] = json::Value(*val_loss);
+    return json::Value(std::move(o));
+  }
+};
+
+class MetricsWriter {
+ public:
+  // `append` continues a resumed run's file; otherwise the file starts empty.
+  explicit MetricsWriter(const std::filesystem::path& path, bool append = false)
+      : path_(path), out_(path, append ? std::ios::app : std::ios::trunc) {
+    TRELLIS_CHECK(out_.good(), "cannot open metrics file ", path, " for writing");
+  }
+  void write(const StepMetrics& m) { write_line(m.to_json()); }
+  void write_line(const json::Value& object) {
+    out_ << json::dump(object) << '\n';
+    out_.flush();
+    TRELLIS_CHECK(out_.good(), "writing metrics file ", path_, " failed");
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  std::ofstream out_;
+};
+
+// Every line of a metrics.jsonl file (blank lines skipped; a torn last line is an error naming
+// the file and line).
+inline std::vector<json::Value> read_metrics(const std::filesystem::path& path) {
+  std::vector<json::Value> rows;
+  const std::string text = read_whole_file(path);
+  std::size_t start = 0, line = 1;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string_view row(text.data() + start, end - start);
+    if (!row.empty()) rows.push_back(json::parse(row, path.string() + " line " + std::to_string(line)));
+    start = end + 1;
+    ++line;
+  }
+  return rows;
+}
+
+// Training FLOPs per token of a GPT (forward + backward, PaLM appendix B):
+//   6 * n_params + 12 * n_layers * d_model * seq_len  (the second term is attention's QK^T and AV)
+inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, int seq_len) {
+  return 6.0 * n_params + 12.0 * n_layers * static_cast<double>(d_model) * seq_len;
+}
+// Model FLOPs utilisation: achieved model FLOP/s over the hardware's peak (all devices used).
+inline double model_flops_utilization(double flops_per_token, double tokens_per_s, double peak_flops) {
+  TRELLIS_CHECK(peak_flops > 0, "MFU needs a positive peak FLOP/s, got ", peak_flops);
+  return flops_per_token * tokens_per_s / peak_flops;
+}
+
+}  // namespace trellis::train
