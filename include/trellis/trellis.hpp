@@ -4,6 +4,7 @@
 
 #include "trellis/core.hpp"
 #include "trellis/comm.hpp"
+#include "trellis/shard.hpp"
 #include "trellis/kernels.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
