@@ -1,0 +1,14 @@
+// trellis::nn: tensor-parallel layers (column/row linear, vocab-parallel embedding and
+// cross-entropy, attention, MLP, LayerNorm, transformer block) and the GPT-2 model.
+#pragma once
+
+#include "trellis/nn/attention.hpp"
+#include "trellis/nn/block.hpp"
+#include "trellis/nn/cross_entropy.hpp"
+#include "trellis/nn/embedding.hpp"
+#include "trellis/nn/gpt.hpp"
+#include "trellis/nn/layernorm.hpp"
+#include "trellis/nn/linear.hpp"
+#include "trellis/nn/mlp.hpp"
+#include "trellis/nn/parameter.hpp"
+#include "trellis/nn/tensor_parallel.hpp"

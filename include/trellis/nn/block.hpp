@@ -1,0 +1,124 @@
+// Pre-norm transformer block (GPT-2):  x2 = x + attn(ln_1(x));  y = x2 + mlp(ln_2(x2)).
+// Residual and norms run on the norm-region rows (with sequence parallelism, this rank's sequence
+// shard). Options: sequence parallelism and overlap come with the TensorParallel handle; with
+// `recompute` the forward keeps only the block input and backward_input runs the forward again.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "trellis/nn/attention.hpp"
+#include "trellis/nn/layernorm.hpp"
+#include "trellis/nn/mlp.hpp"
+
+namespace trellis::nn {
+
+struct BlockConfig {
+  index_t width = 0;
+  index_t heads = 0;
+  index_t hidden = 0;  // 0: 4 * width
+  float ln_eps = 1e-5f;
+  bool recompute = false;
+};
+
+template <comm::Communicator C>
+class TransformerBlock {
+ public:
+  // name: e.g. "h.3".
+  TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp)
+      : cfg_(cfg),
+        tp_(tp),
+        ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps),
+        attn_(name + ".attn", cfg.width, cfg.heads, tp),
+        ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps),
+        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp) {}
+
+  LayerNorm<C>& ln_1() { return ln_1_; }
+  CausalSelfAttention<C>& attn() { return attn_; }
+  LayerNorm<C>& ln_2() { return ln_2_; }
+  Mlp<C>& mlp() { return mlp_; }
+  bool recompute() const { return cfg_.recompute; }
+  template <class F> void for_each_parameter(F&& f) {
+    ln_1_.for_each_parameter(f);
+    attn_.for_each_parameter(f);
+    ln_2_.for_each_parameter(f);
+    mlp_.for_each_parameter(f);
+  }
+
+  // x, y: (local_rows, width).
+  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+    Saved& s = store_.create(mb);
+    s.rows = tp_.local_rows(shape);
+    if (cfg_.recompute) {
+      s.input.assign(x, x + s.rows * cfg_.width);
+      run_forward(mb, shape, x, y);
+      release_sublayers(mb);
+    } else {
+      run_forward(mb, shape, x, y);
+    }
+  }
+
+  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+    Saved& s = store_.at(mb, "TransformerBlock::backward_input");
+    const index_t n = s.rows * cfg_.width;
+    if (cfg_.recompute) {
+      std::vector<float> y(static_cast<std::size_t>(n));
+      run_forward(mb, shape, s.input.data(), y.data());
+      s.input = {};
+    }
+    std::vector<float> dh(static_cast<std::size_t>(n)), dx2(static_cast<std::size_t>(n));
+    mlp_.backward_input(mb, shape, dy, dh.data());
+    ln_2_.backward_input(mb, shape, dh.data(), dx2.data());
+    for (index_t i = 0; i < n; ++i) dx2[i] += dy[i];
+    attn_.backward_input(mb, shape, dx2.data(), dh.data());
+    ln_1_.backward_input(mb, shape, dh.data(), dx);
+    for (index_t i = 0; i < n; ++i) dx[i] += dx2[i];
+  }
+
+  void backward_weight(int mb) {
+    store_.at(mb, "TransformerBlock::backward_weight");
+    ln_1_.backward_weight(mb);
+    attn_.backward_weight(mb);
+    ln_2_.backward_weight(mb);
+    mlp_.backward_weight(mb);
+    store_.erase(mb);
+  }
+  // Microbatches with saved state anywhere in the block (for leak checks).
+  std::size_t saved_microbatches() const {
+    return store_.size() + ln_1_.saved_microbatches() + attn_.saved_microbatches() + ln_2_.saved_microbatches() +
+           mlp_.saved_microbatches();
+  }
+
+ private:
+  struct Saved {
+    index_t rows = 0;
+    std::vector<float> input;  // with recompute: the block input
+  };
+
+  void run_forward(int mb, const TokenShape& shape, const float* x, float* y) {
+    const index_t n = tp_.local_rows(shape) * cfg_.width;
+    std::vector<float> h(static_cast<std::size_t>(n)), x2(static_cast<std::size_t>(n));
+    ln_1_.forward(mb, shape, x, h.data());
+    attn_.forward(mb, shape, h.data(), x2.data());
+    for (index_t i = 0; i < n; ++i) x2[i] += x[i];
+    ln_2_.forward(mb, shape, x2.data(), h.data());
+    mlp_.forward(mb, shape, h.data(), y);
+    for (index_t i = 0; i < n; ++i) y[i] += x2[i];
+  }
+  void release_sublayers(int mb) {
+    ln_1_.release(mb);
+    attn_.release(mb);
+    ln_2_.release(mb);
+    mlp_.release(mb);
+  }
+
+  BlockConfig cfg_;
+  TensorParallel<C> tp_;
+  LayerNorm<C> ln_1_;
+  CausalSelfAttention<C> attn_;
+  LayerNorm<C> ln_2_;
+  Mlp<C> mlp_;
+  MicrobatchStore<Saved> store_;
+};
+
+}  // namespace trellis::nn

@@ -1,0 +1,237 @@
+// GPT-2 (Radford et al. 2019; the math of HF's GPT2LMHeadModel with dropout 0): token + learned
+// position embedding, n pre-norm blocks (causal attention, tanh-GELU MLP), final LayerNorm, LM
+// head tied to the token embedding, softmax cross-entropy. Tensor parallel (Megatron) with
+// optional sequence parallelism, chunked communication overlap and per-block recompute.
+//
+// Pipeline stages: a GptModel is one stage, a contiguous range of blocks; the first stage holds
+// the embedding, the last ln_f + LM head + loss. When first and last are different stages both
+// hold a copy of wte (same initial values); each accumulates its own part of wte's gradient,
+// and the trainer must sum tied_wte()->grad over the {first, last} stage pair (all-reduce or
+// send/recv) before the optimizer step, which then keeps the copies identical.
+//
+// Stage I/O: activations between stages are the norm-region rows (local_rows x width; with sp
+// only this rank's sequence shard), rows in sequence-major order (row = t * batch + b).
+// Parameter names and global shapes are GPT-2's (weights of linear layers stored in x out, as
+// HF's Conv1D), so checkpoints map one to one.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "trellis/nn/block.hpp"
+#include "trellis/nn/cross_entropy.hpp"
+#include "trellis/nn/embedding.hpp"
+#include "trellis/nn/layernorm.hpp"
+
+namespace trellis::nn {
+
+struct GptConfig {
+  index_t vocab = 50257;
+  index_t positions = 1024;  // n_positions (learned)
+  index_t layers = 12;
+  index_t heads = 12;
+  index_t width = 768;       // n_embd
+  float ln_eps = 1e-5f;
+};
+
+struct GptOptions {
+  bool sequence_parallel = false;
+  int overlap_chunks = 1;    // > 1: Oases-style chunked overlap of tp collectives
+  bool recompute = false;    // per-block activation recompute
+  std::uint64_t seed = 1234;
+  float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
+};
+
+// Which part of the model this rank's stage holds.
+struct GptStage {
+  int first_layer = 0;
+  int end_layer = -1;  // exclusive; -1: all layers
+  bool embedding = true;
+  bool head = true;
+
+  // Stage `stage` of `stages`, blocks split by the library's uneven rule (earlier stages get the
+  // extra block).
+  static GptStage of(int stage, int stages, index_t layers) {
+    TRELLIS_CHECK(stages >= 1 && stage >= 0 && stage < stages, "GptStage::of: stage ", stage, " of ", stages);
+    const auto c = shard::chunk(layers, stages, stage);
+    return {static_cast<int>(c.offset), static_cast<int>(c.offset + c.size), stage == 0, stage == stages - 1};
+  }
+};
+
+// What a stage consumes: tokens (first stage) or the previous stage's activation; targets and the
+// global token count (last stage).
+struct StageInput {
+  const std::int32_t* tokens = nullptr;   // (batch, seq)
+  const float* activation = nullptr;      // (local_rows, width)
+  const std::int32_t* targets = nullptr;  // (batch, seq)
+  double token_count = 0;                 // loss normaliser: tokens over all dp ranks and microbatches
+};
+
+template <comm::Communicator C>
+class GptModel {
+ public:
+  // tp_comm: the tensor-parallel communicator (size 1 for no tp).
+  GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {})
+      : cfg_(cfg), opt_(opt), stage_(stage) {
+    if (stage_.end_layer < 0) stage_.end_layer = static_cast<int>(cfg.layers);
+    TRELLIS_CHECK(0 <= stage_.first_layer && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.layers,
+                  "GptModel: stage blocks [", stage_.first_layer, ", ", stage_.end_layer, ") outside 0..", cfg.layers);
+    tp_.comm = &tp_comm;
+    tp_.sequence_parallel = opt.sequence_parallel;
+    tp_.overlap_chunks = opt.overlap_chunks;
+    tp_.check();
+    const auto vocab_rows = shard::chunk(cfg.vocab, tp_.size(), tp_.rank());
+    if (stage_.embedding) embedding_ = std::make_unique<VocabParallelEmbedding<C>>(cfg.vocab, cfg.positions, cfg.width, tp_);
+    BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute};
+    for (int i = stage_.first_layer; i < stage_.end_layer; ++i)
+      blocks_.push_back(std::make_unique<TransformerBlock<C>>("h." + std::to_string(i), bc, tp_));
+    if (stage_.head) {
+      ln_f_ = std::make_unique<LayerNorm<C>>("ln_f", cfg.width, tp_, cfg.ln_eps);
+      Parameter* wte = nullptr;
+      if (embedding_) {
+        wte = &embedding_->wte();
+      } else {
+        head_wte_ = std::make_unique<Parameter>(
+            make_parameter("wte.weight", {cfg.vocab, cfg.width}, {}, 0, vocab_rows.offset, vocab_rows.size));
+        wte = head_wte_.get();
+      }
+      head_ = std::make_unique<VocabParallelLMHeadLoss<C>>(wte, vocab_rows.offset, cfg.width, tp_);
+    }
+    init_parameters();
+  }
+
+  const GptConfig& config() const { return cfg_; }
+  const GptStage& stage() const { return stage_; }
+  TensorParallel<C>& tp() { return tp_; }
+  index_t local_rows(const TokenShape& shape) const { return tp_.local_rows(shape); }
+
+  // This stage's parameters in GPT-2 order (wte, wpe, h.i.*, ln_f.*); a head-only stage lists
+  // its wte copy last.
+  std::vector<Parameter*> parameters() {
+    std::vector<Parameter*> out;
+    auto add = [&](Parameter& p) { out.push_back(&p); };
+    if (embedding_) embedding_->for_each_parameter(add);
+    for (auto& b : blocks_) b->for_each_parameter(add);
+    if (ln_f_) ln_f_->for_each_parameter(add);
+    if (head_wte_) out.push_back(head_wte_.get());
+    return out;
+  }
+  Parameter* find(const std::string& name) {
+    for (Parameter* p : parameters())
+      if (p->name == name) return p;
+    return nullptr;
+  }
+  // The wte held by this stage (embedding or LM-head copy), or nullptr.
+  Parameter* tied_wte() {
+    if (embedding_) return &embedding_->wte();
+    return head_wte_.get();
+  }
+  // True when wte's gradient must be summed with another stage's (first != last stage).
+  bool wte_grad_needs_stage_reduction() const { return stage_.embedding != stage_.head; }
+  void zero_grad() {
+    for (Parameter* p : parameters()) p->zero_grad();
+  }
+
+  VocabParallelEmbedding<C>* embedding() { return embedding_.get(); }
+  TransformerBlock<C>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
+  LayerNorm<C>* ln_f() { return ln_f_.get(); }
+
+  // Runs the stage's forward for microbatch mb. Returns the loss contribution (last stage: sum of
+  // token losses / in.token_count), else writes `output` (local_rows x width) and returns 0.
+  double forward(int mb, const TokenShape& shape, const StageInput& in, float* output) {
+    const index_t n = tp_.local_rows(shape) * cfg_.width;
+    std::vector<float> x(static_cast<std::size_t>(n)), y(static_cast<std::size_t>(n));
+    if (embedding_) {
+      TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
+      embedding_->forward(mb, shape, in.tokens, x.data());
+    } else {
+      TRELLIS_CHECK(in.activation != nullptr, "GptModel::forward: stage without embedding needs an input activation");
+      std::copy(in.activation, in.activation + n, x.data());
+    }
+    for (auto& b : blocks_) {
+      b->forward(mb, shape, x.data(), y.data());
+      std::swap(x, y);
+    }
+    if (!head_) {
+      TRELLIS_CHECK(output != nullptr, "GptModel::forward: stage without head needs an output buffer");
+      std::copy(x.begin(), x.end(), output);
+      return 0.0;
+    }
+    TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: the last stage needs targets");
+    ln_f_->forward(mb, shape, x.data(), y.data());
+    return head_->forward(mb, shape, y.data(), in.targets, in.token_count);
+  }
+
+  // doutput: gradient of this stage's output (ignored on the last stage, whose output is the
+  // loss, seeded with d loss = 1); dinput: gradient of its input (not written on the first stage).
+  void backward_input(int mb, const TokenShape& shape, const float* doutput, float* dinput) {
+    const index_t n = tp_.local_rows(shape) * cfg_.width;
+    std::vector<float> g(static_cast<std::size_t>(n)), h(static_cast<std::size_t>(n));
+    if (head_) {
+      head_->backward_input(mb, shape, h.data());
+      ln_f_->backward_input(mb, shape, h.data(), g.data());
+    } else {
+      TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
+      std::copy(doutput, doutput + n, g.data());
+    }
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      (*it)->backward_input(mb, shape, g.data(), h.data());
+      std::swap(g, h);
+    }
+    if (embedding_) {
+      embedding_->backward_input(mb, shape, g.data());
+    } else {
+      TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
+      std::copy(g.begin(), g.end(), dinput);
+    }
+  }
+
+  // Adds microbatch mb's weight gradients and frees its saved activations.
+  void backward_weight(int mb) {
+    if (head_) {
+      head_->backward_weight(mb);
+      ln_f_->backward_weight(mb);
+    }
+    for (auto& b : blocks_) b->backward_weight(mb);
+    if (embedding_) embedding_->backward_weight(mb);
+  }
+
+  // Microbatch states still held anywhere in the stage (0 after every W: no leak).
+  std::size_t saved_microbatches() const {
+    std::size_t n = 0;
+    if (embedding_) n += embedding_->saved_microbatches();
+    for (auto& b : blocks_) n += b->saved_microbatches();
+    if (ln_f_) n += ln_f_->saved_microbatches();
+    if (head_) n += head_->saved_microbatches();
+    return n;
+  }
+
+ private:
+  void init_parameters() {
+    const float proj_std = opt_.init_std / std::sqrt(2.0f * static_cast<float>(cfg_.layers));
+    for (Parameter* p : parameters()) {
+      const std::string& nm = p->name;
+      auto ends_with = [&](const std::string& suffix) {
+        return nm.size() >= suffix.size() && nm.compare(nm.size() - suffix.size(), suffix.size(), suffix) == 0;
+      };
+      if (nm.find(".ln_") != std::string::npos || nm.rfind("ln_f", 0) == 0) continue;  // ones / zeros already
+      if (ends_with(".bias")) continue;                                                 // zeros
+      init_normal(*p, opt_.seed, ends_with("c_proj.weight") ? proj_std : opt_.init_std);
+    }
+  }
+
+  GptConfig cfg_;
+  GptOptions opt_;
+  GptStage stage_;
+  TensorParallel<C> tp_;
+  std::unique_ptr<VocabParallelEmbedding<C>> embedding_;
+  std::vector<std::unique_ptr<TransformerBlock<C>>> blocks_;
+  std::unique_ptr<LayerNorm<C>> ln_f_;
+  std::unique_ptr<Parameter> head_wte_;
+  std::unique_ptr<VocabParallelLMHeadLoss<C>> head_;
+};
+
+}  // namespace trellis::nn

@@ -1,0 +1,225 @@
+// Column- and row-parallel linear layers (Megatron), with GPT-2's Conv1D weight layout
+// (weight: in x out, y = x W + b).
+//
+//   ColumnParallelLinear  W split by output columns. Forward: (sp: all-gather rows) then
+//                         y = x W_r + b_r [+ GELU]. backward_input: dx = dy W_r^T, all-reduced
+//                         (sp: reduce-scattered) over tp.
+//   RowParallelLinear     W split by input rows; input arrives split by columns (the output of a
+//                         column-parallel layer). Forward: y = all-reduce(x_r W_r) + b (sp:
+//                         reduce-scatter). backward_input: (sp: all-gather dy) dx_r = dy W_r^T.
+// Each layer exposes forward / backward_input / backward_weight with per-microbatch saved state;
+// backward_weight accumulates into Parameter::grad and frees the microbatch's state.
+//
+// Output columns (or input rows) are split in units of `unit` elements (a head's width for the
+// attention projections) and, for the fused q/k/v projection, within each of `groups` equal
+// column groups: rank r holds units chunk(units, tp, r) of every group.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "trellis/kernels/epilogue.hpp"
+#include "trellis/nn/parameter.hpp"
+#include "trellis/nn/tensor_parallel.hpp"
+
+namespace trellis::nn {
+
+enum class Activation { none, gelu_tanh };
+
+struct LinearConfig {
+  index_t in = 0;            // global input features
+  index_t out = 0;           // global output features
+  bool bias = true;
+  index_t unit = 1;          // split granularity (features)
+  int groups = 1;            // column groups split separately (3 for a fused q/k/v projection)
+  Activation activation = Activation::none;  // column-parallel only: fused GELU (GPT-2 MLP)
+};
+
+template <comm::Communicator C>
+class ColumnParallelLinear {
+ public:
+  ColumnParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp) : cfg_(cfg), tp_(tp) {
+    tp_.check();
+    TRELLIS_CHECK(cfg.in > 0 && cfg.out > 0 && cfg.unit > 0 && cfg.groups > 0, name,
+                  ": bad linear sizes in=", cfg.in, " out=", cfg.out);
+    TRELLIS_CHECK(cfg.out % (cfg.groups * cfg.unit) == 0, name, ": out ", cfg.out, " is not a multiple of groups ",
+                  cfg.groups, " x unit ", cfg.unit);
+    TRELLIS_CHECK(cfg.activation == Activation::none || cfg.bias, name, ": fused GELU needs a bias");
+    const index_t group_width = cfg.out / cfg.groups;
+    const auto units = shard::chunk(group_width / cfg.unit, tp_.size(), tp_.rank());
+    group_local_ = units.size * cfg.unit;
+    out_local_ = group_local_ * cfg.groups;
+    if (cfg.groups == 1) {
+      weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {}, 1, units.offset * cfg.unit, group_local_);
+      if (cfg.bias) bias_ = make_parameter(name + ".bias", {cfg.out}, {}, 0, units.offset * cfg.unit, group_local_);
+    } else {
+      weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {cfg.in, cfg.groups, group_width}, 2,
+                               units.offset * cfg.unit, group_local_);
+      if (cfg.bias)
+        bias_ = make_parameter(name + ".bias", {cfg.out}, {cfg.groups, group_width}, 1, units.offset * cfg.unit,
+                               group_local_);
+    }
+  }
+
+  index_t in_features() const { return cfg_.in; }
+  index_t local_out_features() const { return out_local_; }
+  Parameter& weight() { return weight_; }
+  Parameter& bias() { return bias_; }
+  const LinearConfig& config() const { return cfg_; }
+  TensorParallel<C>& tp() { return tp_; }
+  template <class F> void for_each_parameter(F&& f) {
+    f(weight_);
+    if (cfg_.bias) f(bias_);
+  }
+
+  // x: (local_rows, in) (sp: this rank's sequence shard; else all rows) -> y: (rows, local_out).
+  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+    Saved& s = store_.create(mb);
+    const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), in = cfg_.in;
+    s.rows = rows;
+    s.x.resize(static_cast<std::size_t>(rows * in));
+    if (cfg_.activation == Activation::gelu_tanh) s.pre.resize(static_cast<std::size_t>(rows * out_local_));
+    auto compute = [&](index_t row0, index_t n) {
+      const float* xr = s.x.data() + row0 * in;
+      float* yr = y + row0 * out_local_;
+      if (cfg_.activation == Activation::gelu_tanh) {
+        kernels::epilogue::BiasGelu<float> ep{bias_.value.data(), s.pre.data() + row0 * out_local_};
+        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr, ep);
+      } else if (cfg_.bias) {
+        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr, kernels::epilogue::Bias<float>{bias_.value.data()});
+      } else {
+        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr);
+      }
+    };
+    if (tp_.sequence_parallel) {
+      detail::gather_rows_then(tp_, x, local, in, s.x.data(), compute);
+    } else {
+      std::copy(x, x + rows * in, s.x.data());
+      compute(0, rows);
+    }
+  }
+
+  // dy: (rows, local_out) -> dx: (local_rows, in), summed over tp.
+  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+    Saved& s = store_.at(mb, "ColumnParallelLinear::backward_input");
+    const index_t rows = s.rows, local = tp_.local_rows(shape), in = cfg_.in;
+    TRELLIS_CHECK(rows == tp_.full_rows(shape), "ColumnParallelLinear::backward_input: token shape differs from forward");
+    s.dz.assign(dy, dy + rows * out_local_);
+    if (cfg_.activation == Activation::gelu_tanh)
+      for (index_t i = 0; i < rows * out_local_; ++i) s.dz[i] *= kernels::gelu_tanh_grad(s.pre[i]);
+    auto produce = [&](index_t row0, index_t n, float* dst) {
+      detail::matmul_bt(n, in, out_local_, s.dz.data() + row0 * out_local_, weight_.value.data(), dst);
+    };
+    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
+    else detail::produce_then_all_reduce(tp_, rows, in, dx, produce);
+  }
+
+  // dW += x^T dz, db += column sums of dz; frees the microbatch's state.
+  void backward_weight(int mb) {
+    Saved& s = store_.at(mb, "ColumnParallelLinear::backward_weight");
+    TRELLIS_CHECK(!s.dz.empty() || s.rows == 0, "ColumnParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
+    detail::matmul_at_acc(cfg_.in, out_local_, s.rows, s.x.data(), s.dz.data(), weight_.grad.data());
+    if (cfg_.bias) detail::add_column_sums(s.rows, out_local_, s.dz.data(), bias_.grad.data());
+    store_.erase(mb);
+  }
+  // Drops a microbatch's state without gradients (activation recompute discards forward state).
+  void release(int mb) { store_.erase(mb); }
+  std::size_t saved_microbatches() const { return store_.size(); }
+
+ private:
+  struct Saved {
+    index_t rows = 0;
+    std::vector<float> x;    // (rows, in): the (gathered) input
+    std::vector<float> pre;  // (rows, local_out): pre-activation, with GELU
+    std::vector<float> dz;   // (rows, local_out): grad of the pre-activation output
+  };
+  LinearConfig cfg_;
+  TensorParallel<C> tp_;
+  index_t group_local_ = 0, out_local_ = 0;
+  Parameter weight_, bias_;
+  MicrobatchStore<Saved> store_;
+};
+
+template <comm::Communicator C>
+class RowParallelLinear {
+ public:
+  RowParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp) : cfg_(cfg), tp_(tp) {
+    tp_.check();
+    TRELLIS_CHECK(cfg.in > 0 && cfg.out > 0 && cfg.unit > 0 && cfg.in % cfg.unit == 0, name,
+                  ": bad linear sizes in=", cfg.in, " out=", cfg.out, " unit=", cfg.unit);
+    TRELLIS_CHECK(cfg.groups == 1 && cfg.activation == Activation::none, name,
+                  ": row-parallel layers have one group and no activation");
+    const auto units = shard::chunk(cfg.in / cfg.unit, tp_.size(), tp_.rank());
+    in_local_ = units.size * cfg.unit;
+    weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {}, 0, units.offset * cfg.unit, in_local_);
+    if (cfg.bias) bias_ = make_parameter(name + ".bias", {cfg.out});
+  }
+
+  index_t local_in_features() const { return in_local_; }
+  index_t out_features() const { return cfg_.out; }
+  Parameter& weight() { return weight_; }
+  Parameter& bias() { return bias_; }
+  TensorParallel<C>& tp() { return tp_; }
+  template <class F> void for_each_parameter(F&& f) {
+    f(weight_);
+    if (cfg_.bias) f(bias_);
+  }
+
+  // x: (rows, local_in) -> y: (local_rows, out), reduced over tp, plus bias.
+  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+    Saved& s = store_.create(mb);
+    const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), out = cfg_.out;
+    s.rows = rows;
+    s.x.assign(x, x + rows * in_local_);
+    auto produce = [&](index_t row0, index_t n, float* dst) {
+      detail::matmul(n, out, in_local_, s.x.data() + row0 * in_local_, weight_.value.data(), dst);
+    };
+    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, local, out, y, produce);
+    else detail::produce_then_all_reduce(tp_, rows, out, y, produce);
+    if (cfg_.bias)
+      for (index_t i = 0; i < local; ++i)
+        for (index_t j = 0; j < out; ++j) y[i * out + j] += bias_.value[j];
+  }
+
+  // dy: (local_rows, out) -> dx: (rows, local_in).
+  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+    Saved& s = store_.at(mb, "RowParallelLinear::backward_input");
+    const index_t rows = s.rows, local = tp_.local_rows(shape), out = cfg_.out;
+    TRELLIS_CHECK(rows == tp_.full_rows(shape), "RowParallelLinear::backward_input: token shape differs from forward");
+    s.dy.resize(static_cast<std::size_t>(rows * out));
+    auto compute = [&](index_t row0, index_t n) {
+      detail::matmul_bt(n, in_local_, out, s.dy.data() + row0 * out, weight_.value.data(), dx + row0 * in_local_);
+    };
+    if (tp_.sequence_parallel) {
+      detail::gather_rows_then(tp_, dy, local, out, s.dy.data(), compute);
+    } else {
+      std::copy(dy, dy + rows * out, s.dy.data());
+      compute(0, rows);
+    }
+  }
+
+  void backward_weight(int mb) {
+    Saved& s = store_.at(mb, "RowParallelLinear::backward_weight");
+    TRELLIS_CHECK(!s.dy.empty() || s.rows == 0, "RowParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
+    detail::matmul_at_acc(in_local_, cfg_.out, s.rows, s.x.data(), s.dy.data(), weight_.grad.data());
+    if (cfg_.bias) detail::add_column_sums(s.rows, cfg_.out, s.dy.data(), bias_.grad.data());
+    store_.erase(mb);
+  }
+  void release(int mb) { store_.erase(mb); }
+  std::size_t saved_microbatches() const { return store_.size(); }
+
+ private:
+  struct Saved {
+    index_t rows = 0;
+    std::vector<float> x;   // (rows, local_in)
+    std::vector<float> dy;  // (rows, out): the full (gathered) output gradient
+  };
+  LinearConfig cfg_;
+  TensorParallel<C> tp_;
+  index_t in_local_ = 0;
+  Parameter weight_, bias_;
+  MicrobatchStore<Saved> store_;
+};
+
+}  // namespace trellis::nn

@@ -1,0 +1,119 @@
+// Parameters of the parallel layers: this rank's shard of one named tensor, its gradient, and
+// where the shard sits in the global tensor (for checkpoints, ZeRO and tests).
+//
+// A shard is always a box of the parameter's `sharded_shape`, a row-major reshape of its GPT-2
+// `global_shape` (same elements, same order). For most parameters the two are equal; the fused
+// q/k/v projection c_attn.weight (C, 3C) is viewed as (C, 3, C) so that "the heads of this rank"
+// (columns h0*D .. h1*D of each of q, k and v) is one box: offsets {0, 0, h0*D}, shape {C, 3, Cl}.
+// Shards along a dimension follow shard::chunk() (the library's one uneven-size rule).
+//
+// Initial values are a pure function of (seed, name, global element index), so a model built
+// with any tensor-parallel size holds exactly the slices of the single-rank model.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/core/tensor.hpp"
+
+namespace trellis::nn {
+
+struct Parameter {
+  std::string name;                        // GPT-2 name, e.g. "h.0.attn.c_attn.weight"
+  std::vector<index_t> global_shape;       // GPT-2 shape of the whole tensor
+  std::vector<index_t> sharded_shape;      // row-major reshape of global_shape the shard is a box of
+  std::vector<index_t> shard_offsets;      // this rank's box in sharded_shape: start ...
+  std::vector<index_t> shard_shape;        // ... and extent (product == value.size())
+  int shard_dim = -1;                      // dimension of sharded_shape split over tp (-1: replicated)
+  std::vector<float> value;                // this rank's elements, row-major over shard_shape
+  std::vector<float> grad;                 // same shape; backward_weight adds into it
+
+  index_t numel() const { return static_cast<index_t>(value.size()); }
+  index_t global_numel() const {
+    index_t n = 1;
+    for (index_t s : global_shape) n *= s;
+    return n;
+  }
+  bool replicated() const { return shard_dim < 0; }
+  void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+
+  // Row-major index in the global tensor of local element `i`.
+  index_t global_index(index_t i) const {
+    const int r = static_cast<int>(shard_shape.size());
+    index_t g = 0, rest = i;
+    std::vector<index_t> local(static_cast<std::size_t>(r));
+    for (int d = r - 1; d >= 0; --d) {
+      local[d] = rest % shard_shape[d];
+      rest /= shard_shape[d];
+    }
+    for (int d = 0; d < r; ++d) g = g * sharded_shape[d] + shard_offsets[d] + local[d];
+    return g;
+  }
+};
+
+// Builds a parameter of `global_shape`, viewed as `sharded_shape` ({} = same), whose dimension
+// `shard_dim` (-1: none) holds [offset, offset + size).
+inline Parameter make_parameter(std::string name, std::vector<index_t> global_shape,
+                                std::vector<index_t> sharded_shape = {}, int shard_dim = -1,
+                                index_t offset = 0, index_t size = 0) {
+  Parameter p;
+  p.name = std::move(name);
+  p.global_shape = std::move(global_shape);
+  p.sharded_shape = sharded_shape.empty() ? p.global_shape : std::move(sharded_shape);
+  index_t g = 1, s = 1;
+  for (index_t e : p.global_shape) g *= e;
+  for (index_t e : p.sharded_shape) s *= e;
+  TRELLIS_CHECK(g == s, "parameter ", p.name, ": sharded shape is not a reshape of the global shape");
+  p.shard_offsets.assign(p.sharded_shape.size(), 0);
+  p.shard_shape = p.sharded_shape;
+  p.shard_dim = shard_dim;
+  if (shard_dim >= 0) {
+    TRELLIS_CHECK(shard_dim < static_cast<int>(p.sharded_shape.size()), "parameter ", p.name,
+                  ": shard dimension ", shard_dim, " out of range");
+    TRELLIS_CHECK(offset >= 0 && size >= 0 && offset + size <= p.sharded_shape[shard_dim], "parameter ",
+                  p.name, ": shard [", offset, ", ", offset + size, ") outside 0..", p.sharded_shape[shard_dim]);
+    p.shard_offsets[shard_dim] = offset;
+    p.shard_shape[shard_dim] = size;
+  }
+  index_t n = 1;
+  for (index_t e : p.shard_shape) n *= e;
+  p.value.assign(static_cast<std::size_t>(n), 0.0f);
+  p.grad.assign(static_cast<std::size_t>(n), 0.0f);
+  return p;
+}
+
+namespace detail {
+inline std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+inline std::uint64_t name_hash(std::string_view s) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+}  // namespace detail
+
+// A standard normal sample that depends only on (seed, name, global index): tp-independent init.
+inline float counter_normal(std::uint64_t seed, std::string_view name, index_t index) {
+  const std::uint64_t base = detail::splitmix64(seed ^ detail::name_hash(name));
+  const std::uint64_t r = detail::splitmix64(base + static_cast<std::uint64_t>(index) * 2);
+  const std::uint64_t s = detail::splitmix64(base + static_cast<std::uint64_t>(index) * 2 + 1);
+  const double u1 = (static_cast<double>(r >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+  const double u2 = static_cast<double>(s >> 11) * 0x1.0p-53;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+inline void init_normal(Parameter& p, std::uint64_t seed, float stddev) {
+  for (index_t i = 0; i < p.numel(); ++i) p.value[i] = stddev * counter_normal(seed, p.name, p.global_index(i));
+}
+inline void init_constant(Parameter& p, float v) { std::fill(p.value.begin(), p.value.end(), v); }
+
+}  // namespace trellis::nn

@@ -1,0 +1,207 @@
+// What every tensor-parallel layer shares: the tp communicator, the sequence-parallel and overlap
+// options, the token-row geometry, and thin GEMM helpers over kernels/gemm_host.hpp.
+//
+// Activations are 2-D: rows are tokens in sequence-major order, row = t * batch + b (Megatron's
+// [s, b, h]), columns are features. With sequence parallelism (sp) the norm/residual regions hold
+// only this rank's contiguous range of positions t (seq / tp of them, all batch entries), so a
+// row shard is a sequence shard; column-parallel layers all-gather it first and row-parallel
+// layers reduce-scatter back into it instead of all-reducing.
+//
+// Overlap (Oases-style, `overlap_chunks` > 1): a layer splits its rows into chunks and starts the
+// collective of one chunk asynchronously while the GEMM of the next one runs.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "trellis/comm/communicator.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/core/tensor.hpp"
+#include "trellis/kernels/gemm_host.hpp"
+#include "trellis/shard/layout.hpp"
+
+namespace trellis::nn {
+
+// One microbatch's token geometry.
+struct TokenShape {
+  index_t batch = 1;
+  index_t seq = 1;
+  index_t rows() const { return batch * seq; }
+};
+
+template <comm::Communicator C>
+struct TensorParallel {
+  C* comm = nullptr;               // the tp communicator (size 1 is fine)
+  bool sequence_parallel = false;  // shard norm/residual regions along the sequence
+  int overlap_chunks = 1;          // > 1: chunked GEMM/collective overlap
+
+  int size() const { return comm ? comm->size() : 1; }
+  int rank() const { return comm ? comm->rank() : 0; }
+  // Rows of the replicated (full) activation and of this rank's norm-region activation.
+  index_t full_rows(const TokenShape& s) const { return s.rows(); }
+  index_t local_rows(const TokenShape& s) const {
+    if (!sequence_parallel) return s.rows();
+    TRELLIS_CHECK(s.seq % size() == 0, "sequence parallelism: sequence length ", s.seq,
+                  " is not divisible by the tensor-parallel size ", size());
+    return s.rows() / size();
+  }
+  void check() const {
+    TRELLIS_CHECK(comm != nullptr, "tensor-parallel layer without a communicator");
+    TRELLIS_CHECK(overlap_chunks >= 1, "overlap_chunks must be >= 1, got ", overlap_chunks);
+  }
+};
+
+// Per-microbatch saved state: created by forward, read by backward_input and backward_weight,
+// freed after backward_weight.
+template <class Ctx>
+class MicrobatchStore {
+ public:
+  Ctx& create(int mb) {
+    auto [it, fresh] = map_.try_emplace(mb);
+    TRELLIS_CHECK(fresh, "forward of microbatch ", mb, " twice without backward_weight in between");
+    return it->second;
+  }
+  Ctx& at(int mb, const char* what) {
+    auto it = map_.find(mb);
+    TRELLIS_CHECK(it != map_.end(), what, ": no saved forward state for microbatch ", mb);
+    return it->second;
+  }
+  bool contains(int mb) const { return map_.count(mb) != 0; }
+  void erase(int mb) { map_.erase(mb); }
+  std::size_t size() const { return map_.size(); }
+
+ private:
+  std::unordered_map<int, Ctx> map_;
+};
+
+namespace detail {
+
+// y (m, n) = x (m, k) . w (k, n), all row-major, with an epilogue; beta = 1 accumulates.
+template <class E = kernels::epilogue::None>
+void matmul(index_t m, index_t n, index_t k, const float* x, const float* w, float* y, E ep = {}, float beta = 0.0f,
+            index_t ldy = 0) {
+  auto a = kernels::gemm_args(m, n, k, kernels::Op::none, kernels::Op::none, 1.0f, beta);
+  a.ldc = ldy;
+  kernels::host::gemm(a, x, w, y, ep);
+}
+// dx (m, k) = dy (m, n) . w^T, w stored (k, n).
+inline void matmul_bt(index_t m, index_t k, index_t n, const float* dy, const float* w, float* dx, float beta = 0.0f) {
+  kernels::host::gemm(kernels::gemm_args(m, k, n, kernels::Op::none, kernels::Op::transpose, 1.0f, beta), dy, w, dx);
+}
+// dw (k, n) += x^T (k, m) . dy (m, n), x stored (m, k).
+inline void matmul_at_acc(index_t k, index_t n, index_t m, const float* x, const float* dy, float* dw) {
+  kernels::host::gemm(kernels::gemm_args(k, n, m, kernels::Op::transpose, kernels::Op::none, 1.0f, 1.0f), x, dy, dw);
+}
+// db (n) += column sums of dy (m, n).
+inline void add_column_sums(index_t m, index_t n, const float* dy, float* db) {
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) db[j] += dy[i * n + j];
+}
+
+// The rows of chunk j of `local` rows split into `chunks` (the library's uneven rule).
+inline shard::Chunk row_chunk(index_t local, int chunks, int j) { return shard::chunk(local, chunks, j); }
+
+// ---- the three communication patterns of tensor-parallel layers, each with optional overlap ----
+// Chunking never crosses ranks: chunk j of every rank's rows travels in collective j.
+inline int effective_chunks(int requested, index_t rows) {
+  return static_cast<int>(std::max<index_t>(1, std::min<index_t>(requested, rows)));
+}
+
+// all-gather of row shards (local: local_rows x width) into full (size*local_rows x width), then
+// compute(row0, rows) on each arrived block of full rows. With overlap, block j+1 is in flight
+// while compute runs on block j.
+template <class C, class F>
+void gather_rows_then(TensorParallel<C>& tp, const float* local, index_t local_rows, index_t width, float* full,
+                      F&& compute) {
+  const int n = tp.size();
+  if (n == 1) {
+    if (full != local) std::copy(local, local + local_rows * width, full);
+    compute(index_t{0}, local_rows);
+    return;
+  }
+  const int chunks = effective_chunks(tp.overlap_chunks, local_rows);
+  if (chunks == 1) {
+    tp.comm->all_gather(local, full, static_cast<std::size_t>(local_rows * width));
+    compute(index_t{0}, n * local_rows);
+    return;
+  }
+  std::vector<std::vector<float>> staging(static_cast<std::size_t>(chunks));
+  std::vector<typename C::request_type> inflight;
+  inflight.reserve(static_cast<std::size_t>(chunks));
+  auto start = [&](int j) {
+    const auto c = row_chunk(local_rows, chunks, j);
+    staging[j].resize(static_cast<std::size_t>(n * c.size * width));
+    inflight.push_back(tp.comm->all_gather_async(local + c.offset * width, staging[j].data(),
+                                                 static_cast<std::size_t>(c.size * width)));
+  };
+  start(0);
+  for (int j = 0; j < chunks; ++j) {
+    if (j + 1 < chunks) start(j + 1);
+    inflight[j].wait();
+    const auto c = row_chunk(local_rows, chunks, j);
+    for (int r = 0; r < n; ++r) {
+      const index_t row0 = r * local_rows + c.offset;
+      std::copy(staging[j].data() + r * c.size * width, staging[j].data() + (r + 1) * c.size * width,
+                full + row0 * width);
+      compute(row0, c.size);
+    }
+  }
+}
+
+// produce(row0, rows, dst) writes this rank's partial sums of full rows [row0, row0 + rows)
+// (dst: rows x width, contiguous); they are reduce-scattered so that `local` (local_rows x width)
+// gets the sum of this rank's row shard. With overlap, chunk j is reduced while chunk j+1 computes.
+template <class C, class F>
+void produce_then_reduce_scatter(TensorParallel<C>& tp, index_t local_rows, index_t width, float* local, F&& produce) {
+  const int n = tp.size();
+  if (n == 1) {
+    produce(index_t{0}, local_rows, local);
+    return;
+  }
+  const int chunks = effective_chunks(tp.overlap_chunks, local_rows);
+  if (chunks == 1) {
+    std::vector<float> partial(static_cast<std::size_t>(n * local_rows * width));
+    produce(index_t{0}, n * local_rows, partial.data());
+    tp.comm->reduce_scatter(partial.data(), local, static_cast<std::size_t>(local_rows * width), comm::ReduceOp::sum);
+    return;
+  }
+  std::vector<std::vector<float>> staging(static_cast<std::size_t>(chunks));
+  std::vector<typename C::request_type> inflight;
+  inflight.reserve(static_cast<std::size_t>(chunks));
+  for (int j = 0; j < chunks; ++j) {
+    const auto c = row_chunk(local_rows, chunks, j);
+    staging[j].resize(static_cast<std::size_t>(n * c.size * width));
+    for (int r = 0; r < n; ++r) produce(r * local_rows + c.offset, c.size, staging[j].data() + r * c.size * width);
+    inflight.push_back(tp.comm->reduce_scatter_async(staging[j].data(), local + c.offset * width,
+                                                     static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));
+  }
+  for (auto& req : inflight) req.wait();
+}
+
+// produce(row0, rows, dst) writes partial sums of rows [row0, row0 + rows) of out (rows x width)
+// in place; they are all-reduced over tp. With overlap, chunk j is reduced while chunk j+1 computes.
+template <class C, class F>
+void produce_then_all_reduce(TensorParallel<C>& tp, index_t rows, index_t width, float* out, F&& produce) {
+  const int n = tp.size();
+  const int chunks = n == 1 ? 1 : effective_chunks(tp.overlap_chunks, rows);
+  if (chunks == 1) {
+    produce(index_t{0}, rows, out);
+    if (n > 1) tp.comm->all_reduce(out, out, static_cast<std::size_t>(rows * width), comm::ReduceOp::sum);
+    return;
+  }
+  std::vector<typename C::request_type> inflight;
+  inflight.reserve(static_cast<std::size_t>(chunks));
+  for (int j = 0; j < chunks; ++j) {
+    const auto c = row_chunk(rows, chunks, j);
+    float* dst = out + c.offset * width;
+    produce(c.offset, c.size, dst);
+    inflight.push_back(tp.comm->all_reduce_async(dst, dst, static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));
+  }
+  for (auto& req : inflight) req.wait();
+}
+
+}  // namespace detail
+}  // namespace trellis::nn

@@ -1,0 +1,381 @@
+// The GPT-2 model (tiny config: 2 layers, 4 heads, width 64, vocab 96, seq 32):
+//  - the 1-rank model's loss and gradients against an independent naive GPT-2 written below in
+//    double precision (loss directly; gradients against double-precision central differences of
+//    that reference), so the math is GPT-2's and not merely self-consistent;
+//  - fp32 finite-difference spot checks of the model itself;
+//  - tp=2 / tp=2+sp / overlap / recompute / tp=4 == tp=1 (loss and every gradient);
+//  - a 2-stage pipeline split (stages run one after the other on each rank) == the unsplit model,
+//    with the tied wte gradient summed over the two stages; saved state freed after W.
+// (PyTorch is not installed on this machine, so the independent reference is the C++ one below.)
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+
+#include "support.hpp"
+#include "trellis/nn/gpt.hpp"
+
+using namespace trellis;
+using namespace trellis::nn;
+using nn_test::Collector;
+using nn_test::rel_error;
+using Comm = comm::ThreadComm;
+
+namespace {
+
+GptConfig tiny() {
+  GptConfig c;
+  c.vocab = 96;
+  c.positions = 32;
+  c.layers = 2;
+  c.heads = 4;
+  c.width = 64;
+  return c;
+}
+constexpr index_t kBatch = 2, kSeq = 32;
+
+// Microbatch mb's tokens and targets (one ignored target, -1, per microbatch).
+std::vector<std::int32_t> make_ids(const std::string& what, int mb, index_t vocab) {
+  std::vector<std::int32_t> ids(kBatch * kSeq);
+  for (index_t i = 0; i < kBatch * kSeq; ++i)
+    ids[i] = static_cast<std::int32_t>(nn::detail::splitmix64(nn::detail::name_hash(what) + 1000 * mb + i) % vocab);
+  if (what == "targets") ids[5 + mb] = -1;
+  return ids;
+}
+double count_targets(int microbatches, index_t vocab) {
+  double n = 0;
+  for (int mb = 0; mb < microbatches; ++mb)
+    for (auto t : make_ids("targets", mb, vocab)) n += t >= 0;
+  return n;
+}
+
+// ---- an independent naive GPT-2 in double -------------------------------------------------
+using Params = std::map<std::string, std::vector<double>>;
+
+void ref_layernorm(const std::vector<double>& x, index_t rows, index_t C, const std::vector<double>& w,
+                   const std::vector<double>& b, std::vector<double>& y) {
+  y.assign(x.size(), 0.0);
+  for (index_t r = 0; r < rows; ++r) {
+    double mean = 0, var = 0;
+    for (index_t c = 0; c < C; ++c) mean += x[r * C + c];
+    mean /= C;
+    for (index_t c = 0; c < C; ++c) var += (x[r * C + c] - mean) * (x[r * C + c] - mean);
+    var /= C;
+    const double rs = 1.0 / std::sqrt(var + 1e-5);
+    for (index_t c = 0; c < C; ++c) y[r * C + c] = (x[r * C + c] - mean) * rs * w[c] + b[c];
+  }
+}
+// y (rows, out) = x (rows, in) W (in, out) + b
+std::vector<double> ref_linear(const std::vector<double>& x, index_t rows, index_t in, const std::vector<double>& W,
+                               const std::vector<double>& b, index_t out) {
+  std::vector<double> y(rows * out);
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t o = 0; o < out; ++o) {
+      double s = b[o];
+      for (index_t i = 0; i < in; ++i) s += x[r * in + i] * W[i * out + o];
+      y[r * out + o] = s;
+    }
+  return y;
+}
+
+// Mean cross-entropy over non-ignored targets; activations in (batch, seq) order.
+double ref_loss(const GptConfig& cfg, Params& P, const std::vector<std::int32_t>& tokens,
+                const std::vector<std::int32_t>& targets) {
+  const index_t B = kBatch, T = kSeq, C = cfg.width, H = cfg.heads, D = C / H, N = B * T, V = cfg.vocab;
+  std::vector<double> x(N * C), h;
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < T; ++t)
+      for (index_t c = 0; c < C; ++c)
+        x[(b * T + t) * C + c] = P["wte.weight"][tokens[b * T + t] * C + c] + P["wpe.weight"][t * C + c];
+  for (index_t l = 0; l < cfg.layers; ++l) {
+    const std::string pre = "h." + std::to_string(l) + ".";
+    ref_layernorm(x, N, C, P[pre + "ln_1.weight"], P[pre + "ln_1.bias"], h);
+    auto qkv = ref_linear(h, N, C, P[pre + "attn.c_attn.weight"], P[pre + "attn.c_attn.bias"], 3 * C);
+    std::vector<double> y(N * C, 0.0);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t hd = 0; hd < H; ++hd)
+        for (index_t t = 0; t < T; ++t) {
+          std::vector<double> att(t + 1);
+          double mx = -1e300;
+          for (index_t s = 0; s <= t; ++s) {
+            double dot = 0;
+            for (index_t d = 0; d < D; ++d)
+              dot += qkv[(b * T + t) * 3 * C + hd * D + d] * qkv[(b * T + s) * 3 * C + C + hd * D + d];
+            att[s] = dot / std::sqrt(static_cast<double>(D));
+            mx = std::max(mx, att[s]);
+          }
+          double z = 0;
+          for (auto& a : att) z += (a = std::exp(a - mx));
+          for (index_t d = 0; d < D; ++d) {
+            double o = 0;
+            for (index_t s = 0; s <= t; ++s) o += att[s] / z * qkv[(b * T + s) * 3 * C + 2 * C + hd * D + d];
+            y[(b * T + t) * C + hd * D + d] = o;
+          }
+        }
+    auto a = ref_linear(y, N, C, P[pre + "attn.c_proj.weight"], P[pre + "attn.c_proj.bias"], C);
+    for (index_t i = 0; i < N * C; ++i) x[i] += a[i];
+    ref_layernorm(x, N, C, P[pre + "ln_2.weight"], P[pre + "ln_2.bias"], h);
+    auto f = ref_linear(h, N, C, P[pre + "mlp.c_fc.weight"], P[pre + "mlp.c_fc.bias"], 4 * C);
+    for (auto& v : f) v = 0.5 * v * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v)));
+    auto m = ref_linear(f, N, 4 * C, P[pre + "mlp.c_proj.weight"], P[pre + "mlp.c_proj.bias"], C);
+    for (index_t i = 0; i < N * C; ++i) x[i] += m[i];
+  }
+  ref_layernorm(x, N, C, P["ln_f.weight"], P["ln_f.bias"], h);
+  double total = 0;
+  int count = 0;
+  for (index_t r = 0; r < N; ++r) {
+    if (targets[r] < 0) continue;
+    std::vector<double> logits(V);
+    double mx = -1e300;
+    for (index_t v = 0; v < V; ++v) {
+      double s = 0;
+      for (index_t c = 0; c < C; ++c) s += h[r * C + c] * P["wte.weight"][v * C + c];
+      logits[v] = s;
+      mx = std::max(mx, s);
+    }
+    double z = 0;
+    for (double s : logits) z += std::exp(s - mx);
+    total += mx + std::log(z) - logits[targets[r]];
+    ++count;
+  }
+  return total / count;
+}
+
+// ---- running the model --------------------------------------------------------------------
+struct ModelRun {
+  int tp = 1;
+  bool sp = false;
+  int chunks = 1;
+  bool recompute = false;
+  int stages = 1;
+  int microbatches = 1;
+  bool deferred_w = false;  // all B passes (reverse order) before any W
+};
+
+// Collects the loss (sum over microbatches, checked equal across tp ranks), the initial values
+// ("init:" + name) and the gradients of every parameter (wte: summed over the stages holding it).
+void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f) {
+  const GptConfig cfg = tiny();
+  const double token_count = count_targets(o.microbatches, cfg.vocab);
+  std::mutex mutex;
+  std::vector<double> losses;
+  nn_test::run_ranks(o.tp, [&](Comm& comm) {
+    GptOptions opt;
+    opt.sequence_parallel = o.sp;
+    opt.overlap_chunks = o.chunks;
+    opt.recompute = o.recompute;
+    std::vector<std::unique_ptr<GptModel<Comm>>> stages;
+    for (int s = 0; s < o.stages; ++s)
+      stages.push_back(std::make_unique<GptModel<Comm>>(cfg, comm, opt, GptStage::of(s, o.stages, cfg.layers)));
+    for (auto& st : stages)
+      for (Parameter* p : st->parameters()) {
+        for (index_t i = 0; i < p->numel(); ++i) out.put("init:" + p->name, p->global_numel(), p->global_index(i), p->value[i]);
+        if (randomize_scale > 0) nn_test::randomize(*p, randomize_scale);
+      }
+    const TokenShape shape{kBatch, kSeq};
+    const index_t act = stages[0]->local_rows(shape) * cfg.width;
+    // acts[mb][s]: output of stage s; grads[mb][s]: gradient of stage s's input.
+    std::vector<std::vector<std::vector<float>>> acts(o.microbatches), grads(o.microbatches);
+    std::vector<std::vector<std::int32_t>> tokens, targets;
+    double loss = 0;
+    for (int mb = 0; mb < o.microbatches; ++mb) {
+      tokens.push_back(make_ids("tokens", mb, cfg.vocab));
+      targets.push_back(make_ids("targets", mb, cfg.vocab));
+      acts[mb].assign(o.stages, std::vector<float>(act));
+      grads[mb].assign(o.stages, std::vector<float>(act));
+    }
+    auto backward_input = [&](int mb) {
+      for (int s = o.stages - 1; s >= 0; --s)
+        stages[s]->backward_input(mb, shape, s + 1 < o.stages ? grads[mb][s + 1].data() : nullptr,
+                                  s > 0 ? grads[mb][s].data() : nullptr);
+    };
+    for (int mb = 0; mb < o.microbatches; ++mb) {
+      for (int s = 0; s < o.stages; ++s) {
+        StageInput in{tokens[mb].data(), s > 0 ? acts[mb][s - 1].data() : nullptr, targets[mb].data(), token_count};
+        loss += stages[s]->forward(mb, shape, in, acts[mb][s].data());
+      }
+      if (!o.deferred_w) {
+        backward_input(mb);
+        for (auto& st : stages) st->backward_weight(mb);
+      }
+    }
+    if (o.deferred_w) {
+      for (int mb = o.microbatches - 1; mb >= 0; --mb) backward_input(mb);
+      for (int mb = 0; mb < o.microbatches; ++mb)
+        for (auto& st : stages) st->backward_weight(mb);
+    }
+    for (auto& st : stages) CHECK(st->saved_microbatches() == 0);
+    // The tied wte: what the trainer's all-reduce over {first, last} stage does.
+    if (o.stages > 1) {
+      Parameter* first = stages.front()->tied_wte();
+      Parameter* last = stages.back()->tied_wte();
+      REQUIRE(first != nullptr);
+      REQUIRE(last != nullptr);
+      REQUIRE(stages.front()->wte_grad_needs_stage_reduction());
+      for (index_t i = 0; i < first->numel(); ++i) first->grad[i] += last->grad[i];
+    }
+    for (std::size_t s = 0; s < stages.size(); ++s)
+      for (Parameter* p : stages[s]->parameters())
+        if (!(s > 0 && p->name == "wte.weight")) out.put_grad(*p);
+    std::lock_guard<std::mutex> lock(mutex);
+    losses.push_back(loss);
+  });
+  for (double l : losses) CHECK(l == losses.front());
+  out.scalar = losses.front();
+}
+
+Params params_of_tp1(float randomize_scale) {
+  Params P;
+  nn_test::run_ranks(1, [&](Comm& comm) {
+    GptModel<Comm> model(tiny(), comm);
+    for (Parameter* p : model.parameters()) {
+      nn_test::randomize(*p, randomize_scale);
+      P[p->name].assign(p->value.begin(), p->value.end());
+    }
+  });
+  return P;
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 loss and gradients match an independent double-precision reference", "[nn][gpt][reference]") {
+  const GptConfig cfg = tiny();
+  Collector got;
+  run_model({}, got);
+  Params P = params_of_tp1(0.05f);
+  const auto tokens = make_ids("tokens", 0, cfg.vocab), targets = make_ids("targets", 0, cfg.vocab);
+  const double ref = ref_loss(cfg, P, tokens, targets);
+  INFO("model loss " << got.scalar << " reference " << ref);
+  CHECK(std::fabs(got.scalar - ref) <= 1e-5 * std::fabs(ref));
+  CHECK(std::fabs(ref - std::log(96.0)) < 1.0);  // sanity: near log(vocab) for a small random model
+
+  // Gradients: double-precision central differences of the reference at a few entries of every
+  // parameter; |model - reference| <= 1e-3 |reference| + 2e-4 * max |grad of that tensor|.
+  for (auto& [name, values] : P) {
+    const auto g = got.get(name);
+    REQUIRE(g.size() == values.size());
+    double scale = 0;
+    for (float v : g) scale = std::max(scale, std::fabs(static_cast<double>(v)));
+    for (index_t k : {index_t{3}, static_cast<index_t>(values.size() / 2 + 1)}) {
+      // For wte, also an entry of a token that occurs (rows of absent tokens only see the head).
+      const index_t idx = name == "wte.weight" && k == 3 ? tokens[0] * cfg.width + 5 : k;
+      const double e = 1e-5, saved = values[idx];
+      values[idx] = saved + e;
+      const double up = ref_loss(cfg, P, tokens, targets);
+      values[idx] = saved - e;
+      const double down = ref_loss(cfg, P, tokens, targets);
+      values[idx] = saved;
+      const double fd = (up - down) / (2 * e);
+      INFO(name << "[" << idx << "]: model " << g[idx] << " reference " << fd);
+      CHECK(std::fabs(g[idx] - fd) <= 1e-3 * std::fabs(fd) + 2e-4 * scale);
+    }
+  }
+}
+
+TEST_CASE("GPT-2 gradients match fp32 finite differences of the model itself", "[nn][gpt][fd]") {
+  // L(theta +- h e_k) by re-running the 1-rank model; fp32 with h = 1e-2 on parameters of
+  // scale ~0.05-1: |fd - analytic| <= 3e-3 + 3e-2 |analytic|.
+  Collector analytic;
+  run_model({}, analytic);
+  auto loss_with = [&](const std::string& name, index_t idx, float delta) {
+    double loss = 0;
+    nn_test::run_ranks(1, [&](Comm& comm) {
+      GptModel<Comm> model(tiny(), comm);
+      for (Parameter* p : model.parameters()) {
+        nn_test::randomize(*p, 0.05f);
+        if (p->name == name) p->value[idx] += delta;
+      }
+      auto tokens = make_ids("tokens", 0, 96), targets = make_ids("targets", 0, 96);
+      loss = model.forward(0, {kBatch, kSeq}, {tokens.data(), nullptr, targets.data(), count_targets(1, 96)}, nullptr);
+    });
+    return loss;
+  };
+  const std::pair<const char*, index_t> probes[] = {
+      {"wpe.weight", 70}, {"h.0.ln_1.weight", 9}, {"h.0.attn.c_attn.weight", 1000}, {"h.0.attn.c_attn.bias", 150},
+      {"h.1.attn.c_proj.weight", 777}, {"h.1.mlp.c_fc.weight", 4321}, {"h.1.mlp.c_proj.bias", 11}, {"ln_f.bias", 40}};
+  for (auto [name, idx] : probes) {
+    const float h = 1e-2f;
+    const double fd = (loss_with(name, idx, h) - loss_with(name, idx, -h)) / (2.0 * h);
+    const double g = analytic.get(name)[idx];
+    INFO(name << "[" << idx << "]: fd " << fd << " analytic " << g);
+    CHECK(std::fabs(fd - g) <= 3e-3 + 3e-2 * std::fabs(g));
+  }
+}
+
+TEST_CASE("GPT-2 with tensor parallelism equals the 1-rank model", "[nn][gpt][tp]") {
+  Collector ref;
+  run_model({}, ref);
+  const ModelRun runs[] = {
+      {2, false, 1}, {2, true, 1}, {2, true, 2}, {2, false, 3}, {2, true, 1, true}, {4, true, 2, false},
+  };
+  for (const ModelRun& o : runs) {
+    Collector got;
+    run_model(o, got);
+    INFO("tp=" << o.tp << " sp=" << o.sp << " chunks=" << o.chunks << " recompute=" << o.recompute);
+    CHECK(std::fabs(got.scalar - ref.scalar) <= 1e-5 * std::fabs(ref.scalar));
+    CHECK(got.replica_diff() <= 1e-6f);
+    for (const std::string& key : ref.keys()) {
+      INFO(key);
+      REQUIRE(got.complete(key));
+      // Initial values are a function of the global index: bit-identical shards.
+      if (key.rfind("init:", 0) == 0) CHECK(got.get(key) == ref.get(key));
+      else CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
+    }
+  }
+}
+
+TEST_CASE("a 2-stage pipeline split equals the unsplit model", "[nn][gpt][stages]") {
+  for (int tp : {1, 2}) {
+    Collector ref, split;
+    run_model({tp, tp == 2, 1, false, 1, 3, false}, ref);
+    run_model({tp, tp == 2, 1, false, 2, 3, true}, split);
+    INFO("tp=" << tp);
+    CHECK(std::fabs(split.scalar - ref.scalar) <= 1e-6 * std::fabs(ref.scalar));
+    for (const std::string& key : ref.keys()) {
+      INFO(key);
+      REQUIRE(split.complete(key));
+      CHECK(rel_error(split.get(key), ref.get(key)) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][params]") {
+  nn_test::run_ranks(2, [&](Comm& comm) {
+    GptConfig cfg = tiny();
+    GptModel<Comm> model(cfg, comm);
+    std::vector<std::string> names;
+    for (Parameter* p : model.parameters()) names.push_back(p->name);
+    CHECK(names.front() == "wte.weight");
+    CHECK(names[1] == "wpe.weight");
+    CHECK(names.back() == "ln_f.bias");
+    CHECK(names.size() == 2 + 12 * 2 + 2);
+    Parameter* qkv = model.find("h.1.attn.c_attn.weight");
+    REQUIRE(qkv != nullptr);
+    CHECK(qkv->global_shape == std::vector<index_t>{64, 192});
+    CHECK(qkv->sharded_shape == std::vector<index_t>{64, 3, 64});
+    CHECK(qkv->shard_offsets == std::vector<index_t>{0, 0, 32 * comm.rank()});
+    CHECK(qkv->shard_shape == std::vector<index_t>{64, 3, 32});
+    Parameter* wte = model.find("wte.weight");
+    CHECK(wte->shard_offsets == std::vector<index_t>{48 * comm.rank(), 0});
+    CHECK(wte->shard_shape == std::vector<index_t>{48, 64});
+    CHECK(model.find("h.0.mlp.c_proj.weight")->shard_offsets == std::vector<index_t>{128 * comm.rank(), 0});
+    CHECK(model.find("h.0.mlp.c_proj.bias")->replicated());
+    CHECK_FALSE(model.wte_grad_needs_stage_reduction());
+    // GPT-2 init: biases 0, LayerNorm weights 1, weights N(0, 0.02), c_proj weights / sqrt(2 L).
+    auto stddev = [](const Parameter& p) {
+      double s = 0;
+      for (float v : p.value) s += static_cast<double>(v) * v;
+      return std::sqrt(s / static_cast<double>(p.numel()));
+    };
+    CHECK(stddev(*model.find("h.0.attn.c_attn.bias")) == 0.0);
+    CHECK(model.find("h.0.ln_2.weight")->value[3] == 1.0f);
+    CHECK(stddev(*model.find("h.0.mlp.c_fc.weight")) == Approx(0.02).epsilon(0.05));
+    CHECK(stddev(*model.find("h.1.mlp.c_proj.weight")) == Approx(0.01).epsilon(0.05));
+    // Bad input is an Error naming the problem.
+    std::vector<std::int32_t> bad(kBatch * kSeq, 0);
+    bad[7] = 96;
+    std::vector<float> out(model.local_rows({kBatch, kSeq}) * 64);
+    CHECK_THROWS_AS(model.forward(0, {kBatch, kSeq}, {bad.data(), nullptr, bad.data(), 1.0}, out.data()), Error);
+    CHECK_THROWS_AS(model.forward(1, {kBatch, 33}, {bad.data(), nullptr, bad.data(), 1.0}, out.data()), Error);
+  });
+}

@@ -1,0 +1,330 @@
+// Every tensor-parallel layer: tp=1 against central finite differences, and tp=2/4 on thread
+// ranks against tp=1 (forward output, input gradient and every parameter gradient), with and
+// without sequence parallelism and with and without chunked overlap; deferred/reordered
+// B and W passes against immediate ones.
+//
+// Loss used throughout: L = sum(y * R) for a fixed global tensor R, so dL/dy = R.
+// Tolerances: parallel vs serial 2e-5 of the tensor's max magnitude (only the summation order of
+// the tp reductions differs); finite differences in fp32 with step 1e-2: |fd - analytic| <=
+// 2e-3 + 2e-2 |analytic| (truncation O(h^2) and fp32 rounding of L / h).
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <numeric>
+
+#include "support.hpp"
+#include "trellis/nn.hpp"
+
+using namespace trellis;
+using namespace trellis::nn;
+using nn_test::Collector;
+using nn_test::global_value;
+using nn_test::rel_error;
+using Comm = comm::ThreadComm;
+
+namespace {
+
+struct Geometry {
+  TokenShape shape{2, 8};
+  index_t in = 0, out = 0;  // global feature widths of the input and output
+  bool in_norm_rows = true;   // input rows are norm-region rows (sharded under sp)
+  bool out_norm_rows = true;  // output rows are norm-region rows
+};
+
+// Column maps of a layer's local input/output to global columns.
+using ColumnMap = std::vector<index_t>;
+
+ColumnMap identity_map(index_t n) {
+  ColumnMap m(static_cast<std::size_t>(n));
+  std::iota(m.begin(), m.end(), index_t{0});
+  return m;
+}
+template <class L>
+ColumnMap column_output_map(L& layer) {
+  const auto& cfg = layer.config();
+  const index_t groups = cfg.groups, local = layer.local_out_features() / groups, group_width = cfg.out / groups;
+  const index_t off = layer.weight().shard_offsets[groups == 1 ? 1 : 2];
+  ColumnMap m;
+  for (index_t g = 0; g < groups; ++g)
+    for (index_t c = 0; c < local; ++c) m.push_back(g * group_width + off + c);
+  return m;
+}
+template <class L>
+ColumnMap row_input_map(L& layer) {
+  ColumnMap m;
+  for (index_t c = 0; c < layer.local_in_features(); ++c) m.push_back(layer.weight().shard_offsets[0] + c);
+  return m;
+}
+
+// A layer under test: how to build it and which columns it consumes/produces.
+struct Case {
+  std::string label;
+  Geometry geo;
+  // Builds the layer and returns forward/backward entry points bound to it.
+  struct Bound {
+    std::function<void(int, const TokenShape&, const float*, float*)> forward, backward_input;
+    std::function<void(int)> backward_weight;
+    std::function<void(const std::function<void(Parameter&)>&)> for_each_parameter;
+    ColumnMap in_cols, out_cols;
+    std::shared_ptr<void> keep;
+  };
+  std::function<Bound(TensorParallel<Comm>)> make;
+};
+
+template <class L>
+Case::Bound bind(std::shared_ptr<L> layer, ColumnMap in_cols, ColumnMap out_cols) {
+  Case::Bound b;
+  b.forward = [layer](int mb, const TokenShape& s, const float* x, float* y) { layer->forward(mb, s, x, y); };
+  b.backward_input = [layer](int mb, const TokenShape& s, const float* dy, float* dx) { layer->backward_input(mb, s, dy, dx); };
+  b.backward_weight = [layer](int mb) { layer->backward_weight(mb); };
+  b.for_each_parameter = [layer](const std::function<void(Parameter&)>& f) { layer->for_each_parameter(f); };
+  b.in_cols = std::move(in_cols);
+  b.out_cols = std::move(out_cols);
+  b.keep = layer;
+  return b;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  {
+    Case c{"column (uneven 18 over tp)", {{2, 8}, 12, 18, true, false}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<ColumnParallelLinear<Comm>>("col", LinearConfig{12, 18, true}, tp);
+      return bind(l, identity_map(12), column_output_map(*l));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"column + fused GELU", {{2, 8}, 12, 20, true, false}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<ColumnParallelLinear<Comm>>(
+          "fc", LinearConfig{12, 20, true, 1, 1, Activation::gelu_tanh}, tp);
+      return bind(l, identity_map(12), column_output_map(*l));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"column grouped q/k/v (3 x 4 heads of 8)", {{2, 8}, 16, 96, true, false}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<ColumnParallelLinear<Comm>>("qkv", LinearConfig{16, 96, true, 8, 3}, tp);
+      return bind(l, identity_map(16), column_output_map(*l));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"row (uneven 18 over tp)", {{2, 8}, 18, 12, false, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<RowParallelLinear<Comm>>("row", LinearConfig{18, 12, true}, tp);
+      return bind(l, row_input_map(*l), identity_map(12));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"layernorm", {{2, 8}, 24, 24, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<LayerNorm<Comm>>("h.0.ln_1", 24, tp);
+      return bind(l, identity_map(24), identity_map(24));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"attention (4 heads of 8)", {{2, 8}, 32, 32, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<CausalSelfAttention<Comm>>("h.0.attn", 32, 4, tp);
+      return bind(l, identity_map(32), identity_map(32));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"mlp", {{2, 8}, 16, 16, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<Mlp<Comm>>("h.0.mlp", 16, 64, tp);
+      return bind(l, identity_map(16), identity_map(16));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"transformer block", {{2, 8}, 32, 32, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<TransformerBlock<Comm>>("h.0", BlockConfig{32, 4, 0}, tp);
+      return bind(l, identity_map(32), identity_map(32));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"transformer block with recompute", {{2, 8}, 32, 32, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<TransformerBlock<Comm>>("h.0", BlockConfig{32, 4, 0, 1e-5f, true}, tp);
+      return bind(l, identity_map(32), identity_map(32));
+    };
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+struct RunOptions {
+  int tp = 1;
+  bool sp = false;
+  int chunks = 1;
+  int microbatches = 1;       // each with its own input; gradients accumulate
+  bool deferred_w = false;    // F0 F1 .. B(n-1) .. B0, then W0 .. W(n-1), instead of F B W per microbatch
+};
+
+// Global input / output-gradient of microbatch mb.
+float x_at(const Case& c, int mb, index_t row, index_t col) {
+  return global_value("x" + std::to_string(mb), row * c.geo.in + col, 0.8f);
+}
+float r_at(const Case& c, int mb, index_t row, index_t col) {
+  return global_value("r" + std::to_string(mb), row * c.geo.out + col, 1.0f);
+}
+
+// Runs the case; collects y / dx (per microbatch, keys "y0", "dx0", ...) and parameter gradients.
+void run_case(const Case& c, const RunOptions& o, Collector& out) {
+  nn_test::run_ranks(o.tp, [&](Comm& comm) {
+    TensorParallel<Comm> tp{&comm, o.sp, o.chunks};
+    auto layer = c.make(tp);
+    layer.for_each_parameter([](Parameter& p) { nn_test::randomize(p, 0.3f); });
+    const TokenShape shape = c.geo.shape;
+    const index_t full = shape.rows(), local = tp.local_rows(shape);
+    auto rows_of = [&](bool norm_rows) { return norm_rows ? local : full; };
+    auto first_row = [&](bool norm_rows) { return norm_rows && o.sp ? comm.rank() * local : index_t{0}; };
+    const index_t in_rows = rows_of(c.geo.in_norm_rows), out_rows = rows_of(c.geo.out_norm_rows);
+    const index_t in0 = first_row(c.geo.in_norm_rows), out0 = first_row(c.geo.out_norm_rows);
+    const index_t in_w = static_cast<index_t>(layer.in_cols.size()), out_w = static_cast<index_t>(layer.out_cols.size());
+    std::vector<std::vector<float>> xs, ys, dys, dxs;
+    for (int mb = 0; mb < o.microbatches; ++mb) {
+      std::vector<float> x(in_rows * in_w), dy(out_rows * out_w);
+      for (index_t i = 0; i < in_rows; ++i)
+        for (index_t j = 0; j < in_w; ++j) x[i * in_w + j] = x_at(c, mb, in0 + i, layer.in_cols[j]);
+      for (index_t i = 0; i < out_rows; ++i)
+        for (index_t j = 0; j < out_w; ++j) dy[i * out_w + j] = r_at(c, mb, out0 + i, layer.out_cols[j]);
+      xs.push_back(x), dys.push_back(dy);
+      ys.emplace_back(out_rows * out_w), dxs.emplace_back(in_rows * in_w);
+    }
+    if (o.deferred_w) {
+      for (int mb = 0; mb < o.microbatches; ++mb) layer.forward(mb, shape, xs[mb].data(), ys[mb].data());
+      for (int mb = o.microbatches - 1; mb >= 0; --mb) layer.backward_input(mb, shape, dys[mb].data(), dxs[mb].data());
+      for (int mb = 0; mb < o.microbatches; ++mb) layer.backward_weight(mb);
+    } else {
+      for (int mb = 0; mb < o.microbatches; ++mb) {
+        layer.forward(mb, shape, xs[mb].data(), ys[mb].data());
+        layer.backward_input(mb, shape, dys[mb].data(), dxs[mb].data());
+        layer.backward_weight(mb);
+      }
+    }
+    for (int mb = 0; mb < o.microbatches; ++mb) {
+      const std::string s = std::to_string(mb);
+      for (index_t i = 0; i < out_rows; ++i)
+        for (index_t j = 0; j < out_w; ++j)
+          out.put("y" + s, full * c.geo.out, (out0 + i) * c.geo.out + layer.out_cols[j], ys[mb][i * out_w + j]);
+      for (index_t i = 0; i < in_rows; ++i)
+        for (index_t j = 0; j < in_w; ++j)
+          out.put("dx" + s, full * c.geo.in, (in0 + i) * c.geo.in + layer.in_cols[j], dxs[mb][i * in_w + j]);
+    }
+    layer.for_each_parameter([&](Parameter& p) { out.put_grad(p); });
+  });
+}
+
+// L = sum(y * R) at tp = 1 for the given parameter perturbation (or input perturbation).
+double loss_tp1(const Case& c, const std::string& param, index_t param_index, index_t x_index, float delta) {
+  double loss = 0.0;
+  nn_test::run_ranks(1, [&](Comm& comm) {
+    TensorParallel<Comm> tp{&comm, false, 1};
+    auto layer = c.make(tp);
+    layer.for_each_parameter([&](Parameter& p) {
+      nn_test::randomize(p, 0.3f);
+      if (p.name == param) p.value[param_index] += delta;
+    });
+    const index_t rows = c.geo.shape.rows();
+    std::vector<float> x(rows * c.geo.in), y(rows * c.geo.out);
+    for (index_t i = 0; i < rows; ++i)
+      for (index_t j = 0; j < c.geo.in; ++j) x[i * c.geo.in + j] = x_at(c, 0, i, j);
+    if (x_index >= 0) x[x_index] += delta;
+    layer.forward(0, c.geo.shape, x.data(), y.data());
+    for (index_t i = 0; i < rows; ++i)
+      for (index_t j = 0; j < c.geo.out; ++j) loss += static_cast<double>(y[i * c.geo.out + j]) * r_at(c, 0, i, j);
+  });
+  return loss;
+}
+
+void check_fd(double fd, double analytic, const std::string& what) {
+  INFO(what << ": finite difference " << fd << " analytic " << analytic);
+  CHECK(std::fabs(fd - analytic) <= 2e-3 + 2e-2 * std::fabs(analytic));
+}
+
+}  // namespace
+
+TEST_CASE("tp=1 layers match central finite differences", "[nn][fd]") {
+  constexpr float h = 1e-2f;
+  for (const Case& c : all_cases()) {
+    SECTION(c.label) {
+      Collector analytic;
+      run_case(c, {}, analytic);
+      // Input gradient at a few positions.
+      const auto dx = analytic.get("dx0");
+      for (index_t k : {index_t{0}, static_cast<index_t>(dx.size() / 3), static_cast<index_t>(dx.size() - 1)}) {
+        const double fd = (loss_tp1(c, "", 0, k, h) - loss_tp1(c, "", 0, k, -h)) / (2.0 * h);
+        check_fd(fd, dx[k], c.label + " dx[" + std::to_string(k) + "]");
+      }
+      // Two elements of every parameter (global index == local index at tp = 1).
+      for (const std::string& name : analytic.keys()) {
+        if (name.rfind("y", 0) == 0 || name.rfind("dx", 0) == 0) continue;
+        const auto g = analytic.get(name);
+        for (index_t k : {index_t{1} % static_cast<index_t>(g.size()), static_cast<index_t>(g.size() * 2 / 3)}) {
+          const double fd = (loss_tp1(c, name, k, -1, h) - loss_tp1(c, name, k, -1, -h)) / (2.0 * h);
+          check_fd(fd, g[k], name + "[" + std::to_string(k) + "]");
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("tp=2 and tp=4 layers equal tp=1 (with/without sp and overlap)", "[nn][tp]") {
+  for (const Case& c : all_cases()) {
+    Collector ref;
+    run_case(c, {}, ref);
+    for (int tp : {2, 4}) {
+      for (bool sp : {false, true})
+        for (int chunks : {1, 3}) {
+          Collector got;
+          run_case(c, {tp, sp, chunks}, got);
+          INFO(c.label << " tp=" << tp << " sp=" << sp << " chunks=" << chunks);
+          CHECK(got.replica_diff() <= 1e-6f);
+          for (const std::string& key : ref.keys()) {
+            INFO(key);
+            REQUIRE(got.complete(key));
+            CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
+          }
+        }
+    }
+  }
+}
+
+TEST_CASE("deferred, reordered backward_weight equals immediate F-B-W per microbatch", "[nn][bw]") {
+  for (const Case& c : all_cases()) {
+    for (int tp : {1, 2}) {
+      Collector immediate, deferred;
+      run_case(c, {tp, tp == 2, 2, 3, false}, immediate);
+      run_case(c, {tp, tp == 2, 2, 3, true}, deferred);
+      INFO(c.label << " tp=" << tp);
+      for (const std::string& key : immediate.keys()) {
+        INFO(key);
+        CHECK(rel_error(deferred.get(key), immediate.get(key)) <= 1e-6);
+      }
+    }
+  }
+}
+
+TEST_CASE("layers reject bad configurations with trellis::Error", "[nn][errors]") {
+  nn_test::run_ranks(2, [&](Comm& comm) {
+    TensorParallel<Comm> tp{&comm, true, 1};
+    LayerNorm<Comm> ln("ln", 8, tp);
+    std::vector<float> x(3 * 8), y(3 * 8);
+    // seq 3 does not split over tp = 2 under sequence parallelism.
+    CHECK_THROWS_AS(ln.forward(0, TokenShape{1, 3}, x.data(), y.data()), Error);
+    CHECK_THROWS_AS(ln.backward_weight(5), Error);  // no forward for microbatch 5
+    CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 12, 5, tp), Error);  // 12 not a multiple of 5
+    CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 8, 1, tp), Error);   // 1 head over 2 ranks
+    CHECK_THROWS_AS((ColumnParallelLinear<Comm>("c", LinearConfig{4, 10, true, 4, 1}, tp)), Error);
+  });
+}
