@@ -1,7 +1,7 @@
 // Vectorisable float math for the host kernels: exp, tanh and GELU written with plain arithmetic
 // and bit casts, so that g++ turns loops calling them into SIMD code (libm's expf/tanhf are calls
 // the compiler cannot vectorise without -ffast-math). Accuracy: exp within ~2 ulp on
-// [-87, 88]; exp(x) = 0 for x < -87.3 (and for -inf), +inf saturates to exp(88.7).
+// [-87, 88]; exp(x) = 0 for x < -87.3 (and for -inf), large inputs saturate at exp(88) (finite).
 #pragma once
 
 #include <bit>
@@ -17,7 +17,7 @@ TRELLIS_FORCEINLINE float fast_exp(float x) {
   constexpr float ln2_hi = 0.693145751953125f;      // exact in float: r stays accurate
   constexpr float ln2_lo = 1.428606765330187045e-6f;
   const bool underflow = x < -87.3f;
-  float xc = x > 88.7f ? 88.7f : x;
+  float xc = x > 88.0f ? 88.0f : x;  // 2^127 at most: the exponent bits stay finite
   xc = xc < -87.3f ? -87.3f : xc;
   float n = std::floor(xc * log2e + 0.5f);
   float r = xc - n * ln2_hi;
@@ -41,16 +41,21 @@ TRELLIS_FORCEINLINE float fast_exp(float x) {
 // where the GELU formulas multiply it by something small anyway).
 TRELLIS_FORCEINLINE float fast_tanh(float u) { return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f); }
 
+// GELU through the logistic form: 0.5 (1 + tanh(u)) = s = 1 / (1 + exp(-2u)), 1 - s = exp(-2u) s.
+// Both tails stay accurate (no 1 + (-1) cancellation for very negative inputs), and nothing
+// overflows to NaN: fast_exp saturates.
 TRELLIS_FORCEINLINE float fast_gelu(float x) {
-  float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  return 0.5f * x * (1.0f + fast_tanh(u));
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float s = 1.0f / (1.0f + fast_exp(-2.0f * u));
+  return x * s;
 }
 
 TRELLIS_FORCEINLINE float fast_gelu_grad(float x) {
-  float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  float t = fast_tanh(u);
-  float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float e = fast_exp(-2.0f * u);
+  const float s = 1.0f / (1.0f + e);
+  const float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+  return s + 2.0f * x * s * (e * s) * du;
 }
 
 // Element conversions used by the host kernels' loads and stores.
