@@ -1,6 +1,6 @@
-// MpiComm under mpiexec (3 and 4 ranks): every collective, dtype and reduce op against a serial
-// reference computed from every rank's (deterministic) input; point-to-point, batches, async
-// handles and split; then the safety layer: debug-mode mismatch, a missing rank with a short
+// MpiComm under mpiexec (3 and 4 ranks): the shared conformance suite (tests/comm/conformance.hpp:
+// every op, dtype and reduce op against a serial reference) in each execution mode; split labels,
+// MpiWorld; then the safety layer: debug-mode mismatch, a missing rank with a short
 // timeout (debug mode names it; without, the call and the timeout are named), invalid roots and
 // peers, short receives. Every error test ends with all ranks back in step (world barrier).
 #include <catch2/catch.hpp>
@@ -16,227 +16,42 @@
 #include <type_traits>
 #include <vector>
 
+#include "comm/conformance.hpp"
 #include "trellis/comm/mpi.hpp"
 
-using trellis::bfloat16;
-using trellis::half;
 using trellis::comm::MpiComm;
-using trellis::comm::P2POp;
 using trellis::comm::ReduceOp;
 using namespace std::chrono_literals;
+namespace conformance = trellis::comm::conformance;
 
-namespace {
+static_assert(trellis::comm::Communicator<MpiComm>);
 
-// Small integers, exact in every type (half and bfloat16 too), so sums and products of up to 4
-// ranks are exact and the reference must match bit for bit. Signed types get negatives too.
-template <class T>
-T input_value(int rank, std::size_t i, ReduceOp op) {
-  int v;
-  if (op == ReduceOp::prod) {
-    v = static_cast<int>((static_cast<std::size_t>(rank) + i) % 3);  // 0, 1, 2
-    if constexpr (std::is_signed_v<T> || std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                  std::is_same_v<T, bfloat16>)
-      v -= 1;  // -1, 0, 1
-    else
-      v += 1;  // 1, 2, 3
-  } else {
-    v = static_cast<int>((static_cast<std::size_t>(rank) * 7 + i * 3) % 11);  // 0..10
-    if constexpr (!std::is_unsigned_v<T>) v -= 5;                              // -5..5
-  }
-  return static_cast<T>(static_cast<float>(v));
-}
 
-// The serial reference: reduces every rank's input in rank order in the accumulation type, then
-// (avg) divides by size and converts once.
-template <class T>
-std::vector<T> reference(int size, std::size_t n, ReduceOp op, std::size_t offset = 0) {
-  using A = trellis::accumulate_t<T>;
-  std::vector<T> out(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    A acc = static_cast<A>(input_value<T>(0, offset + i, op));
-    for (int r = 1; r < size; ++r) {
-      A x = static_cast<A>(input_value<T>(r, offset + i, op));
-      switch (op) {
-        case ReduceOp::sum:
-        case ReduceOp::avg: acc = static_cast<A>(acc + x); break;
-        case ReduceOp::prod: acc = static_cast<A>(acc * x); break;
-        case ReduceOp::min: acc = x < acc ? x : acc; break;
-        case ReduceOp::max: acc = x > acc ? x : acc; break;
-      }
-    }
-    if (op == ReduceOp::avg) acc = static_cast<A>(acc / static_cast<A>(size));
-    out[i] = static_cast<T>(acc);
-  }
-  return out;
-}
-
-template <class T>
-bool same_bits(const T& a, const T& b) {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
-}
-
-template <class T>
-void require_equal(const std::vector<T>& got, const std::vector<T>& want, const char* what) {
-  REQUIRE(got.size() == want.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!same_bits(got[i], want[i])) {
-      FAIL(what << ": element " << i << " got " << static_cast<double>(static_cast<trellis::accumulate_t<T>>(got[i]))
-                << " want " << static_cast<double>(static_cast<trellis::accumulate_t<T>>(want[i])));
-    }
-  }
-}
-
-constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max, ReduceOp::prod};
-
-}  // namespace
-
-TEMPLATE_TEST_CASE("MpiComm reductions match the serial reference", "[mpi]", float, double, half,
-                   bfloat16, std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t,
-                   std::uint64_t) {
-  using T = TestType;
-  MpiComm comm(MPI_COMM_WORLD, "test");
-  const int rank = comm.rank(), size = comm.size();
-  const std::size_t n = 37;
-  for (ReduceOp op : all_ops) {
-    INFO("op " << trellis::comm::reduce_op_name(op));
-    std::vector<T> in(n), out(n);
-    for (std::size_t i = 0; i < n; ++i) in[i] = input_value<T>(rank, i, op);
-    const auto want = reference<T>(size, n, op);
-
-    comm.all_reduce(in.data(), out.data(), n, op);
-    require_equal(out, want, "all_reduce");
-
-    std::vector<T> inplace = in;
-    comm.all_reduce(inplace.data(), inplace.data(), n, op);
-    require_equal(inplace, want, "all_reduce in place");
-
-    std::vector<T> async_out(n);
-    auto request = comm.all_reduce_async(in.data(), async_out.data(), n, op);
-    request.wait();
-    require_equal(async_out, want, "all_reduce_async");
-
-    for (int root = 0; root < size; ++root) {
-      std::vector<T> rout(n, T{});
-      comm.reduce(in.data(), rout.data(), n, op, root);
-      if (rank == root) require_equal(rout, want, "reduce");
-    }
-
-    // reduce_scatter: rank r gets block r of the reduction of size*n elements.
-    std::vector<T> full(n * static_cast<std::size_t>(size)), block(n);
-    for (std::size_t i = 0; i < full.size(); ++i) full[i] = input_value<T>(rank, i, op);
-    const auto want_block = reference<T>(size, n, op, n * static_cast<std::size_t>(rank));
-    comm.reduce_scatter(full.data(), block.data(), n, op);
-    require_equal(block, want_block, "reduce_scatter");
-    std::vector<T> block_async(n);
-    auto rs = comm.reduce_scatter_async(full.data(), block_async.data(), n, op);
-    while (!rs.test()) std::this_thread::yield();
-    require_equal(block_async, want_block, "reduce_scatter_async (test loop)");
-  }
-}
-
-TEMPLATE_TEST_CASE("MpiComm data movement matches the serial reference", "[mpi]", float, half,
-                   bfloat16, std::int8_t, std::uint64_t) {
-  using T = TestType;
-  MpiComm comm(MPI_COMM_WORLD, "test");
-  const int rank = comm.rank(), size = comm.size();
-  const auto us = static_cast<std::size_t>(size);
-  const std::size_t n = 23;
-  auto value = [](int r, std::size_t i) { return static_cast<T>(static_cast<float>((r * 13 + static_cast<int>(i)) % 50)); };
-
-  // broadcast from every root
-  for (int root = 0; root < size; ++root) {
-    std::vector<T> buf(n);
-    for (std::size_t i = 0; i < n; ++i) buf[i] = value(rank, i);
-    comm.broadcast(buf.data(), n, root);
-    for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(buf[i], value(root, i)));
-  }
-
-  // all_gather, out of place, in place and async
-  std::vector<T> mine(n), gathered(n * us), want(n * us);
-  for (std::size_t i = 0; i < n; ++i) mine[i] = value(rank, i);
-  for (int r = 0; r < size; ++r)
-    for (std::size_t i = 0; i < n; ++i) want[static_cast<std::size_t>(r) * n + i] = value(r, i);
-  comm.all_gather(mine.data(), gathered.data(), n);
-  require_equal(gathered, want, "all_gather");
-  std::vector<T> inplace(n * us);
-  std::copy(mine.begin(), mine.end(), inplace.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(rank)));
-  comm.all_gather(inplace.data() + n * static_cast<std::size_t>(rank), inplace.data(), n);
-  require_equal(inplace, want, "all_gather in place");
-  std::vector<T> gathered_async(n * us);
-  comm.all_gather_async(mine.data(), gathered_async.data(), n).wait();
-  require_equal(gathered_async, want, "all_gather_async");
-
-  // all_to_all: block j of rank r's input goes to rank j's block r.
-  auto a2a = [&](int r, int j, std::size_t i) { return static_cast<T>(static_cast<float>((r * 5 + j * 3 + static_cast<int>(i)) % 60)); };
-  std::vector<T> send(n * us), recv(n * us), want_a2a(n * us);
-  for (int j = 0; j < size; ++j)
-    for (std::size_t i = 0; i < n; ++i) {
-      send[static_cast<std::size_t>(j) * n + i] = a2a(rank, j, i);
-      want_a2a[static_cast<std::size_t>(j) * n + i] = a2a(j, rank, i);
-    }
-  comm.all_to_all(send.data(), recv.data(), n);
-  require_equal(recv, want_a2a, "all_to_all");
-  std::vector<T> same = send;
-  comm.all_to_all(same.data(), same.data(), n);
-  require_equal(same, want_a2a, "all_to_all in place");
-
-  // all_to_allv: rank r sends (r + j) % 3 + 1 elements to rank j.
-  auto cnt = [](int from, int to) { return static_cast<std::size_t>((from + to) % 3 + 1); };
-  std::vector<std::size_t> sc(us), sd(us), rc(us), rd(us);
-  std::size_t stotal = 0, rtotal = 0;
-  for (int j = 0; j < size; ++j) {
-    sc[j] = cnt(rank, j), sd[j] = stotal, stotal += sc[j];
-    rc[j] = cnt(j, rank), rd[j] = rtotal, rtotal += rc[j];
-  }
-  std::vector<T> vsend(stotal), vrecv(rtotal), vwant(rtotal);
-  for (int j = 0; j < size; ++j) {
-    for (std::size_t i = 0; i < sc[j]; ++i) vsend[sd[j] + i] = a2a(rank, j, i);
-    for (std::size_t i = 0; i < rc[j]; ++i) vwant[rd[j] + i] = a2a(j, rank, i);
-  }
-  comm.all_to_allv(vsend.data(), std::span<const std::size_t>(sc), std::span<const std::size_t>(sd), vrecv.data(),
-                   std::span<const std::size_t>(rc), std::span<const std::size_t>(rd));
-  require_equal(vrecv, vwant, "all_to_allv");
-}
-
-TEST_CASE("MpiComm point to point, batches and barrier", "[mpi]") {
-  MpiComm comm(MPI_COMM_WORLD, "test");
-  const int rank = comm.rank(), size = comm.size();
-  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
-  const std::size_t n = 1000;
-
-  // Ring with blocking calls: even ranks send first (no deadlock for any size).
-  std::vector<double> out(n), in(n, -1.0);
-  for (std::size_t i = 0; i < n; ++i) out[i] = rank * 1000.0 + static_cast<double>(i);
-  if (rank % 2 == 0) {
-    comm.send(out.data(), n, next, 7);
-    comm.recv(in.data(), n, prev, 7);
-  } else {
-    comm.recv(in.data(), n, prev, 7);
-    comm.send(out.data(), n, next, 7);
-  }
-  for (std::size_t i = 0; i < n; ++i) REQUIRE(in[i] == prev * 1000.0 + static_cast<double>(i));
-
-  // The same ring with isend/irecv, then with one batch in both directions.
-  std::vector<double> in2(n, -1.0);
-  auto r = comm.irecv(in2.data(), n, prev, 3);
-  auto s = comm.isend(out.data(), n, next, 3);
-  s.wait();
-  r.wait();
-  REQUIRE(in2 == in);
-
-  std::vector<std::int32_t> to_next(5, rank), to_prev(5, -rank), from_prev(5, 99), from_next(5, 99);
-  std::vector<P2POp> ops = {
-      {P2POp::Kind::recv, from_prev.data(), 5, trellis::DType::i32, prev, 1},
-      {P2POp::Kind::recv, from_next.data(), 5, trellis::DType::i32, next, 2},
-      {P2POp::Kind::send, to_next.data(), 5, trellis::DType::i32, next, 1},
-      {P2POp::Kind::send, to_prev.data(), 5, trellis::DType::i32, prev, 2},
+// The shared conformance suite (every op, dtype, reduce op, in place, sizes 0..MiB, p2p, async,
+// split) in the three ways MpiComm runs: nonblocking + test loop (a timeout set, the default),
+// MPI's blocking calls (timeout off), and debug mode (fingerprints exchanged before each call).
+TEST_CASE("MpiComm passes the conformance suite", "[mpi][conformance]") {
+  struct Mode {
+    const char* name;
+    std::chrono::milliseconds timeout;
+    bool debug;
   };
-  comm.batch(ops).wait();
-  REQUIRE(from_prev == std::vector<std::int32_t>(5, prev));
-  REQUIRE(from_next == std::vector<std::int32_t>(5, -next));
-
-  comm.barrier();
-  REQUIRE(comm.recorder().calls() > 0);
+  for (Mode mode : {Mode{"nonblocking with timeout", 60s, false}, Mode{"blocking MPI calls (timeout off)", 0ms, false},
+                    Mode{"debug fingerprints", 60s, true}}) {
+    DYNAMIC_SECTION(mode.name) {
+      MpiComm comm(MPI_COMM_WORLD, "conformance");
+      comm.set_timeout(mode.timeout);
+      comm.set_debug(mode.debug);
+      conformance::Options options;
+      options.fixed_order = false;  // MPI picks its own reduction order
+      if (mode.debug || mode.timeout.count() == 0) options.large_count = (std::size_t{1} << 16) + 3;
+      conformance::Report report;
+      conformance::run_all(comm, options, report);
+      INFO(report.summary());
+      CHECK(report.failures.empty());
+      CHECK(report.checks > 1000);
+    }
+  }
 }
 
 TEST_CASE("MpiComm split orders by key and reduces within the group", "[mpi]") {
