@@ -321,6 +321,7 @@ struct alignas(64) ThreadProgress {
 struct OpState {
   std::atomic<std::uint32_t> done{0};
   std::exception_ptr error;  // written before done is set
+  std::string failure;       // p2p: raised as an Error on the waiting rank's own thread
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   std::string what;  // "recv of 10 float from rank 1 (tag 0)", for timeout messages
   int mailbox = -1;  // p2p: destination rank whose mailbox holds the envelope until matched
@@ -768,9 +769,8 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
           "point-to-point size mismatch on communicator '", group_->label, "': rank ", sender, " sent ",
           send_count, ' ', dtype_name(send_dtype), " to rank ", receiver, " (tag ", tag, ") but rank ",
           receiver, " posted a receive of ", recv_count, ' ', dtype_name(recv_dtype));
-      auto err = std::make_exception_ptr(Error(msg));
-      recv_state->error = err;
-      if (!send_state->done.load()) send_state->error = err;
+      recv_state->failure = msg;
+      if (!send_state->done.load()) send_state->failure = msg;
     } else if (send_count > 0) {
       std::memcpy(dst, src, send_count * dtype_size(send_dtype));
     }
@@ -807,7 +807,7 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
       }
     };
     wait_until(g.wake, g.world->spin_ns, done, check);
-    if (s.error) std::rethrow_exception(s.error);
+    if (!s.failure.empty()) throw Error(s.failure);
   }
 
   // Waits for an async collective run by the progress thread.
