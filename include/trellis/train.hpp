@@ -12,3 +12,4 @@
 #include "trellis/train/progress.hpp"     // defines: ProgressBar, ProgressInfo
 #include "trellis/train/rng.hpp"          // defines: Rng (xoshiro256**)
 #include "trellis/train/safetensors.hpp"  // defines: SafetensorsWriter, SafetensorsFile
+#include "trellis/train/train_state.hpp"  // defines: TrainState, save/load_train_state, adamw moments, gpt2_parameters

@@ -76,6 +76,7 @@ void write_split(const std::filesystem::path& root, std::int64_t step, int dim, 
         w.add(t.name, DType::f32, t.shape, b, locals.back().data());
       }
       for (const auto& [k, v] : meta) w.set_metadata(k, v);
+      w.set_metadata("who", "rank " + std::to_string(r));
       w.finish();
     });
   }
@@ -144,6 +145,9 @@ TEST_CASE("reshard: 4 shards along dim 0 read as 3 shards along dim 1 and arbitr
   Checkpoint ck(dir.path);
   REQUIRE(ck.world_size() == 4);
   REQUIRE(ck.tensor("wte.weight").shards.size() == 4);
+  REQUIRE(ck.metadata("who") == "rank 0");
+  for (int r = 0; r < 4; ++r) REQUIRE(ck.rank_metadata(r).at("who") == "rank " + std::to_string(r));
+  REQUIRE_THROWS_AS(ck.rank_metadata(4), Error);
   for (const auto& t : gpt_like) {
     const auto full = full_tensor(t.id, t.shape);
     if (t.shape.size() >= 2) {

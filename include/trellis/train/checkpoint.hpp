@@ -276,7 +276,8 @@ class CheckpointWriter {
     }
   }
 
-  // Free-form metadata (RNG state, data position, config...). Rank 0's goes into index.json.
+  // Free-form metadata (RNG state, data position, config...). index.json keeps every rank's
+  // ("rank_metadata") and rank 0's also as "metadata".
   void set_metadata(std::string key, std::string value) {
     TRELLIS_CHECK(!detail::is_reserved_metadata(key), "checkpoint metadata key \"", key, "\" is reserved");
     metadata_[std::move(key)] = std::move(value);
@@ -356,15 +357,21 @@ inline void check_tiling(const TensorInfo& t) {
 }
 
 inline json::Value index_json(std::int64_t step, int world_size, const std::map<std::string, TensorInfo>& tensors,
-                              const Metadata& metadata) {
+                              const std::vector<Metadata>& rank_metadata) {
   json::Object root;
   root["format"] = json::Value("trellis-checkpoint");
   root["version"] = json::Value(1);
   root["step"] = json::Value(step);
   root["world_size"] = json::Value(world_size);
-  json::Object meta;
-  for (const auto& [k, v] : metadata) meta[k] = json::Value(v);
-  root["metadata"] = json::Value(std::move(meta));
+  auto object_of = [](const Metadata& m) {
+    json::Object o;
+    for (const auto& [k, v] : m) o[k] = json::Value(v);
+    return json::Value(std::move(o));
+  };
+  root["metadata"] = object_of(rank_metadata.at(0));
+  json::Array ranks;
+  for (const auto& m : rank_metadata) ranks.push_back(object_of(m));
+  root["rank_metadata"] = json::Value(std::move(ranks));
   json::Object ts;
   for (const auto& [name, t] : tensors) {
     json::Object o;
@@ -393,8 +400,9 @@ inline json::Value index_json(std::int64_t step, int world_size, const std::map<
 inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t step, int world_size) {
   namespace fs = std::filesystem;
   const fs::path staging = detail::staging_directory(root, step);
+  TRELLIS_CHECK(world_size > 0, "commit_checkpoint: world size ", world_size);
   std::map<std::string, TensorInfo> tensors;
-  Metadata metadata;
+  std::vector<Metadata> rank_metadata(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
     const fs::path path = staging / shard_file_name(r);
     TRELLIS_CHECK(fs::exists(path), "checkpoint step ", step, ": ", path, " is missing (rank ", r,
@@ -410,9 +418,8 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
                   get(detail::ckpt_step_key), ", not ", step);
     TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path, " was written for world size ",
                   get(detail::ckpt_world_key), ", not ", world_size);
-    if (r == 0)
-      for (const auto& [k, v] : meta)
-        if (!detail::is_reserved_metadata(k)) metadata[k] = v;
+    for (const auto& [k, v] : meta)
+      if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
     for (const auto& e : file.entries()) {
       std::string what = path.string() + ", tensor \"" + e.name + "\"";
       json::Value info = json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
@@ -441,7 +448,7 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
     for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r);
     if (!ours) fs::remove_all(entry.path());
   }
-  write_file_atomically(staging / "index.json", json::dump(detail::index_json(step, world_size, tensors, metadata), 1) + "\n");
+  write_file_atomically(staging / "index.json", json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n");
 
   const fs::path final_dir = root / step_directory_name(step);
   const fs::path old_dir = root / (step_directory_name(step) + ".old");
@@ -504,6 +511,12 @@ class Checkpoint {
     step_ = index.at("step", what).as_int(what + " step");
     world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
     for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
+    for (const auto& m : index.at("rank_metadata", what).as_array(what)) {
+      rank_metadata_.emplace_back();
+      for (const auto& [k, v] : m.as_object(what + " rank_metadata")) rank_metadata_.back()[k] = v.as_string(what);
+    }
+    TRELLIS_CHECK(static_cast<int>(rank_metadata_.size()) == world_size_, what, ": rank_metadata has ",
+                  rank_metadata_.size(), " entries for world size ", world_size_);
     for (const auto& [name, t] : index.at("tensors", what).as_object(what)) {
       std::string where = what + ", tensor \"" + name + "\"";
       TensorInfo info;
@@ -546,6 +559,11 @@ class Checkpoint {
     auto it = metadata_.find(key);
     if (it == metadata_.end()) TRELLIS_THROW("checkpoint ", dir_, ": no metadata \"", key, "\"");
     return it->second;
+  }
+  // The metadata rank `rank` set when saving (same layout resumes: per-rank RNG streams etc.).
+  const Metadata& rank_metadata(int rank) const {
+    TRELLIS_CHECK(rank >= 0 && rank < world_size_, "checkpoint ", dir_, " has ranks 0..", world_size_ - 1, ", not ", rank);
+    return rank_metadata_[static_cast<std::size_t>(rank)];
   }
   bool contains(std::string_view name) const { return tensors_.find(std::string(name)) != tensors_.end(); }
   std::vector<std::string> tensor_names() const {
@@ -634,6 +652,7 @@ class Checkpoint {
   std::int64_t step_ = 0;
   int world_size_ = 0;
   Metadata metadata_;
+  std::vector<Metadata> rank_metadata_;
   std::map<std::string, TensorInfo> tensors_;
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
 };
