@@ -96,11 +96,11 @@ inline const MpiTypes16& mpi_types_16() {
   return types;
 }
 
-constexpr bool is_float16(DType t) { return t == DType::f16 || t == DType::bf16; }
+constexpr bool mpi_is_float16(DType t) { return t == DType::f16 || t == DType::bf16; }
 
 // sum/avg/prod of 16-bit floats go through a float staging buffer (one rounding at the end).
 constexpr bool mpi_widens(DType t, ReduceOp op) {
-  return is_float16(t) && (op == ReduceOp::sum || op == ReduceOp::avg || op == ReduceOp::prod);
+  return mpi_is_float16(t) && (op == ReduceOp::sum || op == ReduceOp::avg || op == ReduceOp::prod);
 }
 
 inline MPI_Datatype mpi_datatype(DType t) {
@@ -121,7 +121,7 @@ inline MPI_Datatype mpi_datatype(DType t) {
 
 // The MPI operator for `op` on data of type `t` as it is handed to MPI (after widening).
 inline MPI_Op mpi_reduce_op(ReduceOp op, DType t) {
-  if (is_float16(t)) {
+  if (mpi_is_float16(t)) {
     const MpiTypes16& types = mpi_types_16();
     if (op == ReduceOp::min) return t == DType::f16 ? types.half_min : types.bf16_min;
     if (op == ReduceOp::max) return t == DType::f16 ? types.half_max : types.bf16_max;
@@ -137,7 +137,7 @@ inline MPI_Op mpi_reduce_op(ReduceOp op, DType t) {
   TRELLIS_THROW("unknown reduce op ", static_cast<int>(op));
 }
 
-inline void widen_16(const void* src, float* dst, std::size_t n, DType t) {
+inline void mpi_widen_16(const void* src, float* dst, std::size_t n, DType t) {
   if (t == DType::f16) {
     const half* s = static_cast<const half*>(src);
     for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
@@ -148,7 +148,7 @@ inline void widen_16(const void* src, float* dst, std::size_t n, DType t) {
 }
 
 // Rounds once to the 16-bit type; divides by `divisor` first (in float) when it is not 1.
-inline void narrow_16(const float* src, void* dst, std::size_t n, DType t, int divisor) {
+inline void mpi_narrow_16(const float* src, void* dst, std::size_t n, DType t, int divisor) {
   const float d = static_cast<float>(divisor);
   if (t == DType::f16) {
     half* o = static_cast<half*>(dst);
@@ -160,23 +160,23 @@ inline void narrow_16(const float* src, void* dst, std::size_t n, DType t, int d
 }
 
 template <class T>
-void divide_typed(void* data, std::size_t n, int divisor) {
+void mpi_divide_typed(void* data, std::size_t n, int divisor) {
   T* p = static_cast<T*>(data);
   const T d = static_cast<T>(divisor);
   for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / d);
 }
 
 // avg's second half for types MPI reduced natively: x / size (integers: truncating division).
-inline void divide_in_place(void* data, std::size_t n, DType t, int divisor) {
+inline void mpi_divide_in_place(void* data, std::size_t n, DType t, int divisor) {
   switch (t) {
-    case DType::f32: return divide_typed<float>(data, n, divisor);
-    case DType::f64: return divide_typed<double>(data, n, divisor);
-    case DType::i8: return divide_typed<std::int8_t>(data, n, divisor);
-    case DType::u8: return divide_typed<std::uint8_t>(data, n, divisor);
-    case DType::i32: return divide_typed<std::int32_t>(data, n, divisor);
-    case DType::u32: return divide_typed<std::uint32_t>(data, n, divisor);
-    case DType::i64: return divide_typed<std::int64_t>(data, n, divisor);
-    case DType::u64: return divide_typed<std::uint64_t>(data, n, divisor);
+    case DType::f32: return mpi_divide_typed<float>(data, n, divisor);
+    case DType::f64: return mpi_divide_typed<double>(data, n, divisor);
+    case DType::i8: return mpi_divide_typed<std::int8_t>(data, n, divisor);
+    case DType::u8: return mpi_divide_typed<std::uint8_t>(data, n, divisor);
+    case DType::i32: return mpi_divide_typed<std::int32_t>(data, n, divisor);
+    case DType::u32: return mpi_divide_typed<std::uint32_t>(data, n, divisor);
+    case DType::i64: return mpi_divide_typed<std::int64_t>(data, n, divisor);
+    case DType::u64: return mpi_divide_typed<std::uint64_t>(data, n, divisor);
     case DType::f16:
     case DType::bf16: break;
   }
@@ -197,14 +197,14 @@ inline bool mpi_env_debug() {
   return v && *v && std::strcmp(v, "0") != 0;
 }
 
-// TRELLIS_COMM_TIMEOUT_MS, or 5 minutes; 0 (or less) switches the timeout off.
+// TRELLIS_COMM_TIMEOUT_MS, or 60 s (as the thread backend); 0 (or less) switches the timeout off.
 inline std::chrono::milliseconds mpi_env_timeout() {
   if (const char* v = std::getenv("TRELLIS_COMM_TIMEOUT_MS"); v && *v) {
     char* end = nullptr;
     long long ms = std::strtoll(v, &end, 10);
     if (end && *end == '\0') return std::chrono::milliseconds(ms);
   }
-  return std::chrono::minutes(5);
+  return std::chrono::seconds(60);
 }
 
 // ---- operations in flight ----------------------------------------------------------------------
@@ -247,8 +247,8 @@ struct MpiPending {
   void complete() {
     switch (finish) {
       case Finish::none: break;
-      case Finish::divide: divide_in_place(out, out_count, dtype, divisor); break;
-      case Finish::narrow: narrow_16(staging.data(), out, out_count, dtype, divisor); break;
+      case Finish::divide: mpi_divide_in_place(out, out_count, dtype, divisor); break;
+      case Finish::narrow: mpi_narrow_16(staging.data(), out, out_count, dtype, divisor); break;
       case Finish::check_recv_counts:
         for (std::size_t i = 0; i < expected_counts.size() && i < statuses.size(); ++i) {
           if (expected_counts[i] == SIZE_MAX) continue;
@@ -781,7 +781,7 @@ class MpiComm {
     const bool blocking = !async && direct();
     if (detail::mpi_widens(t, op)) {
       p->staging = Buffer<float>(n, false);
-      detail::widen_16(in, p->staging.data(), n, t);
+      detail::mpi_widen_16(in, p->staging.data(), n, t);
       set_narrow(*p, out, n, t, op);
       if (blocking) {
         TRELLIS_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, p->staging.data(), count, MPI_FLOAT, detail::mpi_reduce_op(op, DType::f32), comm()));
@@ -809,7 +809,7 @@ class MpiComm {
     const bool blocking = direct();
     if (detail::mpi_widens(t, op)) {
       p->staging = Buffer<float>(n, false);
-      detail::widen_16(in, p->staging.data(), n, t);
+      detail::mpi_widen_16(in, p->staging.data(), n, t);
       if (at_root) set_narrow(*p, out, n, t, op);
       const void* send = at_root ? MPI_IN_PLACE : p->staging.data();
       if (blocking) {
@@ -869,7 +869,7 @@ class MpiComm {
     if (detail::mpi_widens(t, op)) {
       // Reduced in place in the staging buffer; block 0 of it holds this rank's result.
       p->staging = Buffer<float>(total, false);
-      detail::widen_16(in, p->staging.data(), total, t);
+      detail::mpi_widen_16(in, p->staging.data(), total, t);
       set_narrow(*p, out, n, t, op);
       if (blocking) {
         TRELLIS_CHECK_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, p->staging.data(), count, MPI_FLOAT, detail::mpi_reduce_op(op, DType::f32), comm()));

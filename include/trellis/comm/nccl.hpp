@@ -90,14 +90,14 @@ inline bool nccl_env_debug() {
   return v && *v && std::strcmp(v, "0") != 0;
 }
 
-// TRELLIS_COMM_TIMEOUT_MS, or 5 minutes; 0 (or less) switches the timeout off.
+// TRELLIS_COMM_TIMEOUT_MS, or 60 s (as the thread backend); 0 (or less) switches the timeout off.
 inline std::chrono::milliseconds nccl_env_timeout() {
   if (const char* v = std::getenv("TRELLIS_COMM_TIMEOUT_MS"); v && *v) {
     char* end = nullptr;
     long long ms = std::strtoll(v, &end, 10);
     if (end && *end == '\0') return std::chrono::milliseconds(ms);
   }
-  return std::chrono::minutes(5);
+  return std::chrono::seconds(60);
 }
 
 // Makes `device` current for its scope (events and scratch memory belong to one device).
