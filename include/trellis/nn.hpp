@@ -11,4 +11,5 @@
 #include "trellis/nn/linear.hpp"
 #include "trellis/nn/mlp.hpp"
 #include "trellis/nn/parameter.hpp"
+#include "trellis/nn/pipeline_stage.hpp"
 #include "trellis/nn/tensor_parallel.hpp"

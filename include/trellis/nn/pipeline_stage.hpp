@@ -1,0 +1,105 @@
+// GptPipelineStage: the GPT-2 stages held by one pipeline rank, as a trellis::pipe::Stage, so any
+// schedule of pipe/ (GPipe, 1F1B, interleaved, zero-bubble, DualPipeV, ...) drives the model
+// through pipe::execute. Chunk c of the rank is the GptModel built for the schedule's virtual
+// stage held by (rank, c) (Schedule::virtual_stage), e.g. with GptStage::of(vs, p * v, layers).
+//
+// Per step: set_batch() gives the microbatches' tokens/targets and the global token count, then
+// pipe::execute runs F/B/W; loss() is this rank's summed loss contributions (non-zero only where
+// the last virtual stage lives). Afterwards the trainer sums the tied wte gradient over the
+// ranks holding the first and last virtual stage (see GptModel::tied_wte).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "trellis/nn/gpt.hpp"
+
+namespace trellis::nn {
+
+template <comm::Communicator C>
+class GptPipelineStage {
+ public:
+  using value_type = float;
+
+  GptPipelineStage(std::vector<GptModel<C>*> chunks, const TokenShape& shape)
+      : chunks_(std::move(chunks)), shape_(shape) {
+    TRELLIS_CHECK(!chunks_.empty(), "GptPipelineStage: no model chunks");
+    for (auto* m : chunks_) TRELLIS_CHECK(m != nullptr, "GptPipelineStage: null model chunk");
+  }
+
+  // tokens[mb], targets[mb]: (batch, seq) ids of microbatch mb (only read by the chunks holding
+  // the embedding / the head); token_count: the loss normaliser for the whole step.
+  void set_batch(std::vector<const std::int32_t*> tokens, std::vector<const std::int32_t*> targets, double token_count) {
+    tokens_ = std::move(tokens);
+    targets_ = std::move(targets);
+    token_count_ = token_count;
+    loss_ = 0.0;
+  }
+  double loss() const { return loss_; }
+
+  std::size_t input_size(int chunk) const {
+    auto* m = model(chunk);
+    return m->stage().embedding ? 0 : activation_size(*m);
+  }
+  std::size_t output_size(int chunk) const {
+    auto* m = model(chunk);
+    return m->stage().head ? 0 : activation_size(*m);
+  }
+
+  void forward(int mb, int chunk, std::span<const float> in, std::span<float> out) {
+    auto* m = model(chunk);
+    StageInput si;
+    si.tokens = m->stage().embedding ? ids(tokens_, mb, "tokens") : nullptr;
+    si.targets = m->stage().head ? ids(targets_, mb, "targets") : nullptr;
+    si.activation = in.empty() ? nullptr : in.data();
+    si.token_count = token_count_;
+    loss_ += m->forward(mb, shape_, si, out.empty() ? nullptr : out.data());
+  }
+  void backward_input(int mb, int chunk, std::span<const float> grad_out, std::span<float> grad_in) {
+    model(chunk)->backward_input(mb, shape_, grad_out.empty() ? nullptr : grad_out.data(),
+                                 grad_in.empty() ? nullptr : grad_in.data());
+  }
+  void backward_weight(int mb, int chunk) { model(chunk)->backward_weight(mb); }
+
+  // Sums the tied wte gradient over every chunk of every pipeline rank that holds a wte copy
+  // (first and last virtual stage) and writes the sum back into each copy. Collective over
+  // pp_comm (the ranks with this rank's tp coordinate): every pipeline rank calls it, ranks
+  // without a copy contribute zeros.
+  template <comm::Communicator P>
+  void all_reduce_tied_wte_grad(P& pp_comm) {
+    const auto& cfg = chunks_.front()->config();
+    auto& tp = chunks_.front()->tp();
+    const auto rows = shard::chunk(cfg.vocab, tp.size(), tp.rank());
+    std::vector<float> sum(static_cast<std::size_t>(rows.size * cfg.width), 0.0f);
+    for (auto* m : chunks_)
+      if (Parameter* w = m->tied_wte())
+        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += w->grad[i];
+    pp_comm.all_reduce(sum.data(), sum.data(), sum.size(), comm::ReduceOp::sum);
+    for (auto* m : chunks_)
+      if (Parameter* w = m->tied_wte()) std::copy(sum.begin(), sum.end(), w->grad.begin());
+  }
+
+ private:
+  GptModel<C>* model(int chunk) const {
+    TRELLIS_CHECK(chunk >= 0 && chunk < static_cast<int>(chunks_.size()), "GptPipelineStage: chunk ", chunk,
+                  " of ", chunks_.size());
+    return chunks_[static_cast<std::size_t>(chunk)];
+  }
+  std::size_t activation_size(GptModel<C>& m) const {
+    return static_cast<std::size_t>(m.local_rows(shape_) * m.config().width);
+  }
+  static const std::int32_t* ids(const std::vector<const std::int32_t*>& v, int mb, const char* what) {
+    TRELLIS_CHECK(mb >= 0 && mb < static_cast<int>(v.size()) && v[mb] != nullptr, "GptPipelineStage: no ", what,
+                  " for microbatch ", mb, " (call set_batch)");
+    return v[static_cast<std::size_t>(mb)];
+  }
+
+  std::vector<GptModel<C>*> chunks_;
+  TokenShape shape_;
+  std::vector<const std::int32_t*> tokens_, targets_;
+  double token_count_ = 0;
+  double loss_ = 0;
+};
+
+}  // namespace trellis::nn
