@@ -1,0 +1,116 @@
+// Host GEMM + fused epilogue vs bare cblas_sgemm of the same shape, timed alternately in one run.
+// Shapes are GPT-2 small's linear layers (n/k in {768, 3072, 50257}). The "unfused" column is
+// cblas_sgemm followed by a separate pass of the same epilogue code over the whole output: what
+// fusing saves. Columns: min and median seconds; ratio = fused / bare (min and median).
+//   gemm_bench [--quick] [--json FILE]
+#include <cblas.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+#include "trellis/kernels/gemm_host.hpp"
+
+using namespace trellis::kernels;
+namespace tb = trellis::bench;
+
+namespace {
+
+struct Shape {
+  std::int64_t m, n, k;
+  const char* epilogue;  // none, bias, bias_gelu
+  int reps;
+};
+
+std::vector<float> filled(std::size_t n, float scale) {
+  std::vector<float> v(n);
+  std::uint32_t s = 12345;
+  for (auto& x : v) {
+    s = s * 1664525u + 1013904223u;
+    x = scale * (static_cast<float>(s >> 8) / 16777216.0f - 0.5f);
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = tb::has_flag(argc, argv, "--quick");
+  std::vector<Shape> shapes = {
+      {256, 768, 768, "none", 20},       {1024, 3072, 768, "bias_gelu", 10}, {1024, 768, 3072, "bias", 10},
+      {4096, 3072, 768, "bias_gelu", 5}, {4096, 768, 768, "bias", 8},        {4096, 3072, 768, "none", 5},
+      {512, 50257, 768, "none", 3},      {512, 50257, 768, "bias", 3},
+  };
+  if (quick) shapes.resize(3);
+  tb::JsonReport report("gemm_bench");
+  std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d kernel threads), row-major, fp32\n",
+              host::kernel_thread_count());
+  std::printf("%6s %6s %6s %-10s %10s %10s %10s %10s %10s %8s %8s %9s\n", "m", "n", "k", "epilogue", "bare_min",
+              "bare_med", "fused_min", "fused_med", "unfus_min", "r_min", "r_med", "GFLOP/s");
+  for (const Shape& s : shapes) {
+    auto a = filled(s.m * s.k, 1.0f), b = filled(s.k * s.n, 1.0f), bias = filled(s.n, 0.2f);
+    std::vector<float> c(s.m * s.n), pre(s.m * s.n);
+    const std::string ep = s.epilogue;
+    auto bare = [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(s.m), int(s.n), int(s.k), 1.0f, a.data(), int(s.k),
+                  b.data(), int(s.n), 0.0f, c.data(), int(s.n));
+    };
+    auto fused = [&] {
+      const GemmArgs args = gemm_args(s.m, s.n, s.k);
+      if (ep == "none") host::gemm(args, a.data(), b.data(), c.data());
+      else if (ep == "bias") host::gemm(args, a.data(), b.data(), c.data(), epilogue::Bias<>{bias.data()});
+      else host::gemm(args, a.data(), b.data(), c.data(), epilogue::BiasGelu<>{bias.data(), pre.data()});
+    };
+    auto unfused = [&] {
+      bare();
+      if (ep == "none") return;
+      // The same epilogue as a second pass over the whole output.
+      for (std::int64_t i = 0; i < s.m; ++i) {
+        float* row = c.data() + i * s.n;
+        float* prow = pre.data() + i * s.n;
+        if (ep == "bias") {
+          for (std::int64_t j = 0; j < s.n; ++j) row[j] += bias[j];
+        } else {
+          for (std::int64_t j = 0; j < s.n; ++j) {
+            prow[j] = row[j] + bias[j];
+            row[j] = host::fast_gelu(prow[j]);
+          }
+        }
+      }
+    };
+    // Alternate the three so that machine noise hits them alike.
+    std::vector<double> tb_, tf, tu;
+    bare(), fused(), unfused();
+    for (int r = 0; r < s.reps; ++r) {
+      double t0 = tb::now_seconds();
+      bare();
+      double t1 = tb::now_seconds();
+      fused();
+      double t2 = tb::now_seconds();
+      unfused();
+      double t3 = tb::now_seconds();
+      tb_.push_back(t1 - t0), tf.push_back(t2 - t1), tu.push_back(t3 - t2);
+    }
+    auto mm = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return std::pair<double, double>{v.front(), v[v.size() / 2]};
+    };
+    auto [bmin, bmed] = mm(tb_);
+    auto [fmin, fmed] = mm(tf);
+    auto [umin, umed] = mm(tu);
+    const double gflops = 2.0 * s.m * s.n * s.k / fmin * 1e-9;
+    std::printf("%6lld %6lld %6lld %-10s %10.5f %10.5f %10.5f %10.5f %10.5f %8.3f %8.3f %9.1f\n", (long long)s.m,
+                (long long)s.n, (long long)s.k, s.epilogue, bmin, bmed, fmin, fmed, umin, fmin / bmin, fmed / bmed,
+                gflops);
+    tb::Row row;
+    row.add("m", (long long)s.m).add("n", (long long)s.n).add("k", (long long)s.k).add_text("epilogue", s.epilogue);
+    row.add("bare_min_s", bmin, "%.6f").add("bare_median_s", bmed, "%.6f");
+    row.add("fused_min_s", fmin, "%.6f").add("fused_median_s", fmed, "%.6f");
+    row.add("unfused_min_s", umin, "%.6f").add("unfused_median_s", umed, "%.6f");
+    row.add("ratio_min", fmin / bmin, "%.4f").add("ratio_median", fmed / bmed, "%.4f").add("gflops", gflops, "%.1f");
+    report.add(row);
+  }
+  report.write(tb::json_path(argc, argv));
+  return 0;
+}
