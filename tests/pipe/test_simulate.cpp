@@ -118,6 +118,9 @@ TEST_CASE("ZB-V and DualPipeV: vee memory, smaller bubble than 1F1B", "[pipe][si
       for (int r = 0; r < p; ++r) REQUIRE(dpv.peak_chunk_activations[r] == pipeline_stages + 1);
       for (int r = 0; r < p; ++r) REQUIRE(zbv.peak_chunk_activations[r] == pipeline_stages);
       REQUIRE(zbv.bubble_fraction < base.bubble_fraction / 2);
+      // ZB-V keeps only the unavoidable start-up: rank p-1's first forward waits for p-1 chunk
+      // forwards of t_F/2 (the V's other end finishes on the rank that started)
+      REQUIRE(zbv.step_time == Approx(3.0 * m + (p - 1) * 0.5));
       REQUIRE(dpv.bubble_fraction < base.bubble_fraction / 2);
     }
 }
