@@ -364,6 +364,32 @@ TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][para
     CHECK(model.find("h.0.mlp.c_proj.weight")->shard_offsets == std::vector<index_t>{128 * comm.rank(), 0});
     CHECK(model.find("h.0.mlp.c_proj.bias")->replicated());
     CHECK_FALSE(model.wte_grad_needs_stage_reduction());
+    // Checkpoint boxes: c_attn (C, 3C) gives one box per q/k/v group; every box element is the
+    // local element that global_index() maps to the same global position; boxes cover the shard.
+    CHECK(qkv->pieces().size() == 3);
+    CHECK(qkv->pieces()[1].offsets == std::vector<index_t>{0, 64 + 32 * comm.rank()});
+    CHECK(model.find("h.0.attn.c_attn.bias")->pieces().size() == 3);
+    CHECK(model.find("h.0.mlp.c_fc.weight")->pieces().size() == 1);
+    for (Parameter* p : model.parameters()) {
+      index_t covered = 0;
+      for (const ShardPiece& piece : p->pieces()) {
+        const std::size_t r = piece.shape.size();
+        index_t count = 1;
+        for (index_t e : piece.shape) count *= e;
+        for (index_t lin = 0; lin < count; ++lin) {
+          index_t rest = lin, local = piece.local_offset, global = 0;
+          std::vector<index_t> idx(r);
+          for (std::size_t d = r; d-- > 0;) idx[d] = rest % piece.shape[d], rest /= piece.shape[d];
+          for (std::size_t d = 0; d < r; ++d) {
+            local += idx[d] * piece.local_strides[d];
+            global = global * p->global_shape[d] + piece.offsets[d] + idx[d];
+          }
+          if (p->global_index(local) != global) FAIL(p->name << ": box element " << lin << " maps wrongly");
+        }
+        covered += count;
+      }
+      CHECK(covered == p->numel());
+    }
     // GPT-2 init: biases 0, LayerNorm weights 1, weights N(0, 0.02), c_proj weights / sqrt(2 L).
     auto stddev = [](const Parameter& p) {
       double s = 0;

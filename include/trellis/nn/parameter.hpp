@@ -23,6 +23,16 @@
 
 namespace trellis::nn {
 
+// A box of the global tensor (GPT-2 shape) held by this rank, and where its elements sit in
+// Parameter::value: element idx of the box is value[local_offset + sum_d idx[d] * local_strides[d]].
+// This is what a checkpoint writer stores per rank (train/checkpoint.hpp boxes).
+struct ShardPiece {
+  std::vector<index_t> offsets;  // in global_shape coordinates
+  std::vector<index_t> shape;
+  index_t local_offset = 0;
+  std::vector<index_t> local_strides;
+};
+
 struct Parameter {
   std::string name;                        // GPT-2 name, e.g. "h.0.attn.c_attn.weight"
   std::vector<index_t> global_shape;       // GPT-2 shape of the whole tensor
@@ -41,6 +51,33 @@ struct Parameter {
   }
   bool replicated() const { return shard_dim < 0; }
   void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+
+  // This rank's shard as boxes of the global tensor: one box, or for a grouped view (the last
+  // global dimension factored into (groups, width), sharded along width) one box per group.
+  std::vector<ShardPiece> pieces() const {
+    const std::size_t r = global_shape.size();
+    std::vector<index_t> shard_strides(shard_shape.size(), 1);
+    for (std::size_t d = shard_shape.size(); d-- > 1;) shard_strides[d - 1] = shard_strides[d] * shard_shape[d];
+    if (sharded_shape == global_shape) return {ShardPiece{shard_offsets, shard_shape, 0, shard_strides}};
+    TRELLIS_CHECK(sharded_shape.size() == r + 1 && r >= 1 &&
+                      std::equal(global_shape.begin(), global_shape.end() - 1, sharded_shape.begin()) &&
+                      sharded_shape[r - 1] * sharded_shape[r] == global_shape[r - 1],
+                  "parameter ", name, ": its sharded view is not (..., groups, width) of the global shape");
+    const index_t width = sharded_shape[r];
+    std::vector<ShardPiece> out;
+    for (index_t g = 0; g < shard_shape[r - 1]; ++g) {
+      ShardPiece p;
+      p.offsets.assign(shard_offsets.begin(), shard_offsets.begin() + static_cast<std::ptrdiff_t>(r));
+      p.offsets[r - 1] = (shard_offsets[r - 1] + g) * width + shard_offsets[r];
+      p.shape.assign(shard_shape.begin(), shard_shape.begin() + static_cast<std::ptrdiff_t>(r));
+      p.shape[r - 1] = shard_shape[r];
+      p.local_offset = g * shard_strides[r - 1];
+      p.local_strides.assign(shard_strides.begin(), shard_strides.begin() + static_cast<std::ptrdiff_t>(r));
+      p.local_strides[r - 1] = 1;
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
 
   // Row-major index in the global tensor of local element `i`.
   index_t global_index(index_t i) const {
