@@ -269,18 +269,17 @@ inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_
                            bool forever) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  for (int polls = 0;; ++polls) {
+  for (;;) {
     if (pending.test()) return true;
     const auto now = clock::now();
     if (!forever && now >= deadline) return false;
-    if (polls < 64) {
+    const auto waited = std::chrono::duration_cast<std::chrono::microseconds>(now - start);
+    if (waited < std::chrono::microseconds(200)) {
       std::this_thread::yield();
     } else {
       // Sleep about 1/16 of the time waited so far, between 20 us and 1 ms: short operations keep
       // a low latency, long ones cost little CPU (other ranks may share this core).
-      auto waited = std::chrono::duration_cast<std::chrono::microseconds>(now - start);
-      auto nap = std::clamp(waited / 16, std::chrono::microseconds(20), std::chrono::microseconds(1000));
-      std::this_thread::sleep_for(nap);
+      std::this_thread::sleep_for(std::clamp(waited / 16, std::chrono::microseconds(20), std::chrono::microseconds(1000)));
     }
   }
 }
