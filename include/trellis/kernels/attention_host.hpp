@@ -80,49 +80,47 @@ void load_transposed(const T* src, std::int64_t rows, std::int64_t d, float* dst
     for (std::int64_t p = 0; p < d; ++p) dst[p * cols + r] = 0.0f;
 }
 
-// s (rows x cols, row stride cols) = a (rows x d) * bt (d x cols).
-inline void tile_mul_abt(const float* TRELLIS_RESTRICT a, const float* TRELLIS_RESTRICT bt, std::int64_t rows,
-                         std::int64_t cols, std::int64_t d, float* TRELLIS_RESTRICT s) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float* TRELLIS_RESTRICT srow = s + r * cols;
-    for (std::int64_t c = 0; c < cols; ++c) srow[c] = 0.0f;
-    const float* arow = a + r * d;
-    for (std::int64_t p = 0; p < d; ++p) {
-      const float av = arow[p];
-      const float* TRELLIS_RESTRICT brow = bt + p * cols;
-      for (std::int64_t c = 0; c < cols; ++c) srow[c] += av * brow[c];
+// Register-blocked tile product: c (R x C) (+)= a (R x k, row stride lda) * b (k x C, row stride
+// ldb). Constant R and C let the compiler keep the R x C accumulators in vector registers.
+template <int R, int C, bool Accumulate>
+TRELLIS_FORCEINLINE void micro_gemm(const float* TRELLIS_RESTRICT a, std::int64_t lda,
+                                    const float* TRELLIS_RESTRICT b, std::int64_t ldb, float* TRELLIS_RESTRICT c,
+                                    std::int64_t ldc, std::int64_t k) {
+  float acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = Accumulate ? c[i * ldc + j] : 0.0f;
+  for (std::int64_t p = 0; p < k; ++p) {
+    const float* TRELLIS_RESTRICT brow = b + p * ldb;
+    for (int i = 0; i < R; ++i) {
+      const float av = a[i * lda + p];
+      for (int j = 0; j < C; ++j) acc[i][j] += av * brow[j];
     }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) c[i * ldc + j] = acc[i][j];
+}
+
+// c (m x n) (+)= a (m x k) * b (k x n), all row-major with the given row strides; m a multiple of
+// 4, n a multiple of 8 (tiles are padded to that).
+template <bool Accumulate>
+inline void tile_gemm(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                      const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  for (std::int64_t i0 = 0; i0 < m; i0 += 4) {
+    std::int64_t j0 = 0;
+    for (; j0 + 32 <= n; j0 += 32)
+      micro_gemm<4, 32, Accumulate>(a + i0 * lda, lda, b + j0, ldb, c + i0 * ldc + j0, ldc, k);
+    for (; j0 + 16 <= n; j0 += 16)
+      micro_gemm<4, 16, Accumulate>(a + i0 * lda, lda, b + j0, ldb, c + i0 * ldc + j0, ldc, k);
+    for (; j0 + 8 <= n; j0 += 8)
+      micro_gemm<4, 8, Accumulate>(a + i0 * lda, lda, b + j0, ldb, c + i0 * ldc + j0, ldc, k);
   }
 }
 
-// out (rows x d) += p (rows x cols) * v (cols x d).
-inline void tile_mul_add_pv(const float* TRELLIS_RESTRICT p, const float* TRELLIS_RESTRICT v, std::int64_t rows,
-                            std::int64_t cols, std::int64_t d, float* TRELLIS_RESTRICT out) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float* TRELLIS_RESTRICT orow = out + r * d;
-    const float* prow = p + r * cols;
-    for (std::int64_t c = 0; c < cols; ++c) {
-      const float pv = prow[c];
-      if (pv == 0.0f) continue;
-      const float* TRELLIS_RESTRICT vrow = v + c * d;
-      for (std::int64_t q = 0; q < d; ++q) orow[q] += pv * vrow[q];
-    }
-  }
-}
-
-// out (cols x d) += p^T (cols x rows) * x (rows x d), p being rows x cols.
-inline void tile_mul_add_ptx(const float* TRELLIS_RESTRICT p, const float* TRELLIS_RESTRICT x, std::int64_t rows,
-                             std::int64_t cols, std::int64_t d, float* TRELLIS_RESTRICT out) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* TRELLIS_RESTRICT xrow = x + r * d;
-    const float* prow = p + r * cols;
-    for (std::int64_t c = 0; c < cols; ++c) {
-      const float pv = prow[c];
-      if (pv == 0.0f) continue;
-      float* TRELLIS_RESTRICT orow = out + c * d;
-      for (std::int64_t q = 0; q < d; ++q) orow[q] += pv * xrow[q];
-    }
-  }
+// dst (cols x rows) = src (rows x cols) transposed.
+inline void transpose_tile(const float* TRELLIS_RESTRICT src, std::int64_t rows, std::int64_t cols,
+                           float* TRELLIS_RESTRICT dst) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
 }
 
 }  // namespace detail
@@ -158,6 +156,7 @@ void attention_forward(const AttentionArgs& args, const T* q, const T* k, const 
     float* mrow = s + Br * Bc;  // (Br) running max
     float* lrow = mrow + Br;    // (Br) running sum
     detail::load_rows(qp, rows, d, qf, scale);
+    std::fill(qf + rows * d, qf + Br * d, 0.0f);  // padded rows stay finite
     std::fill(acc, acc + Br * d, 0.0f);
     std::fill(mrow, mrow + Br, ninf);
     std::fill(lrow, lrow + Br, 0.0f);
@@ -167,7 +166,8 @@ void attention_forward(const AttentionArgs& args, const T* q, const T* k, const 
       const std::int64_t cols = std::min(Bc, tk - j0);
       detail::load_transposed(kp + j0 * d, cols, d, kt, Bc);
       detail::load_rows(vp + j0 * d, cols, d, vf);
-      detail::tile_mul_abt(qf, kt, rows, Bc, d, s);
+      const std::int64_t rows4 = (rows + 3) / 4 * 4;
+      detail::tile_gemm<false>(rows4, Bc, d, qf, d, kt, Bc, s, Bc);
       const bool needs_mask = args.last_visible_key(i0) < j0 + Bc - 1 || cols < Bc;
       for (std::int64_t r = 0; r < rows; ++r) {
         float* srow = s + r * Bc;
@@ -190,7 +190,8 @@ void attention_forward(const AttentionArgs& args, const T* q, const T* k, const 
           for (std::int64_t p = 0; p < d; ++p) arow[p] *= correction;
         }
       }
-      detail::tile_mul_add_pv(s, vf, rows, Bc, d, acc);
+      if (cols < Bc) std::fill(vf + cols * d, vf + Bc * d, 0.0f);
+      detail::tile_gemm<true>(rows4, d, Bc, s, Bc, vf, d, acc, d);
     }
     T* op = o + (bh * tq + i0) * d;
     float* lp = lse + bh * tq + i0;
@@ -249,18 +250,22 @@ void attention_backward(const AttentionArgs& args, const T* q, const T* k, const
     const T* vp = v + bkv * tk * d;
     float* dq_part = dq_parts.data() + part * dq_part_size;
 
-    std::vector<float> work(static_cast<std::size_t>(Bc * d * 3 + d * Bc * 2 + Br * d * 2 + Br * Bc * 2 + Br * 2));
-    float* kf = work.data();   // (Bc, d)
-    float* dk_acc = kf + Bc * d;   // (Bc, d)
+    std::vector<float> work(
+        static_cast<std::size_t>(Bc * d * 3 + d * Bc * 2 + Br * d * 3 + Br * Bc * 2 + Bc * Br * 2 + Br * 2));
+    float* kf = work.data();          // (Bc, d)
+    float* dk_acc = kf + Bc * d;      // (Bc, d)
     float* dv_acc = dk_acc + Bc * d;  // (Bc, d)
-    float* kt = dv_acc + Bc * d;   // (d, Bc)
-    float* vt = kt + d * Bc;       // (d, Bc)
-    float* qf = vt + d * Bc;       // (Br, d)
-    float* dof = qf + Br * d;      // (Br, d)
-    float* pt = dof + Br * d;      // (Br, Bc) probabilities
-    float* ds = pt + Br * Bc;      // (Br, Bc) dp, then ds
-    float* lse_t = ds + Br * Bc;   // (Br)
-    float* delta_t = lse_t + Br;   // (Br)
+    float* kt = dv_acc + Bc * d;      // (d, Bc)
+    float* vt = kt + d * Bc;          // (d, Bc)
+    float* qf = vt + d * Bc;          // (Br, d)
+    float* dof = qf + Br * d;         // (Br, d)
+    float* dq_tile = dof + Br * d;    // (Br, d)
+    float* pt = dq_tile + Br * d;     // (Br, Bc) probabilities
+    float* ds = pt + Br * Bc;         // (Br, Bc) dp, then ds
+    float* pt_t = ds + Br * Bc;       // (Bc, Br) p transposed
+    float* ds_t = pt_t + Bc * Br;     // (Bc, Br) ds transposed
+    float* lse_t = ds_t + Bc * Br;    // (Br)
+    float* delta_t = lse_t + Br;      // (Br)
     constexpr float ninf = -std::numeric_limits<float>::infinity();
 
     for (std::int64_t jt = part; jt < kv_tiles; jt += parts) {
@@ -278,39 +283,46 @@ void attention_backward(const AttentionArgs& args, const T* q, const T* k, const
         for (std::int64_t i0 = first_row / Br * Br; i0 < tq; i0 += Br) {
           const std::int64_t rows = std::min(Br, tq - i0);
           const std::int64_t row_base = bh * tq + i0;
+          const std::int64_t rows4 = (rows + 3) / 4 * 4;  // the micro-kernel's row blocking
           detail::load_rows(q + row_base * d, rows, d, qf);
           detail::load_rows(d_o + row_base * d, rows, d, dof);
+          std::fill(qf + rows * d, qf + rows4 * d, 0.0f);
+          std::fill(dof + rows * d, dof + rows4 * d, 0.0f);
           for (std::int64_t r = 0; r < rows; ++r) {
             lse_t[r] = lse[row_base + r];
             delta_t[r] = delta[row_base + r];
           }
-          // p = exp(scale * q k^T - lse), masked.
-          detail::tile_mul_abt(qf, kt, rows, Bc, d, pt);
-          for (std::int64_t r = 0; r < rows; ++r) {
+          // p = exp(scale * q k^T - lse), masked; padded rows 0.
+          detail::tile_gemm<false>(rows4, Bc, d, qf, d, kt, Bc, pt, Bc);
+          for (std::int64_t r = 0; r < rows4; ++r) {
             float* prow = pt + r * Bc;
-            const std::int64_t last = args.last_visible_key(i0 + r) - j0;
-            const float l = lse_t[r];
-            if (l == ninf) {
+            if (r >= rows || lse_t[r] == ninf) {
               std::fill(prow, prow + Bc, 0.0f);
               continue;
             }
+            const std::int64_t last = args.last_visible_key(i0 + r) - j0;
+            const float l = lse_t[r];
             for (std::int64_t c = 0; c < Bc; ++c) prow[c] = fast_exp(prow[c] * scale - l);
             for (std::int64_t c = std::max<std::int64_t>(std::min(last, cols - 1) + 1, 0); c < Bc; ++c)
               prow[c] = 0.0f;
           }
           // dv += p^T do
-          detail::tile_mul_add_ptx(pt, dof, rows, Bc, d, dv_acc);
-          // dp = do v^T;  ds = p * (dp - delta)
-          detail::tile_mul_abt(dof, vt, rows, Bc, d, ds);
-          for (std::int64_t r = 0; r < rows; ++r) {
+          detail::transpose_tile(pt, rows4, Bc, pt_t);
+          detail::tile_gemm<true>(Bc, d, rows4, pt_t, rows4, dof, d, dv_acc, d);
+          // dp = do v^T;  ds = p * (dp - delta) * scale
+          detail::tile_gemm<false>(rows4, Bc, d, dof, d, vt, Bc, ds, Bc);
+          for (std::int64_t r = 0; r < rows4; ++r) {
             float* dsrow = ds + r * Bc;
             const float* prow = pt + r * Bc;
-            const float dl = delta_t[r];
+            const float dl = r < rows ? delta_t[r] : 0.0f;
             for (std::int64_t c = 0; c < Bc; ++c) dsrow[c] = prow[c] * (dsrow[c] - dl) * scale;
           }
           // dk += ds^T q;  dq += ds k
-          detail::tile_mul_add_ptx(ds, qf, rows, Bc, d, dk_acc);
-          detail::tile_mul_add_pv(ds, kf, rows, Bc, d, dq_part + row_base * d);
+          detail::transpose_tile(ds, rows4, Bc, ds_t);
+          detail::tile_gemm<true>(Bc, d, rows4, ds_t, rows4, qf, d, dk_acc, d);
+          detail::tile_gemm<false>(rows4, d, Bc, ds, Bc, kf, d, dq_tile, d);
+          float* dqp = dq_part + row_base * d;
+          for (std::int64_t e = 0; e < rows * d; ++e) dqp[e] += dq_tile[e];
         }
       }
       T* dkp = dk + (bkv * tk + j0) * d;
