@@ -137,6 +137,29 @@ TEST_CASE("debug mode: a mismatched collective raises on every rank naming the o
   REQUIRE(b[0] == 1.0f);
 }
 
+TEST_CASE("debug mode: disagreeing all_to_allv counts raise on every rank naming both sides", "[mpi][errors]") {
+  MpiComm comm(MPI_COMM_WORLD, "a2av");
+  comm.set_debug(true);
+  comm.set_timeout(20s);
+  const int rank = comm.rank(), size = comm.size();
+  const auto n = static_cast<std::size_t>(size);
+  // Everyone sends 2 elements to everyone, except that rank 0 sends 3 to rank 1.
+  std::vector<std::size_t> sc(n, 2), sd(n), rc(n, 2), rd(n);
+  if (rank == 0) sc[1] = 3;
+  for (std::size_t j = 0; j < n; ++j) sd[j] = 3 * j, rd[j] = 3 * j;
+  std::vector<float> in(3 * n, 1.0f), out(3 * n, 0.0f);
+  const std::span<const std::size_t> s_c(sc), s_d(sd), r_c(rc), r_d(rd);
+  CHECK_THROWS_WITH(comm.all_to_allv(in.data(), s_c, s_d, out.data(), r_c, r_d),
+                    Catch::Contains("send and receive counts disagree: rank 1 expects 2 elements from rank 0, which sends 3"));
+  // Nothing was exchanged; with agreeing counts the call goes through.
+  if (rank == 0) sc[1] = 2;
+  comm.all_to_allv(in.data(), s_c, s_d, out.data(), r_c, r_d);
+  for (std::size_t j = 0; j < n; ++j) {
+    CHECK(out[3 * j] == 1.0f);
+    CHECK(out[3 * j + 2] == 0.0f);  // gaps untouched
+  }
+}
+
 TEST_CASE("debug mode: a rank that never arrives is named within the timeout", "[mpi][errors]") {
   MpiComm comm(MPI_COMM_WORLD, "missing");
   comm.set_debug(true);

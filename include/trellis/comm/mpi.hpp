@@ -437,6 +437,46 @@ struct MpiCommState {
       TRELLIS_THROW(*mismatch, " (communicator '", recorder.label(), "')\n", recorder.dump(8));
     }
   }
+
+  // Debug mode, all_to_allv: what each rank sends to each peer must be what that peer expects.
+  // Every rank learns every disagreement (one all-to-all and one all-gather of int triples on the
+  // control communicator, under the deadline) and raises the same error.
+  void check_exchange_counts(const OpFingerprint& call, const int* send_counts, const int* recv_counts) {
+    if (!debug || size == 1) return;
+    const auto n = static_cast<std::size_t>(size);
+    auto p = std::make_unique<MpiPending>();
+    p->call = call;
+    p->counts.assign(n + 3 + 3 * n, 0);
+    int* announced = p->counts.data();  // announced[j]: what rank j says it sends here
+    TRELLIS_CHECK_MPI(MPI_Ialltoall(send_counts, 1, MPI_INT, announced, 1, MPI_INT, control, &p->requests.emplace_back()));
+    if (!mpi_wait_until(*p, deadline(), forever()))
+      timed_out(std::move(p), call, "some rank did not arrive at the debug check of all_to_allv counts");
+    p->requests.clear();
+    int* mine = announced + n;  // first disagreement seen here: (sender, sent, expected) or -1
+    mine[0] = -1;
+    for (int j = 0; j < size; ++j) {
+      if (announced[j] != recv_counts[j]) {
+        mine[0] = j, mine[1] = announced[j], mine[2] = recv_counts[j];
+        break;
+      }
+    }
+    int* everyone = mine + 3;
+    TRELLIS_CHECK_MPI(MPI_Iallgather(mine, 3, MPI_INT, everyone, 3, MPI_INT, control, &p->requests.emplace_back()));
+    if (!mpi_wait_until(*p, deadline(), forever()))
+      timed_out(std::move(p), call, "some rank did not arrive at the debug check of all_to_allv counts");
+    std::ostringstream out;
+    for (int r = 0; r < size; ++r) {
+      const int* e = everyone + 3 * r;
+      if (e[0] < 0) continue;
+      out << (out.tellp() > 0 ? "; " : "") << "rank " << r << " expects " << e[2] << " elements from rank "
+          << e[0] << ", which sends " << e[1];
+    }
+    if (out.tellp() > 0) {
+      recorder.failed(call.seq);
+      TRELLIS_THROW(call.describe(), ": send and receive counts disagree: ", out.str(), " (communicator '",
+                    recorder.label(), "')");
+    }
+  }
 };
 
 }  // namespace detail
@@ -925,6 +965,7 @@ class MpiComm {
     auto p = begin(OpKind::all_to_allv, t, 0, -1, ReduceOp::sum, where, true);
     p->counts = std::move(counts);
     const int* c = p->counts.data();
+    state_->check_exchange_counts(p->call, c, c + 2 * n);
     const void* send = copy_if_overlapping(*p, in, send_end * dtype_size(t), out, recv_end * dtype_size(t));
     MPI_Datatype type = detail::mpi_datatype(t);
     if (direct()) {
