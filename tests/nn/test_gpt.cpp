@@ -13,6 +13,7 @@
 #include <map>
 
 #include "support.hpp"
+#include "trellis/comm/mesh.hpp"
 #include "trellis/nn/gpt.hpp"
 #include "trellis/nn/pipeline_stage.hpp"
 #include "trellis/pipe/executor.hpp"
@@ -410,8 +411,8 @@ TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][para
 }
 
 // ---- driven by pipe::execute on a pp x tp thread mesh ----------------------------------------
-// World rank w = pp_rank * tp + tp_rank; the tp communicator groups equal pp_rank, the pp
-// communicator equal tp_rank. Every schedule must give the gradients of the unsplit 1-rank model.
+// A make_mesh<pp, tp> over the thread world: the model gets mesh.comm<tp>(), pipe::execute
+// mesh.comm<pp>(). Every schedule must give the gradients of the unsplit 1-rank model.
 void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool sp, int microbatches, Collector& out) {
   const GptConfig cfg = tiny();
   const double token_count = count_targets(microbatches, cfg.vocab);
@@ -419,9 +420,10 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
   std::mutex mutex;
   double total_loss = 0;
   nn_test::run_ranks(pp * tp, [&](Comm& world) {
-    const int pp_rank = world.rank() / tp, tp_rank = world.rank() % tp;
-    Comm tp_comm = world.split(pp_rank, tp_rank);
-    Comm pp_comm = world.split(tp_rank, pp_rank);
+    auto mesh = make_mesh<trellis::pp, trellis::tp>(world, {pp, tp});
+    const int pp_rank = mesh.coord<trellis::pp>(), tp_rank = mesh.coord<trellis::tp>();
+    Comm& tp_comm = mesh.comm<trellis::tp>();
+    Comm& pp_comm = mesh.comm<trellis::pp>();
     GptOptions opt;
     opt.sequence_parallel = sp;
     std::vector<std::unique_ptr<GptModel<Comm>>> models;
