@@ -43,8 +43,11 @@ struct Simulation {
   Timeline timeline;
 };
 
-// Simulates `s` (verified first; schedules without send/recv get insert_communication()).
-inline Simulation simulate(const Schedule& schedule, const Costs& costs = {}) {
+// Simulates `s` with any cost per action: cost_of(rank, action) -> duration of a compute action
+// (e.g. durations measured in a run, to replay it); every message arrives `comm` after its send.
+// The schedule is verified first; one without send/recv gets insert_communication().
+template <class CostOf>
+Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, double comm) {
   bool has_comm = false;
   for (const auto& list : schedule.ranks)
     for (const auto& a : list) has_comm = has_comm || a.is_comm();
@@ -75,14 +78,11 @@ inline Simulation simulate(const Schedule& schedule, const Costs& costs = {}) {
           clock[r] = std::max(clock[r], it->second);
           out.timeline.events.push_back({r, a, start, clock[r]});
         } else if (a.kind == ActionKind::send) {
-          arrival[detail::message_of(s, r, a)] = clock[r] + costs.comm;
+          arrival[detail::message_of(s, r, a)] = clock[r] + comm;
           (a.direction == Direction::activation ? out.forward_messages : out.backward_messages)++;
           out.timeline.events.push_back({r, a, clock[r], clock[r]});
         } else {
-          double cost = a.kind == ActionKind::forward          ? costs.forward
-                        : a.kind == ActionKind::backward_input ? costs.backward_input
-                                                               : costs.backward_weight;
-          cost /= v;
+          const double cost = static_cast<double>(cost_of(r, a));
           if (a.kind == ActionKind::forward) {
             ++live[r];
             out.peak_chunk_activations[r] = std::max(out.peak_chunk_activations[r], live[r]);
@@ -108,6 +108,18 @@ inline Simulation simulate(const Schedule& schedule, const Costs& costs = {}) {
     out.max_peak_memory = std::max(out.max_peak_memory, out.peak_memory[r]);
   }
   return out;
+}
+
+// Simulates `s` with the same cost for every action of a kind (see the conventions above).
+inline Simulation simulate(const Schedule& schedule, const Costs& costs = {}) {
+  const double v = schedule.chunks;
+  auto cost_of = [&](int, const Action& a) {
+    const double whole = a.kind == ActionKind::forward          ? costs.forward
+                         : a.kind == ActionKind::backward_input ? costs.backward_input
+                                                                : costs.backward_weight;
+    return whole / v;
+  };
+  return simulate_with(schedule, cost_of, costs.comm);
 }
 
 }  // namespace trellis::pipe
