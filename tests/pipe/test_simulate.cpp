@@ -155,3 +155,26 @@ TEST_CASE("simulated timelines respect the costs and list order", "[pipe][simula
     }
   }
 }
+
+TEST_CASE("simulate_with: per-action costs, checked by hand", "[pipe][simulate]") {
+  // identical to simulate() for uniform costs
+  auto s = zero_bubble_v(3, 6);
+  const Costs c{1, 2, 0.5, 0.1};
+  auto uniform = simulate(s, c);
+  auto same = simulate_with(
+      s,
+      [&](int, const Action& a) {
+        return (a.kind == ActionKind::forward ? 1.0 : a.kind == ActionKind::backward_input ? 2.0 : 0.5) / 2;
+      },
+      0.1);
+  REQUIRE(same.step_time == Approx(uniform.step_time));
+  REQUIRE(same.bubble_fraction == Approx(uniform.bubble_fraction));
+  // GPipe, p=2, m=2, rank 1 twice as slow. Rank 0: F0 [0,1] F1 [1,2]. Rank 1: F0 [1,3] F1 [3,5]
+  // B0 [5,7] W0 [7,9] (gradient sent after the full backward) B1 [9,11] W1 [11,13]. Rank 0:
+  // B0 [9,10] W0 [10,11] B1 [13,14] W1 [14,15].
+  auto slow = simulate_with(gpipe(2, 2), [](int rank, const Action&) { return rank == 0 ? 1.0 : 2.0; }, 0.0);
+  REQUIRE(slow.step_time == Approx(15));
+  REQUIRE(slow.busy[0] == Approx(6));
+  REQUIRE(slow.busy[1] == Approx(12));
+  REQUIRE(slow.bubble_fraction == Approx(1 - 18.0 / 30));
+}

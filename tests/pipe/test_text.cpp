@@ -2,6 +2,7 @@
 // the pictures (SVG boxes per action, Chrome trace events per action).
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <regex>
 #include <string>
 
@@ -101,6 +102,18 @@ TEST_CASE("parse errors name the line and column", "[pipe][text]") {
   Schedule broken = parse_schedule("F0 B1 F1 W1 B0 W0\nF0 B0 W0 F1 B1 W1\n");
   REQUIRE_THROWS_WITH(verify(broken), Catch::Contains("rank 0: backward-input of microbatch 1, chunk 0 (B1.0) runs "
                                                       "before its input: it needs forward of microbatch 1"));
+}
+
+TEST_CASE("schedules load from and save to files", "[pipe][text]") {
+  const std::string path = "pipe_text_test_schedule.txt";
+  Schedule s = dualpipe_v(3, 6);
+  save_schedule(path, s);
+  REQUIRE(same_schedule(load_schedule(path), s));
+  write_file(path, "F0 B0 W0\nF0 B0 W0 Q\n");
+  REQUIRE_THROWS_WITH(load_schedule(path), Catch::Contains("load_schedule 'pipe_text_test_schedule.txt': schedule text, "
+                                                           "line 2, column 10: unknown action 'Q'"));
+  std::remove(path.c_str());
+  REQUIRE_THROWS_WITH(load_schedule("/nonexistent/dir/x.txt"), Catch::Contains("cannot open"));
 }
 
 TEST_CASE("SVG: one box per compute action, rows per rank, bubbles visible", "[pipe][picture]") {

@@ -8,11 +8,13 @@
 // Tokens: F|B|W <mb>[.<chunk>] for compute; Sa|Sg <mb>[.<chunk>]><peer> to send an activation /
 // gradient; Ra|Rg <mb>[.<chunk>]<<peer> to receive one. When no line holds a send/recv the
 // communication is inserted automatically (insert_communication). '#' starts a comment.
-// to_text() writes a schedule so that parse_schedule(to_text(s)) == s.
+// to_text() writes a schedule so that parse_schedule(to_text(s)) == s; load_schedule/save_schedule
+// do the same with files.
 #pragma once
 
 #include <cctype>
 #include <cstddef>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -194,6 +196,27 @@ inline std::string to_text(const Schedule& s, const TextOptions& options = {}) {
     out << "\n";
   }
   return out.str();
+}
+
+// Reads a schedule file in the text format (errors name the file, line and column).
+inline Schedule load_schedule(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) TRELLIS_THROW("load_schedule: cannot open '", path, "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    Schedule s = parse_schedule(text.str());
+    return s;
+  } catch (const Error& e) {
+    TRELLIS_THROW("load_schedule '", path, "': ", e.message());
+  }
+}
+
+inline void save_schedule(const std::string& path, const Schedule& s, const TextOptions& options = {}) {
+  std::ofstream out(path);
+  if (!out) TRELLIS_THROW("save_schedule: cannot open '", path, "' for writing");
+  out << to_text(s, options);
+  if (!out) TRELLIS_THROW("save_schedule: writing '", path, "' failed");
 }
 
 inline bool same_schedule(const Schedule& a, const Schedule& b) {
