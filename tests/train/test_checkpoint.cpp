@@ -12,6 +12,11 @@
 #include "train/temp_dir.hpp"
 #include "trellis/train/checkpoint.hpp"
 
+#if __has_include("trellis/comm/threads.hpp")
+#include "trellis/comm/threads.hpp"
+#define TRELLIS_TEST_HAVE_THREADS 1
+#endif
+
 using namespace trellis;
 using namespace trellis::train;
 
@@ -341,3 +346,50 @@ TEST_CASE("a 2x3 mesh layout from shard::local_box loads as one tensor", "[check
   REQUIRE(ck.tensor("h.0.mlp.c_proj.weight").shards.size() == 6);
   REQUIRE(ck.read_whole<float>("h.0.mlp.c_proj.weight") == full);
 }
+
+#ifdef TRELLIS_TEST_HAVE_THREADS
+TEST_CASE("save_collectively over thread ranks: commits once, and a failure reaches every rank", "[checkpoint][comm]") {
+  TempDir dir("ckpt-comm");
+  const Shape shape = {10, 6};
+  const auto full = full_tensor(1, shape);
+  comm::ThreadWorld world(4);
+  world.run([&](auto& c) {
+    Box b = split_box(shape, 0, c.size(), c.rank());
+    auto mine = slice_of(full, shape, b);
+    CheckpointWriter w(dir.path, 1, c.rank(), c.size());
+    w.add("wte.weight", DType::f32, shape, b, mine.data());
+    save_collectively(w, c);
+  });
+  REQUIRE(Checkpoint(dir.path).read_whole<float>("wte.weight") == full);
+
+  // Rank 2 writes a box that overlaps rank 1's: the commit on rank 0 fails, every rank throws.
+  std::vector<std::string> errors(4);
+  REQUIRE_THROWS_WITH(world.run([&](auto& c) {
+    Box b = split_box(shape, 0, c.size(), c.rank());
+    if (c.rank() == 2) b.offsets[0] -= 1;
+    auto mine = slice_of(full, shape, b);
+    CheckpointWriter w(dir.path, 2, c.rank(), c.size());
+    w.add("wte.weight", DType::f32, shape, b, mine.data());
+    try {
+      save_collectively(w, c);
+    } catch (const Error& e) {
+      errors[static_cast<std::size_t>(c.rank())] = e.what();
+      throw;
+    }
+  }), Catch::Contains("overlap") || Catch::Contains("commit failed"));
+  REQUIRE_THAT(errors[0], Catch::Contains("overlap"));
+  for (int r = 1; r < 4; ++r) REQUIRE_THAT(errors[static_cast<std::size_t>(r)], Catch::Contains("commit failed on rank 0"));
+  REQUIRE(Checkpoint(dir.path).step() == 1);  // the previous checkpoint is still the latest
+
+  // A rank whose write fails (its box lies outside the tensor): nobody commits.
+  REQUIRE_THROWS(world.run([&](auto& c) {
+    CheckpointWriter w(dir.path, 3, c.rank(), c.size());
+    std::vector<float> v(6, 0.0f);
+    if (c.rank() == 3) std::filesystem::create_directories(dir.path / "step-00000003.partial" / "shard-3.safetensors");
+    w.add("x", DType::f32, {4, 6}, Box{{c.rank(), 0}, {1, 6}}, v.data());
+    save_collectively(w, c);
+  }));
+  REQUIRE(Checkpoint(dir.path).step() == 1);
+  REQUIRE(!std::filesystem::exists(dir.path / "step-00000003"));
+}
+#endif

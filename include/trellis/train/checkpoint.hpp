@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -33,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "trellis/comm/communicator.hpp"
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
@@ -283,6 +285,11 @@ class CheckpointWriter {
     metadata_[std::move(key)] = std::move(value);
   }
 
+  const std::filesystem::path& root() const { return root_; }
+  std::int64_t step() const { return step_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
   // Writes <root>/step-N.partial/shard-<rank>.safetensors (temporary name, fsync, rename).
   void finish() {
     auto staging = detail::staging_directory(root_, step_);
@@ -460,6 +467,38 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
   fsync_directory(root);
   write_file_atomically(root / "latest", step_directory_name(step) + "\n");
   fs::remove_all(old_dir);
+}
+
+// The whole save on every rank of `comm` (which must be the writer's world, same rank order):
+// finish() here, then commit on rank 0; every rank learns the outcome, so a failure anywhere
+// (a rank's write, the commit's checks) throws on every rank and nothing waits forever.
+template <class C>
+void save_collectively(CheckpointWriter& writer, C& comm) {
+  TRELLIS_CHECK(comm.size() == writer.world_size() && comm.rank() == writer.rank(), "save_collectively: writer is rank ",
+                writer.rank(), " of ", writer.world_size(), " but the communicator is rank ", comm.rank(), " of ", comm.size());
+  std::exception_ptr mine;
+  std::int32_t failed = 0, any_failed = 0;
+  try {
+    writer.finish();
+  } catch (...) {
+    mine = std::current_exception();
+    failed = 1;
+  }
+  comm.all_reduce(&failed, &any_failed, 1, comm::ReduceOp::max);
+  if (mine) std::rethrow_exception(mine);
+  if (any_failed) TRELLIS_THROW("checkpoint step ", writer.step(), ": another rank failed to write its shard; not committed");
+  std::int32_t commit_failed = 0;
+  if (comm.rank() == 0) {
+    try {
+      commit_checkpoint(writer.root(), writer.step(), writer.world_size());
+    } catch (...) {
+      mine = std::current_exception();
+      commit_failed = 1;
+    }
+  }
+  comm.broadcast(&commit_failed, 1, 0);
+  if (mine) std::rethrow_exception(mine);
+  if (commit_failed) TRELLIS_THROW("checkpoint step ", writer.step(), ": the commit failed on rank 0 (see its error)");
 }
 
 // The newest committed checkpoint directory under `root`, if any.
