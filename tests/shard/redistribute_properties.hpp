@@ -255,6 +255,10 @@ struct pairs<T, R, Mesh, list<From...>, ToList> {
   }
 };
 
+// Every From in one list against every To in another.
+template <class T, int R, class Mesh, class FromList, class ToList>
+using pairs_impl = pairs<T, R, Mesh, FromList, ToList>;
+
 // Every pair of layouts in `Layouts` for tensors of each shape in `shapes`; returns the pairs run.
 template <class T, int R, class Layouts, class Mesh>
 int run_all_pairs(Mesh& mesh, const std::vector<std::array<index_t, R>>& shapes, Failures& failures) {

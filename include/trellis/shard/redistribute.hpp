@@ -369,4 +369,23 @@ Sharded<std::remove_const_t<T>, E::rank, Mesh, Placements<P...>, Space> distribu
   return {mesh, global, std::move(local), unchecked};
 }
 
+// The same, with the layout named as one type: distribute<Placements<Shard<0>, Replicate>>(...),
+// redistribute<Placements<...>>(x) (handy where layouts are computed by type functions).
+template <class L, class Mesh, class T, class E, class Space>
+  requires(is_placements<L>::value && LayoutFor<L, E::rank, mesh_axis_count<Mesh>>)
+Sharded<std::remove_const_t<T>, E::rank, Mesh, L, Space> distribute(
+    Mesh& mesh, const TensorView<T, E, Space>& full,
+    const std::array<int, static_cast<std::size_t>(mesh_axis_count<Mesh>)>& root = {}) {
+  return [&]<class... P>(Placements<P...>*) { return distribute<P...>(mesh, full, root); }(static_cast<L*>(nullptr));
+}
+
+template <class L, class X>
+  requires(is_placements<L>::value && is_sharded<std::remove_cvref_t<X>>::value &&
+           LayoutFor<L, std::remove_cvref_t<X>::rank, std::remove_cvref_t<X>::axes>)
+redistributed_t<std::remove_cvref_t<X>, L> redistribute(X&& x) {
+  return [&]<class... P>(Placements<P...>*) {
+    return redistribute<P...>(std::forward<X>(x));
+  }(static_cast<L*>(nullptr));
+}
+
 }  // namespace trellis::shard

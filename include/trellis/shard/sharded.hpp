@@ -28,7 +28,10 @@ namespace trellis::shard {
 // A mesh type is Mesh<Comm, AxisTags...> (comm/mesh.hpp); shard/ needs its axis tags in order and,
 // per tag, mesh.comm<Tag>(), mesh.size<Tag>() and mesh.coord<Tag>().
 template <class Mesh>
-struct mesh_traits;
+struct mesh_traits {  // not a mesh: no axes (so overloads taking a mesh drop out quietly)
+  using axes = std::tuple<>;
+  static constexpr int axis_count = 0;
+};
 
 template <template <class, class...> class M, class C, class... Axes>
 struct mesh_traits<M<C, Axes...>> {
