@@ -407,6 +407,13 @@ TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][para
     std::vector<float> out(model.local_rows({kBatch, kSeq}) * 64);
     CHECK_THROWS_AS(model.forward(0, {kBatch, kSeq}, {bad.data(), nullptr, bad.data(), 1.0}, out.data()), Error);
     CHECK_THROWS_AS(model.forward(1, {kBatch, 33}, {bad.data(), nullptr, bad.data(), 1.0}, out.data()), Error);
+    // Forward-only evaluation: release() frees what the forward saved.
+    std::vector<std::int32_t> ok(kBatch * kSeq, 3);
+    const double loss = model.forward(2, {kBatch, kSeq}, {ok.data(), nullptr, ok.data(), 64.0}, nullptr);
+    CHECK(std::isfinite(loss));
+    CHECK(model.saved_microbatches() > 0);
+    model.release(2);
+    CHECK(model.saved_microbatches() == 0);
   });
 }
 

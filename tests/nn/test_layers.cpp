@@ -171,11 +171,16 @@ struct RunOptions {
 };
 
 // Global input / output-gradient of microbatch mb.
+std::string tensor_name(char kind, int mb) {
+  std::string name(1, kind);
+  name += std::to_string(mb);
+  return name;
+}
 float x_at(const Case& c, int mb, index_t row, index_t col) {
-  return global_value("x" + std::to_string(mb), row * c.geo.in + col, 0.8f);
+  return global_value(tensor_name('x', mb), row * c.geo.in + col, 0.8f);
 }
 float r_at(const Case& c, int mb, index_t row, index_t col) {
-  return global_value("r" + std::to_string(mb), row * c.geo.out + col, 1.0f);
+  return global_value(tensor_name('r', mb), row * c.geo.out + col, 1.0f);
 }
 
 // Runs the case; collects y / dx (per microbatch, keys "y0", "dx0", ...) and parameter gradients.

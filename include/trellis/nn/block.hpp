@@ -83,6 +83,11 @@ class TransformerBlock {
     mlp_.backward_weight(mb);
     store_.erase(mb);
   }
+  // Drops microbatch mb's saved state without gradients (forward-only evaluation).
+  void release(int mb) {
+    release_sublayers(mb);
+    store_.erase(mb);
+  }
   // Microbatches with saved state anywhere in the block (for leak checks).
   std::size_t saved_microbatches() const {
     return store_.size() + ln_1_.saved_microbatches() + attn_.saved_microbatches() + ln_2_.saved_microbatches() +

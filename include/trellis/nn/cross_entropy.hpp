@@ -86,6 +86,7 @@ class VocabParallelLMHeadLoss {
     detail::matmul_at_acc(vocab_local_, width_, s.rows, s.logits.data(), s.h.data(), wte_->grad.data());
     store_.erase(mb);
   }
+  void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
  private:

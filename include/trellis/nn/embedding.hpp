@@ -88,6 +88,7 @@ class VocabParallelEmbedding {
     }
     store_.erase(mb);
   }
+  void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
  private:

@@ -199,6 +199,17 @@ class GptModel {
     if (embedding_) embedding_->backward_weight(mb);
   }
 
+  // Drops microbatch mb's saved activations without computing gradients (after a forward used
+  // only for evaluation).
+  void release(int mb) {
+    if (head_) {
+      head_->release(mb);
+      ln_f_->release(mb);
+    }
+    for (auto& b : blocks_) b->release(mb);
+    if (embedding_) embedding_->release(mb);
+  }
+
   // Microbatch states still held anywhere in the stage (0 after every W: no leak).
   std::size_t saved_microbatches() const {
     std::size_t n = 0;
