@@ -1,5 +1,8 @@
 // The executor: runs a verified schedule on real stages over any Communicator, with asynchronous
-// point-to-point messages (isend/irecv), and records a timeline of what really ran.
+// point-to-point messages (isend/irecv), and records a timeline of what really ran. A run of
+// consecutive send/recv actions is posted at once and then its receives are waited for (the
+// semantics the verifier proves deadlock-free); sends complete in the background, their buffers
+// kept until then.
 //
 // A rank's stage object holds this rank's chunks and satisfies trellis::pipe::Stage:
 //   value_type                               element type of activations and gradients
@@ -58,7 +61,9 @@ struct ExecuteOptions {
 };
 
 struct ExecutionResult {
-  std::vector<TimedAction> events;  // this rank's actions, seconds since the origin
+  std::vector<TimedAction> events;  // this rank's actions, seconds since the origin (a recv from
+                                    // its posting to its completion); in list order except that
+                                    // within a run of send/recv the sends come first
   int peak_live_activations = 0;    // (mb, chunk) activations alive at once, F to W
   double seconds = 0;               // wall time of this rank's run
 };
@@ -104,11 +109,54 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
     return out;
   };
 
-  for (const Action& a : schedule.ranks[rank]) {
+  struct PendingRecv {
+    typename Comm::request_type request;
+    std::vector<T> buffer;
+    std::size_t action;  // index in the rank's list
+    double posted;
+  };
+  const auto& list = schedule.ranks[rank];
+  for (std::size_t i = 0; i < list.size();) {
+    const Action& a = list[i];
     const Key key{a.microbatch, a.chunk};
+    const auto start = clock::now();
+    if (a.is_comm()) {
+      // a run of consecutive send/recv actions is posted at once (as the verifier assumes), then
+      // its receives are waited for; sends complete in the background
+      std::vector<PendingRecv> recvs;
+      std::size_t end = i;
+      for (; end < list.size() && list[end].is_comm(); ++end) {
+        const Action& c = list[end];
+        const Key ckey{c.microbatch, c.chunk};
+        const auto posted = clock::now();
+        if (c.kind == ActionKind::send) {
+          auto& from = c.direction == Direction::activation ? activation_out : gradient_out;
+          std::vector<T> buffer =
+              take(from, ckey, c, c.direction == Direction::activation ? "output activation" : "input gradient");
+          auto request = comm.isend(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
+          sends.push_back(PendingSend{std::move(request), std::move(buffer)});
+          result.events.push_back({rank, c, seconds_since(posted), seconds_since(clock::now())});
+        } else {
+          const bool act = c.direction == Direction::activation;
+          std::vector<T> buffer(
+              static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+          auto request = comm.irecv(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
+          recvs.push_back(PendingRecv{std::move(request), std::move(buffer), end, seconds_since(posted)});
+        }
+      }
+      for (auto& r : recvs) {
+        r.request.wait();
+        const Action& c = list[r.action];
+        (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
+            std::move(r.buffer);
+        result.events.push_back({rank, c, r.posted, seconds_since(clock::now())});
+      }
+      i = end;
+      while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
+      continue;
+    }
     const bool first = schedule.is_first(rank, a.chunk);
     const bool last = schedule.is_last(rank, a.chunk);
-    const auto start = clock::now();
     switch (a.kind) {
       case ActionKind::forward: {
         std::vector<T> input;
@@ -138,27 +186,14 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
         }
         break;
       }
-      case ActionKind::backward_weight:
+      default:  // backward_weight
         stage.backward_weight(a.microbatch, a.chunk);
         --live;
         break;
-      case ActionKind::send: {
-        auto& from = a.direction == Direction::activation ? activation_out : gradient_out;
-        std::vector<T> buffer = take(from, key, a, a.direction == Direction::activation ? "output activation" : "input gradient");
-        auto request = comm.isend(buffer.data(), buffer.size(), a.peer, message_tag(schedule, rank, a));
-        sends.push_back(PendingSend{std::move(request), std::move(buffer)});
-        break;
-      }
-      case ActionKind::recv: {
-        const bool act = a.direction == Direction::activation;
-        std::vector<T> buffer(static_cast<std::size_t>(act ? stage.input_size(a.chunk) : stage.output_size(a.chunk)));
-        comm.irecv(buffer.data(), buffer.size(), a.peer, message_tag(schedule, rank, a)).wait();
-        (act ? activation_in : gradient_in)[key] = std::move(buffer);
-        break;
-      }
     }
     result.events.push_back({rank, a, seconds_since(start), seconds_since(clock::now())});
     while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
+    ++i;
   }
   for (auto& pending : sends) pending.request.wait();
   result.seconds = std::chrono::duration<double>(clock::now() - t_begin).count();

@@ -9,7 +9,9 @@
 //      rank), B needs its F and the output gradient, W needs its B, a send needs its producer;
 //   5. no deadlock: the ranks are run abstractly with blocking receives and either buffered sends
 //      (asynchronous, as the executor does them) or rendezvous sends (a send completes only when
-//      the receiver reaches the matching recv). A deadlock is reported with the cycle of waits.
+//      the receiver has posted the matching recv). A run of consecutive send/recv actions is posted
+//      at once, like a batched point-to-point call (Megatron's send_forward_recv_backward), and the
+//      executor does the same. A deadlock is reported with the cycle of waits.
 #pragma once
 
 #include <map>
@@ -192,67 +194,79 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
     }
   }
 
-  // 5. deadlock: run the ranks abstractly
+  // 5. deadlock: run the ranks abstractly. A run of consecutive send/recv actions is posted at
+  // once (like a batched point-to-point call); the rank then waits for the run's receives
+  // (buffered) or for all of its operations (rendezvous: a send is done only once its receive is
+  // posted).
   const bool rendezvous = options.mode == SendMode::rendezvous;
   std::vector<std::size_t> pc(p, 0);
-  std::set<detail::MessageKey> sent;
-  auto current = [&](int r) -> const Action* {
-    return pc[r] < s.ranks[r].size() ? &s.ranks[r][pc[r]] : nullptr;
+  std::set<detail::MessageKey> send_posted, recv_posted;
+  auto run_end = [&](int r) {
+    std::size_t e = pc[r];
+    while (e < s.ranks[r].size() && s.ranks[r][e].is_comm()) ++e;
+    return e;
   };
-  auto is_partner = [&](int r, const Action& a, int q) {
-    const Action* b = current(q);
-    return b && b->is_comm() && b->kind != a.kind && b->peer == r &&
-           detail::message_of(s, q, *b) == detail::message_of(s, r, a);
+  auto op_done = [&](int r, const Action& a) {
+    const auto key = detail::message_of(s, r, a);
+    if (a.kind == ActionKind::send) return !rendezvous || recv_posted.count(key) > 0;
+    return send_posted.count(key) > 0;
+  };
+  auto blocked_op = [&](int r) -> const Action* {  // first operation of r's current run not done
+    for (std::size_t i = pc[r]; i < run_end(r); ++i)
+      if (!op_done(r, s.ranks[r][i])) return &s.ranks[r][i];
+    return nullptr;
   };
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < p; ++r) {
-      while (const Action* a = current(r)) {
-        if (a->is_compute()) {
+      while (pc[r] < s.ranks[r].size()) {
+        if (s.ranks[r][pc[r]].is_compute()) {
           ++pc[r];
-        } else if (!rendezvous) {
-          if (a->kind == ActionKind::send) {
-            sent.insert(detail::message_of(s, r, *a));
-            ++pc[r];
-          } else if (sent.count(detail::message_of(s, r, *a))) {
-            ++pc[r];
-          } else {
-            break;
-          }
-        } else if (is_partner(r, *a, a->peer)) {
-          ++pc[a->peer];
-          ++pc[r];
-        } else {
-          break;
+          progress = true;
+          continue;
         }
+        const std::size_t end = run_end(r);
+        for (std::size_t i = pc[r]; i < end; ++i) {
+          const Action& a = s.ranks[r][i];
+          auto& posted = a.kind == ActionKind::send ? send_posted : recv_posted;
+          progress = posted.insert(detail::message_of(s, r, a)).second || progress;
+        }
+        if (blocked_op(r)) break;
+        pc[r] = end;
         progress = true;
       }
     }
   }
   bool done = true;
-  for (int r = 0; r < p; ++r) done = done && current(r) == nullptr;
+  for (int r = 0; r < p; ++r) done = done && pc[r] == s.ranks[r].size();
   if (done) return;
 
   // name the cycle of waits, starting from the first blocked rank
   int start = 0;
-  while (!current(start)) ++start;
+  while (pc[start] == s.ranks[start].size()) ++start;
   std::vector<int> path;
   std::vector<int> seen(p, -1);
   int r = start;
-  while (r >= 0 && seen[r] < 0 && current(r)) {
+  while (r >= 0 && seen[r] < 0 && pc[r] < s.ranks[r].size()) {
     seen[r] = static_cast<int>(path.size());
     path.push_back(r);
-    r = current(r)->peer;
+    r = blocked_op(r)->peer;
   }
   std::ostringstream msg;
   msg << "deadlock (" << (rendezvous ? "rendezvous" : "buffered") << " sends): ";
   const std::size_t first = (r >= 0 && seen[r] >= 0) ? static_cast<std::size_t>(seen[r]) : 0;
   for (std::size_t i = first; i < path.size(); ++i) {
     const int q = path[i];
-    msg << (i > first ? "; " : "") << "rank " << q << " waits at action " << pc[q] << ", "
-        << describe(*current(q)) << ", for rank " << current(q)->peer;
-    const Action* at_peer = current(current(q)->peer);
-    msg << (at_peer ? " (which is blocked at " + action_token(*at_peer) + ")" : " (which has finished)");
+    const Action* op = blocked_op(q);
+    msg << (i > first ? "; " : "") << "rank " << q << " waits at action " << (op - s.ranks[q].data()) << ", "
+        << describe(*op) << ", for rank " << op->peer;
+    const int peer = op->peer;
+    if (pc[peer] == s.ranks[peer].size()) {
+      msg << " (which has finished)";
+    } else {
+      const Action* at_peer = blocked_op(peer);
+      msg << " (which is blocked at " << action_token(at_peer ? *at_peer : s.ranks[peer][pc[peer]]) << ")";
+    }
   }
   if (r >= 0 && seen[r] >= 0) msg << " -- a cycle of waits";
   detail::schedule_error(s, path[first], msg.str());
