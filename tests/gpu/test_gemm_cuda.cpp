@@ -149,32 +149,33 @@ TEST_CASE("cuBLASLt epilogues match the host epilogues (bf16)", "[gpu][gemm][epi
 }
 
 TEST_CASE("cuBLASLt BGRADA / BGRADB give the sums over k of op(A) / op(B)", "[gpu][gemm][epilogue]") {
+  // bf16 in and out (the configuration training uses; the bias gradient has C's type).
   Stream stream;
   k::cuda::GemmHandle handle;
   const std::int64_t m = 32, n = 40, kk = 24;
   for (auto layout : {k::Layout::row_major, k::Layout::col_major}) {
     // dW = X^T dY shape: op(A) = A^T.
     k::GemmArgs args = k::gemm_args(m, n, kk, k::Op::transpose, k::Op::none, 1.0f, 0.0f, layout);
-    auto a = random_vector<float>(m * kk, 41), b = random_vector<float>(kk * n, 42);
-    std::vector<float> want_c(m * n);
+    auto a = random_vector<bfloat16>(m * kk, 41), b = random_vector<bfloat16>(kk * n, 42);
+    std::vector<bfloat16> want_c(m * n);
     k::host::gemm(args, a.data(), b.data(), want_c.data());
     std::vector<double> sum_a(m, 0.0), sum_b(n, 0.0);
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t p = 0; p < kk; ++p) sum_a[i] += a[args.offset(p, i, args.lda_or_packed())];  // A is k x m
+    for (std::int64_t i = 0; i < m; ++i)  // A is stored k x m
+      for (std::int64_t p = 0; p < kk; ++p) sum_a[i] += static_cast<float>(a[args.offset(p, i, args.lda_or_packed())]);
     for (std::int64_t j = 0; j < n; ++j)
-      for (std::int64_t p = 0; p < kk; ++p) sum_b[j] += b[args.offset(p, j, args.ldb_or_packed())];
+      for (std::int64_t p = 0; p < kk; ++p) sum_b[j] += static_cast<float>(b[args.offset(p, j, args.ldb_or_packed())]);
     auto da = to_device(a, stream), db = to_device(b, stream);
     for (auto kind : {k::cuda::LtEpilogue::bgrad_a, k::cuda::LtEpilogue::bgrad_b}) {
       DYNAMIC_SECTION("layout " << int(layout) << " " << k::cuda::lt_epilogue_name(kind)) {
         const bool on_a = kind == k::cuda::LtEpilogue::bgrad_a;
-        trellis::Buffer<float, trellis::Cuda> dc(m * n, stream), dgrad(on_a ? m : n, stream);
+        trellis::Buffer<bfloat16, trellis::Cuda> dc(m * n, stream), dgrad(on_a ? m : n, stream);
         k::cuda::LtEpilogueArgs lt;
         lt.kind = kind;
         lt.bias_grad = dgrad.data();
-        handle.run(args, trellis::DType::f32, trellis::DType::f32, da.data(), db.data(), dc.data(), lt, stream);
-        require_close(to_host(dc), want_c, 2e-4, 1e-4, "C");
+        handle.run(args, trellis::DType::bf16, trellis::DType::bf16, da.data(), db.data(), dc.data(), lt, stream);
+        require_close(to_host(dc), want_c, 1e-2, 1e-2, "C");
         std::vector<float> want(on_a ? sum_a.begin() : sum_b.begin(), on_a ? sum_a.end() : sum_b.end());
-        require_close(to_host(dgrad), want, 1e-4, 1e-4, "bias_grad");
+        require_close(to_host(dgrad), want, 2e-2, 1e-2, "bias_grad");
       }
     }
   }

@@ -8,6 +8,7 @@
 // (fp16). Gradient sums over many rows: 1e-4 + 1e-4|want| in fp32.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -164,6 +165,56 @@ TEMPLATE_TEST_CASE("CUDA softmax cross-entropy matches the host", "[gpu][xent]",
                                            stream);
     require_close(to_host(gl), loss2, 1e-4, 1e-5, "loss");
     require_close(to_host(g), inplace, 1e-7 + abs_tol<T>() * 1e-3, rel_tol<T>() + 1e-5, "dlogits in place");
+  }
+}
+
+TEST_CASE("CUDA vocab-parallel cross-entropy pieces match the host (two shards on one GPU)", "[gpu][xent]") {
+  Stream stream;
+  const std::int64_t rows = 29, vocab = 3000, split = 1234;  // shard 0: [0, 1234), shard 1: [1234, 3000)
+  auto logits = random_vector<float>(rows * vocab, 51, -6.0f, 6.0f);
+  std::vector<std::int32_t> targets(rows);
+  for (std::int64_t r = 0; r < rows; ++r) targets[r] = static_cast<std::int32_t>((r * 389) % vocab);
+  targets[5] = -1;
+  std::vector<float> want_loss(rows), want_lse(rows);
+  k::host::softmax_xent_forward(rows, vocab, vocab, logits.data(), targets.data(), want_loss.data(), want_lse.data());
+  auto glogits = to_device(logits, stream);
+  auto gtargets = to_device(targets, stream);
+  const std::int64_t starts[2] = {0, split}, widths[2] = {split, vocab - split};
+  Buffer<float, Cuda> gmax[2] = {Buffer<float, Cuda>(rows, stream), Buffer<float, Cuda>(rows, stream)};
+  Buffer<float, Cuda> gsum[2] = {Buffer<float, Cuda>(rows, stream), Buffer<float, Cuda>(rows, stream)};
+  Buffer<float, Cuda> gtarget[2] = {Buffer<float, Cuda>(rows, stream), Buffer<float, Cuda>(rows, stream)};
+  for (int s = 0; s < 2; ++s)
+    k::cuda::xent_partial_max(rows, widths[s], vocab, glogits.data() + starts[s], gmax[s].data(), stream);
+  auto m0 = to_host(gmax[0]), m1 = to_host(gmax[1]);
+  std::vector<float> global_max(rows);
+  for (std::int64_t r = 0; r < rows; ++r) global_max[r] = std::max(m0[r], m1[r]);  // the all-reduce(max)
+  auto gglobal_max = to_device(global_max, stream);
+  for (int s = 0; s < 2; ++s) {
+    k::cuda::xent_partial_sumexp(rows, widths[s], vocab, glogits.data() + starts[s], gglobal_max.data(),
+                                 gsum[s].data(), stream);
+    k::cuda::xent_partial_target(rows, widths[s], vocab, glogits.data() + starts[s], gtargets.data(), starts[s],
+                                 gtarget[s].data(), stream);
+  }
+  auto s0 = to_host(gsum[0]), s1 = to_host(gsum[1]), t0 = to_host(gtarget[0]), t1 = to_host(gtarget[1]);
+  std::vector<float> global_sum(rows), target_logit(rows);
+  for (std::int64_t r = 0; r < rows; ++r) global_sum[r] = s0[r] + s1[r], target_logit[r] = t0[r] + t1[r];
+  auto gglobal_sum = to_device(global_sum, stream);
+  auto gtarget_logit = to_device(target_logit, stream);
+  Buffer<float, Cuda> gloss(rows, stream), glse(rows, stream);
+  k::cuda::xent_finish(rows, gglobal_max.data(), gglobal_sum.data(), gtarget_logit.data(), gtargets.data(),
+                       gloss.data(), glse.data(), stream);
+  require_close(to_host(gloss), want_loss, 1e-4, 1e-5, "loss");
+  require_close(to_host(glse), want_lse, 1e-4, 1e-5, "lse");
+
+  const float scale = 0.5f;
+  for (int s = 0; s < 2; ++s) {
+    std::vector<float> want(rows * widths[s]);
+    k::host::xent_backward_sharded(rows, widths[s], vocab, logits.data() + starts[s], targets.data(), starts[s],
+                                   want_lse.data(), scale, want.data(), widths[s]);
+    Buffer<float, Cuda> got(rows * widths[s], stream);
+    k::cuda::xent_backward_sharded(rows, widths[s], vocab, glogits.data() + starts[s], gtargets.data(), starts[s],
+                                   glse.data(), scale, got.data(), widths[s], stream);
+    require_close(to_host(got), want, 1e-6, 1e-4, "sharded dlogits");
   }
 }
 

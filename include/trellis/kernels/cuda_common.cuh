@@ -63,6 +63,17 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] share
   return warp_sum(v);
 }
 
+// Max over the block, like block_sum.
+__device__ __forceinline__ float block_max(float v, float* scratch /* [32] shared */) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
 // Column partial sums: partial[chunk, j] = sum over rows r in chunk of f(r, j). grid (ceil(cols /
 // blockDim.x), chunks); each thread owns one column of one chunk (coalesced along j).
 template <class F>
@@ -122,7 +133,7 @@ void launch_column_sums(std::int64_t rows, std::int64_t cols, F f, S* dst, bool 
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
-inline unsigned grid_for(std::int64_t n, int threads, std::int64_t max_blocks = 65535LL * 4) {
+inline unsigned grid_for(std::int64_t n, int threads, std::int64_t max_blocks = 0x7fffffffLL) {
   std::int64_t blocks = (n + threads - 1) / threads;
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned>(blocks < max_blocks ? blocks : max_blocks);

@@ -7,6 +7,11 @@
 //                                       ld_grad, stream [, lse]);   dlogits may alias logits
 // loss_r = lse_r - logit[r, target_r]; d logits = grad_scale (softmax - onehot); target < 0: loss 0,
 // zero gradient. A target >= vocab cannot raise an error from the device: the row gets loss NaN.
+//
+// Vocab-parallel pieces (this rank holds columns [vocab_start, vocab_start + vocab_local)), the
+// caller runs the all-reduces in between, as with the host kernels:
+//   xent_partial_max -> all_reduce(max) -> xent_partial_sumexp -> all_reduce(sum);
+//   xent_partial_target -> all_reduce(sum); xent_finish -> loss, lse; xent_backward_sharded.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -63,12 +68,14 @@ __device__ float row_lse(const T* x, std::int64_t vocab) {
   return m + logf(s);
 }
 
+// g = grad_scale (softmax - onehot(target_local)); an ignored row gets 0. target_local may lie
+// outside [0, vocab) (the target is another rank's column).
 template <class T, class G>
-__device__ void write_row_grad(const T* x, std::int64_t vocab, float lse, std::int32_t target, float grad_scale,
-                               G* g) {
+__device__ void write_row_grad(const T* x, std::int64_t vocab, float lse, std::int64_t target_local, bool ignored,
+                               float grad_scale, G* g) {
   for (std::int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-    float p = target < 0 ? 0.0f : __expf(to_float(x[j]) - lse);
-    float d = grad_scale * (p - (j == target ? 1.0f : 0.0f));
+    float p = ignored ? 0.0f : __expf(to_float(x[j]) - lse);
+    float d = ignored ? 0.0f : grad_scale * (p - (j == target_local ? 1.0f : 0.0f));
     g[j] = from_float<G>(d);
   }
 }
@@ -92,7 +99,7 @@ __global__ void xent_backward_kernel(std::int64_t vocab, std::int64_t ld, const 
                                      const std::int32_t* __restrict__ targets, const float* __restrict__ lse,
                                      float grad_scale, G* __restrict__ dlogits, std::int64_t ld_grad) {
   const std::int64_t r = blockIdx.x;
-  write_row_grad(logits + r * ld, vocab, lse[r], targets[r], grad_scale, dlogits + r * ld_grad);
+  write_row_grad(logits + r * ld, vocab, lse[r], targets[r], targets[r] < 0, grad_scale, dlogits + r * ld_grad);
 }
 
 // Not __restrict__: dlogits may alias logits (each element is read, then written, by one thread).
@@ -110,7 +117,61 @@ __global__ void xent_forward_backward_kernel(std::int64_t vocab, std::int64_t ld
     if (lse) lse[r] = l;
     loss[r] = t < 0 ? 0.0f : (t < vocab ? l - target_logit : NAN);
   }
-  write_row_grad(x, vocab, l, t, grad_scale, dlogits + r * ld_grad);
+  write_row_grad(x, vocab, l, t, t < 0, grad_scale, dlogits + r * ld_grad);
+}
+
+template <class T>
+__global__ void xent_partial_max_kernel(std::int64_t vocab_local, std::int64_t ld, const T* __restrict__ logits,
+                                        float* __restrict__ row_max) {
+  __shared__ float scratch[32];
+  const T* x = logits + static_cast<std::int64_t>(blockIdx.x) * ld;
+  float m = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < vocab_local; j += blockDim.x) m = fmaxf(m, to_float(x[j]));
+  m = block_max(m, scratch);
+  if (threadIdx.x == 0) row_max[blockIdx.x] = m;
+}
+
+template <class T>
+__global__ void xent_partial_sumexp_kernel(std::int64_t vocab_local, std::int64_t ld, const T* __restrict__ logits,
+                                           const float* __restrict__ global_max, float* __restrict__ sumexp) {
+  __shared__ float scratch[32];
+  const T* x = logits + static_cast<std::int64_t>(blockIdx.x) * ld;
+  const float m = global_max[blockIdx.x];
+  float s = 0.0f;
+  for (std::int64_t j = threadIdx.x; j < vocab_local; j += blockDim.x) s += __expf(to_float(x[j]) - m);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) sumexp[blockIdx.x] = s;
+}
+
+template <class T>
+__global__ void xent_partial_target_kernel(std::int64_t rows, std::int64_t vocab_local, std::int64_t ld,
+                                           const T* __restrict__ logits, const std::int32_t* __restrict__ targets,
+                                           std::int64_t vocab_start, float* __restrict__ target_logit) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const std::int64_t t = targets[r] - vocab_start;
+  target_logit[r] = targets[r] >= 0 && t >= 0 && t < vocab_local ? to_float(logits[r * ld + t]) : 0.0f;
+}
+
+__global__ void xent_finish_kernel(std::int64_t rows, const float* __restrict__ global_max,
+                                   const float* __restrict__ global_sumexp, const float* __restrict__ target_logit,
+                                   const std::int32_t* __restrict__ targets, float* __restrict__ loss,
+                                   float* __restrict__ lse) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float l = global_max[r] + logf(global_sumexp[r]);
+  if (lse) lse[r] = l;
+  loss[r] = targets[r] < 0 ? 0.0f : l - target_logit[r];
+}
+
+template <class T, class G>
+__global__ void xent_backward_sharded_kernel(std::int64_t vocab_local, std::int64_t ld, const T* logits,
+                                             const std::int32_t* __restrict__ targets, std::int64_t vocab_start,
+                                             const float* __restrict__ lse, float grad_scale, G* dlogits,
+                                             std::int64_t ld_grad) {
+  const std::int64_t r = blockIdx.x;
+  write_row_grad(logits + r * ld, vocab_local, lse[r], targets[r] - vocab_start, targets[r] < 0, grad_scale,
+                 dlogits + r * ld_grad);
 }
 
 }  // namespace device
@@ -156,6 +217,62 @@ void softmax_xent_forward_backward(std::int64_t rows, std::int64_t vocab, std::i
   if (rows == 0) return;
   device::xent_forward_backward_kernel<<<static_cast<unsigned>(rows), device::kXentThreads, 0, stream>>>(
       vocab, ld, logits, targets, loss, grad_scale, dlogits, ld_grad, lse);
+  TRELLIS_CHECK_CUDA(cudaGetLastError());
+}
+
+// ---- vocab-parallel pieces ------------------------------------------------------------------
+
+template <class T>
+void xent_partial_max(std::int64_t rows, std::int64_t vocab_local, std::int64_t ld, const T* logits, float* row_max,
+                      cudaStream_t stream) {
+  detail::check_xent("xent_partial_max", rows, vocab_local, ld);
+  if (rows == 0) return;
+  device::xent_partial_max_kernel<<<static_cast<unsigned>(rows), device::kXentThreads, 0, stream>>>(vocab_local, ld,
+                                                                                                   logits, row_max);
+  TRELLIS_CHECK_CUDA(cudaGetLastError());
+}
+
+template <class T>
+void xent_partial_sumexp(std::int64_t rows, std::int64_t vocab_local, std::int64_t ld, const T* logits,
+                         const float* global_max, float* sumexp, cudaStream_t stream) {
+  detail::check_xent("xent_partial_sumexp", rows, vocab_local, ld);
+  if (rows == 0) return;
+  device::xent_partial_sumexp_kernel<<<static_cast<unsigned>(rows), device::kXentThreads, 0, stream>>>(
+      vocab_local, ld, logits, global_max, sumexp);
+  TRELLIS_CHECK_CUDA(cudaGetLastError());
+}
+
+template <class T>
+void xent_partial_target(std::int64_t rows, std::int64_t vocab_local, std::int64_t ld, const T* logits,
+                         const std::int32_t* targets, std::int64_t vocab_start, float* target_logit,
+                         cudaStream_t stream) {
+  detail::check_xent("xent_partial_target", rows, vocab_local, ld);
+  if (rows == 0) return;
+  device::xent_partial_target_kernel<<<detail::grid_for(rows, 256), 256, 0, stream>>>(rows, vocab_local, ld, logits,
+                                                                                      targets, vocab_start,
+                                                                                      target_logit);
+  TRELLIS_CHECK_CUDA(cudaGetLastError());
+}
+
+inline void xent_finish(std::int64_t rows, const float* global_max, const float* global_sumexp,
+                        const float* target_logit, const std::int32_t* targets, float* loss, float* lse,
+                        cudaStream_t stream) {
+  TRELLIS_CHECK(rows >= 0, "xent_finish: negative rows ", rows);
+  if (rows == 0) return;
+  device::xent_finish_kernel<<<detail::grid_for(rows, 256), 256, 0, stream>>>(rows, global_max, global_sumexp,
+                                                                             target_logit, targets, loss, lse);
+  TRELLIS_CHECK_CUDA(cudaGetLastError());
+}
+
+template <class T, class G>
+void xent_backward_sharded(std::int64_t rows, std::int64_t vocab_local, std::int64_t ld, const T* logits,
+                           const std::int32_t* targets, std::int64_t vocab_start, const float* lse, float grad_scale,
+                           G* dlogits, std::int64_t ld_grad, cudaStream_t stream) {
+  detail::check_xent("xent_backward_sharded", rows, vocab_local, ld);
+  TRELLIS_CHECK(ld_grad >= vocab_local, "xent_backward_sharded: ld_grad ", ld_grad, " < vocab_local ", vocab_local);
+  if (rows == 0) return;
+  device::xent_backward_sharded_kernel<<<static_cast<unsigned>(rows), device::kXentThreads, 0, stream>>>(
+      vocab_local, ld, logits, targets, vocab_start, lse, grad_scale, dlogits, ld_grad);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
