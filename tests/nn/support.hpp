@@ -3,6 +3,8 @@
 // and norm-relative comparison.
 #pragma once
 
+#include <catch2/catch.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +15,25 @@
 
 #include "trellis/comm/threads.hpp"
 #include "trellis/nn/parameter.hpp"
+
+// Catch2 is not thread-safe: assertions made on rank threads go through one lock. (The
+// expression runs under the lock, so it must not wait for another rank: no collectives inside.)
+namespace nn_test {
+inline std::mutex& catch_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace nn_test
+#define RANK_CHECK(...)                                               \
+  do {                                                                \
+    std::lock_guard<std::mutex> rank_check_lock_(nn_test::catch_mutex()); \
+    CHECK(__VA_ARGS__);                                               \
+  } while (0)
+#define RANK_CHECK_THROWS_AS(expr, type)                              \
+  do {                                                                \
+    std::lock_guard<std::mutex> rank_check_lock_(nn_test::catch_mutex()); \
+    CHECK_THROWS_AS(expr, type);                                      \
+  } while (0)
 
 namespace nn_test {
 

@@ -326,10 +326,10 @@ TEST_CASE("layers reject bad configurations with trellis::Error", "[nn][errors]"
     LayerNorm<Comm> ln("ln", 8, tp);
     std::vector<float> x(3 * 8), y(3 * 8);
     // seq 3 does not split over tp = 2 under sequence parallelism.
-    CHECK_THROWS_AS(ln.forward(0, TokenShape{1, 3}, x.data(), y.data()), Error);
-    CHECK_THROWS_AS(ln.backward_weight(5), Error);  // no forward for microbatch 5
-    CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 12, 5, tp), Error);  // 12 not a multiple of 5
-    CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 8, 1, tp), Error);   // 1 head over 2 ranks
-    CHECK_THROWS_AS((ColumnParallelLinear<Comm>("c", LinearConfig{4, 10, true, 4, 1}, tp)), Error);
+    RANK_CHECK_THROWS_AS(ln.forward(0, TokenShape{1, 3}, x.data(), y.data()), Error);
+    RANK_CHECK_THROWS_AS(ln.backward_weight(5), Error);  // no forward for microbatch 5
+    RANK_CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 12, 5, tp), Error);  // 12 not a multiple of 5
+    RANK_CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 8, 1, tp), Error);   // 1 head over 2 ranks
+    RANK_CHECK_THROWS_AS((ColumnParallelLinear<Comm>("c", LinearConfig{4, 10, true, 4, 1}, tp)), Error);
   });
 }

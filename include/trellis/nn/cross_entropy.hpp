@@ -46,6 +46,10 @@ class VocabParallelLMHeadLoss {
     };
     if (tp_.sequence_parallel) {
       detail::gather_rows_then(tp_, h, tp_.local_rows(shape), width_, s.h.data(), compute);
+      if (tp_.size() > 1) {  // keep this rank's rows only; re-gathered in backward_input
+        s.h_local.assign(h, h + tp_.local_rows(shape) * width_);
+        s.h = {};
+      }
     } else {
       std::copy(h, h + rows * width_, s.h.data());
       compute(0, rows);
@@ -75,8 +79,17 @@ class VocabParallelLMHeadLoss {
     auto produce = [&](index_t row0, index_t n, float* dst) {
       detail::matmul(n, width_, V, s.logits.data() + row0 * V, wte_->value.data(), dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, tp_.local_rows(shape), width_, dh, produce);
-    else detail::produce_then_all_reduce(tp_, rows, width_, dh, produce);
+    if (!s.h_local.empty()) {
+      s.h.resize(static_cast<std::size_t>(rows * width_));
+      auto regather = tp_.comm->all_gather_async(s.h_local.data(), s.h.data(), s.h_local.size());
+      detail::produce_then_reduce_scatter(tp_, tp_.local_rows(shape), width_, dh, produce);
+      regather.wait();
+      s.h_local = {};
+    } else if (tp_.sequence_parallel) {
+      detail::produce_then_reduce_scatter(tp_, tp_.local_rows(shape), width_, dh, produce);
+    } else {
+      detail::produce_then_all_reduce(tp_, rows, width_, dh, produce);
+    }
   }
 
   // d wte_r += d logits^T h.
@@ -95,7 +108,8 @@ class VocabParallelLMHeadLoss {
     float scale = 0.0f;
     bool backward_done = false;
     std::vector<std::int32_t> targets;  // (rows) in row order
-    std::vector<float> h;               // (rows, width): gathered input
+    std::vector<float> h;               // (rows, width): gathered input (sp: from backward_input on)
+    std::vector<float> h_local;         // (local_rows, width): sp, until backward_input
     std::vector<float> logits;          // (rows, vocab_local): logits, then d logits
     std::vector<float> lse;             // (rows)
   };

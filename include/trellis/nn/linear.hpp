@@ -94,6 +94,12 @@ class ColumnParallelLinear {
     };
     if (tp_.sequence_parallel) {
       detail::gather_rows_then(tp_, x, local, in, s.x.data(), compute);
+      if (tp_.size() > 1) {
+        // Megatron: keep only this rank's rows; backward_input gathers them again, overlapped
+        // with its dX product.
+        s.x_local.assign(x, x + local * in);
+        s.x = {};
+      }
     } else {
       std::copy(x, x + rows * in, s.x.data());
       compute(0, rows);
@@ -111,8 +117,17 @@ class ColumnParallelLinear {
     auto produce = [&](index_t row0, index_t n, float* dst) {
       detail::matmul_bt(n, in, out_local_, s.dz.data() + row0 * out_local_, weight_.value.data(), dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
-    else detail::produce_then_all_reduce(tp_, rows, in, dx, produce);
+    if (!s.x_local.empty()) {
+      s.x.resize(static_cast<std::size_t>(rows * in));
+      auto regather = tp_.comm->all_gather_async(s.x_local.data(), s.x.data(), s.x_local.size());
+      detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
+      regather.wait();
+      s.x_local = {};
+    } else if (tp_.sequence_parallel) {
+      detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
+    } else {
+      detail::produce_then_all_reduce(tp_, rows, in, dx, produce);
+    }
   }
 
   // dW += x^T dz, db += column sums of dz; frees the microbatch's state.
@@ -130,7 +145,8 @@ class ColumnParallelLinear {
  private:
   struct Saved {
     index_t rows = 0;
-    std::vector<float> x;    // (rows, in): the (gathered) input
+    std::vector<float> x;        // (rows, in): the (gathered) input, from backward_input on under sp
+    std::vector<float> x_local;  // (local_rows, in): under sp, this rank's input rows until backward_input
     std::vector<float> pre;  // (rows, local_out): pre-activation, with GELU
     std::vector<float> dz;   // (rows, local_out): grad of the pre-activation output
   };
