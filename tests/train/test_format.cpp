@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -200,4 +201,45 @@ TEST_CASE("Python's safetensors package reads our files and we read its files", 
   REQUIRE(theirs.entry("e").shape == Shape{0, 2});
   auto wv = theirs.read_as<float>("w");
   for (int i = 0; i < 12; ++i) REQUIRE(wv[i] == static_cast<float>(i) / 8);
+}
+
+TEST_CASE("damaged safetensors headers give Errors, never crashes", "[safetensors][fuzz]") {
+  TempDir dir("st-fuzz");
+  auto a = ramp(60, 1.0f, 0.0f);
+  std::vector<std::int32_t> b = {1, 2, 3};
+  SafetensorsWriter w;
+  w.add("h.0.attn.c_attn.weight", DType::f32, {3, 4, 5}, a.data());
+  w.add("ids", DType::i32, {3}, b.data());
+  w.set_metadata("k", "v");
+  const auto good = dir.path / "good.safetensors";
+  w.write(good);
+  const std::string bytes = read_whole_file(good);
+  std::uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  std::mt19937 gen(1234);
+  const char alphabet[] = "0123456789[]{},:\"-e. FIU";
+  int opened = 0, rejected = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    std::string bad = bytes;
+    const int edits = 1 + static_cast<int>(gen() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const std::size_t pos = 8 + gen() % n;
+      bad[pos] = gen() % 2 ? alphabet[gen() % (sizeof alphabet - 1)] : static_cast<char>(gen() % 256);
+    }
+    if (trial % 10 == 0) bad.resize(gen() % bad.size());  // truncations too
+    const auto path = dir.path / "bad.safetensors";
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(bad.data(), static_cast<std::streamsize>(bad.size()));
+    }
+    try {
+      SafetensorsFile f(path);
+      for (const auto& e : f.entries()) (void)f.read(e.name);
+      ++opened;
+    } catch (const Error&) {
+      ++rejected;
+    }
+  }
+  INFO(opened << " opened, " << rejected << " rejected");
+  REQUIRE(rejected > 200);  // most edits break the header; the rest were harmless (e.g. in metadata)
 }

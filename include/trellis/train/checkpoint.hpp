@@ -172,7 +172,8 @@ inline void check_box_in(const Shape& global, const Box& box, const std::string&
   TRELLIS_CHECK(box.offsets.size() == global.size() && box.shape.size() == global.size(), what, ": ",
                 box_string(box), " has the wrong rank for global shape ", shape_string(global));
   for (std::size_t d = 0; d < global.size(); ++d)
-    TRELLIS_CHECK(box.offsets[d] >= 0 && box.shape[d] >= 0 && box.offsets[d] + box.shape[d] <= global[d],
+    TRELLIS_CHECK(box.offsets[d] >= 0 && box.shape[d] >= 0 && box.offsets[d] <= global[d] &&
+                      box.shape[d] <= global[d] - box.offsets[d],
                   what, ": ", box_string(box), " lies outside global shape ", shape_string(global));
 }
 // The intersection of two boxes, or nullopt when it is empty.

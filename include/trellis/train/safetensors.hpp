@@ -57,16 +57,21 @@ inline DType parse_safetensors_dtype(std::string_view s, std::string_view what) 
   TRELLIS_THROW(what, ": unsupported dtype \"", s, "\"");
 }
 
-inline index_t shape_elements(std::span<const index_t> shape) {
-  index_t n = 1;
-  for (index_t d : shape) n *= d;
-  return n;
-}
-
 inline std::string shape_string(std::span<const index_t> shape) {
   std::string s = "(";
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + ")";
+}
+
+// Number of elements; throws on a negative extent or a count past 2^56 (shapes come from files).
+inline index_t shape_elements(std::span<const index_t> shape) {
+  index_t n = 1;
+  for (index_t d : shape) {
+    TRELLIS_CHECK(d >= 0, "negative extent in shape ", shape_string(shape));
+    TRELLIS_CHECK(!__builtin_mul_overflow(n, d, &n) && n <= (index_t{1} << 56), "shape ", shape_string(shape),
+                  " has too many elements");
+  }
+  return n;
 }
 
 inline std::string crc_hex(std::uint32_t crc) {
