@@ -34,14 +34,15 @@ struct RunResult {
   std::vector<int> stage_peaks;
 };
 
-RunResult run_pipeline(const Schedule& s, const Model& model, const std::vector<int>& bounds) {
+RunResult run_pipeline(const Schedule& s, const Model& model, const std::vector<int>& bounds,
+                       ExecuteOptions::P2P p2p = ExecuteOptions::P2P::isend) {
   RunResult out{Grads(model.layers), std::vector<ExecutionResult>(s.stages), std::vector<int>(s.stages)};
   std::mutex mutex;
   const auto origin = std::chrono::steady_clock::now();
   ThreadWorld(s.stages).run([&](ThreadComm& comm) {
     comm.set_timeout(std::chrono::milliseconds(20000));
     TanhStage stage(model, s, comm.rank(), bounds);
-    auto result = execute(comm, s, stage, {.origin = origin});
+    auto result = execute(comm, s, stage, {.origin = origin, .p2p = p2p});
     TRELLIS_CHECK(stage.alive() == 0u);
     std::lock_guard lock(mutex);
     for (int l : stage.layers()) {
@@ -99,6 +100,26 @@ TEST_CASE("every generator on thread ranks gives the single-rank gradients", "[p
         }
       }
   REQUIRE(runs > 100);
+}
+
+TEST_CASE("batched point-to-point (one comm.batch per run of send/recv)", "[pipe][executor]") {
+  // the schedules that pass the rendezvous check run with batches and give the same gradients
+  for (const auto& name : {"gpipe", "1f1b", "zb_h1", "zb_h2", "local_learning"})
+    for (int p : {2, 3, 4})
+      for (int m : {1, 4, 7}) {
+        INFO(name << " p=" << p << " m=" << m);
+        Schedule s = make_schedule(name, p, m);
+        const auto bounds = split_layers(p + 2, p);
+        const Model model = make_model(p + 2, m);
+        RunResult got = run_pipeline(s, model, bounds, ExecuteOptions::P2P::batch);
+        require_close(got.grads, serial_gradients(model, bounds, s.local_learning));
+      }
+  // the others are refused up front: they need asynchronous sends
+  Schedule s = interleaved_1f1b(4, 8, 2);
+  const auto bounds = split_layers(8, 8);
+  const Model model = make_model(8, 8);
+  REQUIRE_THROWS_WITH(run_pipeline(s, model, bounds, ExecuteOptions::P2P::batch),
+                      Catch::Contains("deadlock (rendezvous sends)"));
 }
 
 TEST_CASE("the recorded timeline is complete, per-rank ordered, and traceable", "[pipe][executor]") {

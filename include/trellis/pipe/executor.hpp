@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <concepts>
+#include <cstdint>
 #include <cstddef>
 #include <deque>
 #include <map>
@@ -58,6 +59,13 @@ struct ExecuteOptions {
   // read before run) so the ranks' timelines line up; by default each rank uses its own start.
   std::chrono::steady_clock::time_point origin{};
   bool verify = true;  // verify the schedule before running (every rank, cheap)
+  // How a run of consecutive send/recv actions goes out:
+  //   isend: each operation on its own (isend/irecv), the run's receives waited for, sends left to
+  //          complete in the background. Needs the schedule to pass verify() with buffered sends.
+  //   batch: the run as one comm.batch() (an NCCL group), waited for as a whole. Safe for backends
+  //          whose point-to-point operations must be grouped; needs the schedule to pass verify()
+  //          with rendezvous sends (checked first when `verify` is set).
+  enum class P2P : std::uint8_t { isend, batch } p2p = P2P::isend;
 };
 
 struct ExecutionResult {
@@ -82,7 +90,8 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
   if (comm.size() != schedule.stages)
     TRELLIS_THROW("pipe::execute: schedule '", schedule.name, "' has ", schedule.stages,
                   " stages but the communicator has ", comm.size(), " ranks");
-  if (options.verify) verify(schedule);
+  const bool batched = options.p2p == ExecuteOptions::P2P::batch;
+  if (options.verify) verify(schedule, {batched ? SendMode::rendezvous : SendMode::buffered});
   const auto origin = options.origin == clock::time_point{} ? clock::now() : options.origin;
   auto seconds_since = [&](clock::time_point t) { return std::chrono::duration<double>(t - origin).count(); };
 
@@ -120,6 +129,37 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
     const Action& a = list[i];
     const Key key{a.microbatch, a.chunk};
     const auto start = clock::now();
+    if (a.is_comm() && batched) {
+      // the whole run as one batch, waited for as a whole
+      std::size_t end = i;
+      while (end < list.size() && list[end].is_comm()) ++end;
+      std::vector<std::vector<T>> buffers;
+      std::vector<comm::P2POp> ops;
+      buffers.reserve(end - i);
+      for (std::size_t j = i; j < end; ++j) {
+        const Action& c = list[j];
+        const bool act = c.direction == Direction::activation;
+        if (c.kind == ActionKind::send)
+          buffers.push_back(take(act ? activation_out : gradient_out, {c.microbatch, c.chunk}, c,
+                                 act ? "output activation" : "input gradient"));
+        else
+          buffers.emplace_back(static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+        ops.push_back(comm::P2POp{c.kind == ActionKind::send ? comm::P2POp::Kind::send : comm::P2POp::Kind::recv,
+                                  buffers.back().data(), buffers.back().size(), dtype_v<T>, c.peer,
+                                  message_tag(schedule, rank, c)});
+      }
+      comm.batch(std::span<const comm::P2POp>(ops)).wait();
+      const double done = seconds_since(clock::now());
+      for (std::size_t j = i; j < end; ++j) {
+        const Action& c = list[j];
+        if (c.kind == ActionKind::recv)
+          (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
+              std::move(buffers[j - i]);
+        result.events.push_back({rank, c, seconds_since(start), done});
+      }
+      i = end;
+      continue;
+    }
     if (a.is_comm()) {
       // a run of consecutive send/recv actions is posted at once (as the verifier assumes), then
       // its receives are waited for; sends complete in the background
