@@ -2,10 +2,17 @@
 // Shapes are GPT-2 small's linear layers (n/k in {768, 3072, 50257}). The "unfused" column is
 // cblas_sgemm followed by a separate pass of the same epilogue code over the whole output: what
 // fusing saves. Columns: min and median seconds; ratio = fused / bare (min and median).
-//   gemm_bench [--quick] [--json FILE]
+// With --threads N both OpenBLAS and the kernel thread pool use N threads; on a loaded machine
+// `--threads 1` also gives meaningful process-CPU-time ratios (cpu_r), which preemption by other
+// processes does not inflate.
+//   gemm_bench [--quick] [--threads N] [--json FILE]
 #include <cblas.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -33,10 +40,24 @@ std::vector<float> filled(std::size_t n, float scale) {
   return v;
 }
 
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
 }  // namespace
+
+extern "C" void openblas_set_num_threads(int);
 
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--threads") == 0) {
+      const int threads = std::atoi(argv[i + 1]);
+      openblas_set_num_threads(threads);
+      host::set_num_threads(threads);
+    }
   std::vector<Shape> shapes = {
       {256, 768, 768, "none", 20},       {1024, 3072, 768, "bias_gelu", 10}, {1024, 768, 3072, "bias", 10},
       {4096, 3072, 768, "bias_gelu", 5}, {4096, 768, 768, "bias", 8},        {4096, 3072, 768, "none", 5},
@@ -46,8 +67,8 @@ int main(int argc, char** argv) {
   tb::JsonReport report("gemm_bench");
   std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d kernel threads), row-major, fp32\n",
               host::kernel_thread_count());
-  std::printf("%6s %6s %6s %-10s %10s %10s %10s %10s %10s %8s %8s %9s\n", "m", "n", "k", "epilogue", "bare_min",
-              "bare_med", "fused_min", "fused_med", "unfus_min", "r_min", "r_med", "GFLOP/s");
+  std::printf("%6s %6s %6s %-10s %10s %10s %10s %10s %10s %8s %8s %8s %9s\n", "m", "n", "k", "epilogue", "bare_min",
+              "bare_med", "fused_min", "fused_med", "unfus_min", "r_min", "r_med", "cpu_r", "GFLOP/s");
   for (const Shape& s : shapes) {
     auto a = filled(s.m * s.k, 1.0f), b = filled(s.k * s.n, 1.0f), bias = filled(s.n, 0.2f);
     std::vector<float> c(s.m * s.n), pre(s.m * s.n);
@@ -80,18 +101,20 @@ int main(int argc, char** argv) {
       }
     };
     // Alternate the three so that machine noise hits them alike.
-    std::vector<double> tb_, tf, tu;
+    std::vector<double> tb_, tf, tu, cb, cf;
     bare(), fused(), unfused();
     for (int r = 0; r < s.reps; ++r) {
-      double t0 = tb::now_seconds();
+      double c0 = cpu_seconds(), t0 = tb::now_seconds();
       bare();
-      double t1 = tb::now_seconds();
+      double c1 = cpu_seconds(), t1 = tb::now_seconds();
       fused();
-      double t2 = tb::now_seconds();
+      double c2 = cpu_seconds(), t2 = tb::now_seconds();
       unfused();
       double t3 = tb::now_seconds();
       tb_.push_back(t1 - t0), tf.push_back(t2 - t1), tu.push_back(t3 - t2);
+      cb.push_back(c1 - c0), cf.push_back(c2 - c1);
     }
+    const double cpu_ratio = *std::min_element(cf.begin(), cf.end()) / *std::min_element(cb.begin(), cb.end());
     auto mm = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
       return std::pair<double, double>{v.front(), v[v.size() / 2]};
@@ -100,15 +123,16 @@ int main(int argc, char** argv) {
     auto [fmin, fmed] = mm(tf);
     auto [umin, umed] = mm(tu);
     const double gflops = 2.0 * s.m * s.n * s.k / fmin * 1e-9;
-    std::printf("%6lld %6lld %6lld %-10s %10.5f %10.5f %10.5f %10.5f %10.5f %8.3f %8.3f %9.1f\n", (long long)s.m,
-                (long long)s.n, (long long)s.k, s.epilogue, bmin, bmed, fmin, fmed, umin, fmin / bmin, fmed / bmed,
-                gflops);
+    std::printf("%6lld %6lld %6lld %-10s %10.5f %10.5f %10.5f %10.5f %10.5f %8.3f %8.3f %8.3f %9.1f\n",
+                (long long)s.m, (long long)s.n, (long long)s.k, s.epilogue, bmin, bmed, fmin, fmed, umin, fmin / bmin,
+                fmed / bmed, cpu_ratio, gflops);
     tb::Row row;
     row.add("m", (long long)s.m).add("n", (long long)s.n).add("k", (long long)s.k).add_text("epilogue", s.epilogue);
     row.add("bare_min_s", bmin, "%.6f").add("bare_median_s", bmed, "%.6f");
     row.add("fused_min_s", fmin, "%.6f").add("fused_median_s", fmed, "%.6f");
     row.add("unfused_min_s", umin, "%.6f").add("unfused_median_s", umed, "%.6f");
     row.add("ratio_min", fmin / bmin, "%.4f").add("ratio_median", fmed / bmed, "%.4f").add("gflops", gflops, "%.1f");
+    row.add("cpu_ratio_min", cpu_ratio, "%.4f").add("threads", (long long)host::kernel_thread_count());
     report.add(row);
   }
   report.write(tb::json_path(argc, argv));

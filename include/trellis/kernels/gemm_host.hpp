@@ -50,6 +50,9 @@ namespace detail {
 template <class T>
 concept GemmElement = std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
+inline constexpr std::int64_t epilogue_slices = 8;
+inline constexpr std::int64_t parallel_epilogue_elements = std::int64_t{1} << 16;
+
 inline std::int64_t gemm_row_block(const GemmArgs& args, const GemmOptions& options) {
   if (options.row_block > 0) return std::min(options.row_block, std::max<std::int64_t>(args.m, 1));
   // Each sgemm call re-packs B (k x n), so blocks must be tall enough for that to be noise, and
@@ -194,12 +197,18 @@ void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, const float* 
     for (std::int64_t r = 0; r < blk.rows; ++r) {
       float* TRELLIS_RESTRICT crow = blk.c + r * blk.ldc;
       if constexpr (writes_pre) {
+        // One pass: pre-activation out, activation in place.
         if (pre) {
-          TP* prow = pre + r * ld_pre;
-          for (std::int64_t j = 0; j < n; ++j) prow[j] = from_float<TP>(crow[j] + bias[j]);
+          TP* TRELLIS_RESTRICT prow = pre + r * ld_pre;
+          for (std::int64_t j = 0; j < n; ++j) {
+            const float x = crow[j] + bias[j];
+            prow[j] = from_float<TP>(x);
+            crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
+          }
+        } else {
+          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
         }
-      }
-      if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
+      } else if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
         if constexpr (reads_pre && std::is_same_v<std::remove_const_t<TP>, float>) {
           const float* TRELLIS_RESTRICT prow = pre + r * ld_pre;
           for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, prow[j]);
@@ -300,10 +309,16 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
     TRELLIS_CHECK(ld_pre >= args.packed_ld(m, n), "gemm: ld_pre = ", ld_pre, " too small");
   }
 
-  const std::int64_t row_block = detail::gemm_row_block(args, options);
+  // Without an epilogue (fp32 C) there is nothing to fuse: one product call per batch.
+  const bool single_block = kind == EpilogueKind::none && std::is_same_v<TC, float> && gemm_uses_cblas() &&
+                            options.row_block == 0;
+  const std::int64_t row_block = single_block ? m : detail::gemm_row_block(args, options);
   const std::int64_t blocks = (m + row_block - 1) / row_block;
-  std::vector<float> colsums;  // (batch * blocks, n): per-block column sums, reduced in order
-  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * blocks * n), 0.0f);
+  // The epilogue of a block runs on the thread pool over a fixed number of row slices (fixed, so
+  // the bias-gradient sums do not depend on the thread count).
+  constexpr std::int64_t slices = detail::epilogue_slices;
+  std::vector<float> colsums;  // (batch, blocks, slices, n): per-slice column sums, reduced in order
+  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * blocks * slices * n), 0.0f);
 
   std::vector<float> a32, b32, bpack;
   for (std::int64_t batch = 0; batch < args.batch; ++batch) {
@@ -365,9 +380,23 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
         static_assert(std::is_same_v<PreT, TE>);
         if (ep.pre_activation) pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(row0, 0, ld_pre);
       }
-      float* colsum = nullptr;
-      if constexpr (traits::bias_grad) colsum = colsums.data() + (batch * blocks + blk_index) * n;
-      detail::apply_epilogue_block<kind, TE>(args, blk, bias.data(), pre, ld_pre, colsum);
+      const std::int64_t slice_rows = (rows + slices - 1) / slices;
+      auto epilogue_slice = [&](std::int64_t slice) {
+        detail::CBlock sub = blk;
+        sub.row0 = blk.row0 + slice * slice_rows;
+        sub.rows = std::min(slice_rows, rows - slice * slice_rows);
+        if (sub.rows <= 0) return;
+        sub.c = blk.c + args.offset(slice * slice_rows, 0, blk.ldc);
+        TE* sub_pre = pre ? pre + args.offset(slice * slice_rows, 0, ld_pre) : nullptr;
+        float* colsum = nullptr;
+        if constexpr (traits::bias_grad) colsum = colsums.data() + ((batch * blocks + blk_index) * slices + slice) * n;
+        detail::apply_epilogue_block<kind, TE>(args, sub, bias.data(), sub_pre, ld_pre, colsum);
+      };
+      if (gemm_uses_cblas() && kind != EpilogueKind::none && rows * n >= detail::parallel_epilogue_elements) {
+        parallel_for(slices, epilogue_slice);
+      } else {
+        for (std::int64_t slice = 0; slice < slices; ++slice) epilogue_slice(slice);
+      }
       if constexpr (!std::is_same_v<TC, float>) {
         for (std::int64_t r = 0; r < rows; ++r)
           for (std::int64_t j = 0; j < n; ++j)
@@ -389,7 +418,7 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
   if constexpr (traits::bias_grad) {
     for (std::int64_t j = 0; j < n; ++j) {
       float s = ep.accumulate ? to_float(ep.bias_grad[j]) : 0.0f;
-      for (std::int64_t i = 0; i < args.batch * blocks; ++i) s += colsums[i * n + j];
+      for (std::int64_t i = 0; i < args.batch * blocks * slices; ++i) s += colsums[i * n + j];
       ep.bias_grad[j] = from_float<TE>(s);
     }
   }
