@@ -143,6 +143,27 @@ __device__ __forceinline__ void load_b_rows(std::uint32_t& b0, std::uint32_t& b1
   b1 = pack_bits(p[8 * ld], p[9 * ld]);
 }
 
+// B fragments (b0, b1) of two adjacent n-tiles, n0 and n0 + 8, where B(k, n) = tile[k][n] (n
+// contiguous, e.g. V with k = key): one ldmatrix.x4.trans. Lane l addresses row l % 8 of 8x8
+// matrix l / 8; matrices: (k0.., n0..), (k0+8.., n0..), (k0.., n0+8..), (k0+8.., n0+8..).
+// b[0], b[1] serve n-tile n0; b[2], b[3] serve n0 + 8. Rows must be 16-byte aligned.
+// TRELLIS_ATTENTION_SCALAR_LOADS selects the plain 16-bit loads instead (a debugging aid).
+__device__ __forceinline__ void load_b_rows_x2(std::uint32_t (&b)[4], const std::uint16_t* tile, int ld, int k0,
+                                               int n0, int lane) {
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  const int group = lane / 4, quad = lane % 4;
+  load_b_rows(b[0], b[1], tile, ld, k0, n0, group, quad);
+  load_b_rows(b[2], b[3], tile, ld, k0, n0 + 8, group, quad);
+#else
+  const int matrix = lane / 8, row = lane % 8;
+  const std::uint16_t* p = tile + (k0 + row + 8 * (matrix & 1)) * ld + n0 + 8 * (matrix >> 1);
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(address));
+#endif
+}
+
 // Copies rows [row0, row0 + 64) of a [T, D] matrix into a padded smem tile; rows >= T become 0.
 template <int D>
 __device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16_t* src, std::int64_t row0,
@@ -282,10 +303,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
       std::uint32_t a[4] = {E::pack(p[0][0], p[0][1]), E::pack(p[0][2], p[0][3]), E::pack(p[1][0], p[1][1]),
                             E::pack(p[1][2], p[1][3])};
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        std::uint32_t b0, b1;
-        load_b_rows(b0, b1, v_tile, kLd, kk * 16, n * 8, group, quad);
-        E::mma(acc[n], a, b0, b1);
+      for (int n = 0; n < D / 8; n += 2) {
+        std::uint32_t b[4];
+        load_b_rows_x2(b, v_tile, kLd, kk * 16, n * 8, lane);
+        E::mma(acc[n], a, b[0], b[1]);
+        E::mma(acc[n + 1], a, b[2], b[3]);
       }
     }
   }
@@ -446,12 +468,14 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
                                     E::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
                                     E::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          std::uint32_t b0, b1;
-          load_b_rows(b0, b1, do_tile, kLd, kk * 16, n * 8, group, quad);
-          E::mma(dv_acc[n], p_frag, b0, b1);
-          load_b_rows(b0, b1, q_tile, kLd, kk * 16, n * 8, group, quad);
-          E::mma(dk_acc[n], ds_frag, b0, b1);
+        for (int n = 0; n < D / 8; n += 2) {
+          std::uint32_t b[4];
+          load_b_rows_x2(b, do_tile, kLd, kk * 16, n * 8, lane);
+          E::mma(dv_acc[n], p_frag, b[0], b[1]);
+          E::mma(dv_acc[n + 1], p_frag, b[2], b[3]);
+          load_b_rows_x2(b, q_tile, kLd, kk * 16, n * 8, lane);
+          E::mma(dk_acc[n], ds_frag, b[0], b[1]);
+          E::mma(dk_acc[n + 1], ds_frag, b[2], b[3]);
         }
         // dS^T to shared memory for dQ: rows = keys, cols = queries.
         std::uint16_t* ds_row0 = ds_tile + (warp * 16 + group) * kLdS + kk * 16 + 2 * quad;
@@ -476,20 +500,24 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
       float* dq_head = dq_accum + bh * q_len * D;
       const std::int64_t my_query[2] = {q0 + warp * 16 + group, q0 + warp * 16 + group + 8};
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int n = 0; n < D / 8; n += 2) {
+        float c[2][4] = {};  // n-tiles n, n + 1
 #pragma unroll
         for (int kk = 0; kk < kBlockRows / 16; ++kk) {
-          std::uint32_t b0, b1;
-          load_b_rows(b0, b1, k_tile, kLd, kk * 16, n * 8, group, quad);
-          E::mma(c, a_frag[kk], b0, b1);
+          std::uint32_t b[4];
+          load_b_rows_x2(b, k_tile, kLd, kk * 16, n * 8, lane);
+          E::mma(c[0], a_frag[kk], b[0], b[1]);
+          E::mma(c[1], a_frag[kk], b[2], b[3]);
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (my_query[r] < q_len) {
-            float* dst = dq_head + my_query[r] * D + n * 8 + 2 * quad;
-            atomicAdd(dst, c[2 * r] * scale);
-            atomicAdd(dst + 1, c[2 * r + 1] * scale);
+        for (int half_tile = 0; half_tile < 2; ++half_tile) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (my_query[r] < q_len) {
+              float* dst = dq_head + my_query[r] * D + (n + half_tile) * 8 + 2 * quad;
+              atomicAdd(dst, c[half_tile][2 * r] * scale);
+              atomicAdd(dst + 1, c[half_tile][2 * r + 1] * scale);
+            }
           }
         }
       }
