@@ -352,9 +352,8 @@ class GemmHandle {
 
     cublasLtEpilogue_t epi = detail::to_cublaslt(e.kind, row);
     detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epi);
+    // Bias, bias gradient and aux take cuBLASLt's default type: C's type (our contract too).
     if (epilogue_reads_bias(e.kind) || epilogue_writes_bias_grad(e.kind)) {
-      auto bias_type = static_cast<std::int32_t>(out);
-      detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type);
       detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                        epilogue_reads_bias(e.kind) ? e.bias : static_cast<const void*>(e.bias_grad));
     }
@@ -362,8 +361,6 @@ class GemmHandle {
       detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(e.aux));
       detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, key.ld_aux);
       if (s.batch > 1) detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, key.stride_aux);
-      auto aux_type = static_cast<std::int32_t>(out);
-      detail::set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, aux_type);
     }
 
     cublasLtMatmulPreference_t pref = nullptr;
