@@ -393,3 +393,34 @@ TEST_CASE("save_collectively over thread ranks: commits once, and a failure reac
   REQUIRE(!std::filesystem::exists(dir.path / "step-00000003"));
 }
 #endif
+
+TEST_CASE("floating tensors convert on read; other dtype changes are refused", "[checkpoint]") {
+  TempDir dir("ckpt-convert");
+  std::vector<float> w = {1.0f, -2.5f, 3.14159265f, 1e-3f, 65504.0f, 1e-8f};
+  std::vector<bfloat16> wb;
+  for (float x : w) wb.push_back(bfloat16(x));
+  std::vector<std::int32_t> ids = {1, 2, 3};
+  CheckpointWriter cw(dir.path, 1, 0, 1);
+  cw.add_whole<float>("master", w, {6});
+  cw.add_whole<bfloat16>("model", wb, {6});
+  cw.add_whole<std::int32_t>("ids", ids, {3});
+  cw.finish();
+  commit_checkpoint(dir.path, 1, 1);
+  Checkpoint ck(dir.path);
+  std::vector<bfloat16> as_bf16(6);
+  ck.read("master", DType::bf16, full_box({6}), as_bf16.data());
+  std::vector<half> as_half(6);
+  ck.read("master", DType::f16, full_box({6}), as_half.data());
+  std::vector<double> as_double(6);
+  ck.read("master", DType::f64, full_box({6}), as_double.data());
+  std::vector<float> from_bf16(6);
+  ck.read("model", DType::f32, full_box({6}), from_bf16.data());
+  for (int i = 0; i < 6; ++i) {
+    REQUIRE(as_bf16[i].bits == bfloat16(w[i]).bits);
+    REQUIRE(as_half[i].bits == half(w[i]).bits);
+    REQUIRE(as_double[i] == static_cast<double>(w[i]));
+    REQUIRE(from_bf16[i] == static_cast<float>(wb[i]));
+  }
+  std::vector<float> f(3);
+  REQUIRE_THROWS_WITH(ck.read("ids", DType::f32, full_box({3}), f.data()), Catch::Contains("I32 and cannot be read as F32"));
+}

@@ -221,6 +221,32 @@ inline void copy_region(const Box& region, const std::byte* src, const Box& src_
     }
   }
 }
+inline bool is_float_dtype(DType t) {
+  return t == DType::f64 || t == DType::f32 || t == DType::f16 || t == DType::bf16;
+}
+// Converts n floating-point values between dtypes (through float; f64 -> f64 never comes here).
+inline void convert_floats(const std::byte* src, DType from, void* dst, DType to, std::size_t n) {
+  auto load = [&](std::size_t i) -> double {
+    switch (from) {
+      case DType::f64: { double v; std::memcpy(&v, src + i * 8, 8); return v; }
+      case DType::f32: { float v; std::memcpy(&v, src + i * 4, 4); return v; }
+      case DType::f16: { half v; std::memcpy(&v, src + i * 2, 2); return static_cast<float>(v); }
+      case DType::bf16: { bfloat16 v; std::memcpy(&v, src + i * 2, 2); return static_cast<float>(v); }
+      default: TRELLIS_THROW("convert_floats: ", safetensors_dtype(from), " is not a floating type");
+    }
+  };
+  auto* out = static_cast<std::byte*>(dst);
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = load(i);
+    switch (to) {
+      case DType::f64: std::memcpy(out + i * 8, &x, 8); break;
+      case DType::f32: { float v = static_cast<float>(x); std::memcpy(out + i * 4, &v, 4); break; }
+      case DType::f16: { half v(static_cast<float>(x)); std::memcpy(out + i * 2, &v, 2); break; }
+      case DType::bf16: { bfloat16 v(static_cast<float>(x)); std::memcpy(out + i * 2, &v, 2); break; }
+      default: TRELLIS_THROW("convert_floats: ", safetensors_dtype(to), " is not a floating type");
+    }
+  }
+}
 inline std::filesystem::path staging_directory(const std::filesystem::path& root, std::int64_t step) {
   return root / (step_directory_name(step) + ".partial");
 }
@@ -625,25 +651,11 @@ class Checkpoint {
   }
 
   // Reads box `want` of the global tensor into `out` (row-major, want.shape), from every shard
-  // that overlaps it.
+  // that overlaps it. A `dtype` other than the stored one is allowed between floating types
+  // (f64, f32, f16, bf16): values convert through float (double for f64 -> f64 only), rounding
+  // to nearest even; e.g. a bf16 model loads fp32 master weights.
   void read(std::string_view name, DType dtype, const Box& want, void* out) const {
-    const auto& t = tensor(name);
-    std::string what = "checkpoint " + dir_.string() + ": tensor \"" + std::string(name) + "\"";
-    TRELLIS_CHECK(t.dtype == dtype, what, " is ", safetensors_dtype(t.dtype), ", read as ", safetensors_dtype(dtype));
-    detail::check_box_in(t.shape, want, what + " read");
-    const std::size_t elem = dtype_size(dtype);
-    index_t copied = 0;
-    std::vector<std::byte> block;
-    for (const auto& s : t.shards) {
-      std::optional<Box> region = t.shape.empty() ? std::optional<Box>(Box{}) : detail::intersect(want, s.box);
-      if (!region) continue;
-      block.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * elem);
-      file(s.file).read(s.key, block.data());  // verifies the CRC32C
-      detail::copy_region(*region, block.data(), s.box, static_cast<std::byte*>(out), want, elem);
-      copied += shape_elements(region->shape);
-    }
-    TRELLIS_CHECK(copied == shape_elements(want.shape), what, ": shards cover ", copied, " of the ",
-                  shape_elements(want.shape), " elements requested");
+    read_impl(name, dtype, want, out, nullptr);
   }
   // Typed: the box at `offsets` with the shape of `out` (contiguous).
   template <class T, class E>
@@ -664,9 +676,10 @@ class Checkpoint {
   template <class T>
   void read_flat_range(std::string_view name, const Box& local_box, index_t flat_begin, std::span<T> out) const {
     T* p = out.data();
+    BlockCache cache;  // consecutive boxes usually come from the same shard: read it once
     for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(out.size()))) {
       for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
-      read(name, dtype_v<T>, b, p);
+      read_impl(name, dtype_v<T>, b, p, &cache);
       p += shape_elements(b.shape);
     }
   }
@@ -682,6 +695,40 @@ class Checkpoint {
   }
 
  private:
+  struct BlockCache {
+    const ShardInfo* shard = nullptr;
+    std::vector<std::byte> bytes;
+  };
+
+  void read_impl(std::string_view name, DType dtype, const Box& want, void* out, BlockCache* cache) const {
+    const auto& t = tensor(name);
+    std::string what = "checkpoint " + dir_.string() + ": tensor \"" + std::string(name) + "\"";
+    const bool convert = t.dtype != dtype;
+    TRELLIS_CHECK(!convert || (detail::is_float_dtype(t.dtype) && detail::is_float_dtype(dtype)), what, " is ",
+                  safetensors_dtype(t.dtype), " and cannot be read as ", safetensors_dtype(dtype));
+    detail::check_box_in(t.shape, want, what + " read");
+    const std::size_t elem = dtype_size(t.dtype);
+    const index_t count = shape_elements(want.shape);
+    std::vector<std::byte> staged(convert ? static_cast<std::size_t>(count) * elem : 0);
+    std::byte* dst = convert ? staged.data() : static_cast<std::byte*>(out);
+    index_t copied = 0;
+    BlockCache local;
+    BlockCache& c = cache ? *cache : local;
+    for (const auto& s : t.shards) {
+      std::optional<Box> region = t.shape.empty() ? std::optional<Box>(Box{}) : detail::intersect(want, s.box);
+      if (!region) continue;
+      if (c.shard != &s) {
+        c.bytes.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * elem);
+        file(s.file).read(s.key, c.bytes.data());  // verifies the CRC32C
+        c.shard = &s;
+      }
+      detail::copy_region(*region, c.bytes.data(), s.box, dst, want, elem);
+      copied += shape_elements(region->shape);
+    }
+    TRELLIS_CHECK(copied == count, what, ": shards cover ", copied, " of the ", count, " elements requested");
+    if (convert) detail::convert_floats(staged.data(), t.dtype, out, dtype, static_cast<std::size_t>(count));
+  }
+
   const SafetensorsFile& file(const std::string& name) const {
     auto it = files_.find(name);
     if (it == files_.end()) it = files_.emplace(name, std::make_unique<SafetensorsFile>(dir_ / name)).first;
