@@ -11,7 +11,8 @@
 // measured bubble is 1 - compute / (p * step time) from the recorded timeline. The prediction is
 // simulate() fed with the measured mean duration of each action kind and the measured median
 // message latency (send end to the end of a recv that had to wait). Goal: within 10%. A second
-// prediction, "replay", feeds the simulator every action's own measured duration: it separates
+// prediction, "replay", feeds the simulator every action's own measured duration (and each
+// message's own latency where its receiver waited): it separates
 // the executor's faithfulness to the schedule from the noise of the one-cost-per-kind model.
 //
 //   bench_pipe [--p 4] [--m 8] [--t-ms 5] [--iters 5] [--busy] [--svg-dir DIR] [--json FILE]
@@ -145,7 +146,7 @@ int main(int argc, char** argv) {
   std::printf("# pipeline schedules on %d thread ranks, m=%d, t_F=t_B=t_W=%.2f ms per rank share (%s)\n", p, m,
               t * 1e3, busy ? "busy-wait" : "sleep");
   std::printf("# predicted = simulate() with the measured mean action costs and message latency\n");
-  std::printf("# replay = simulate() with every action's own measured duration\n");
+  std::printf("# replay = simulate() with every action's own measured duration and message latency\n");
   std::printf("%-17s %3s %8s %8s %8s %9s %9s %7s %9s %7s %7s\n", "schedule", "v", "step_ms", "pred_ms", "comm_us",
               "bubble", "pred", "err%", "replay", "err%", "mem");
   bench::JsonReport report("pipe");
@@ -181,12 +182,26 @@ int main(int argc, char** argv) {
     for (const auto& e : best.events)
       if (e.action.is_compute())
         duration[{e.rank, static_cast<int>(e.action.kind), e.action.microbatch, e.action.chunk}] = e.end - e.start;
+    // each message's own latency where its receiver had to wait (data arrived at the recv's end);
+    // the median elsewhere
+    std::map<pipe::detail::MessageKey, double> send_end, latency;
+    for (const auto& e : best.events)
+      if (e.action.kind == pipe::ActionKind::send) send_end[pipe::detail::message_of(s, e.rank, e.action)] = e.end;
+    for (const auto& e : best.events)
+      if (e.action.kind == pipe::ActionKind::recv) {
+        const auto key = pipe::detail::message_of(s, e.rank, e.action);
+        auto it = send_end.find(key);
+        if (it != send_end.end() && it->second > e.start) latency[key] = std::max(0.0, e.end - it->second);
+      }
     const auto replay = pipe::simulate_with(
         s,
         [&](int r, const pipe::Action& a) {
           return duration.at({r, static_cast<int>(a.kind), a.microbatch, a.chunk});
         },
-        fitted.comm);
+        [&](int r, const pipe::Action& send) {
+          auto it = latency.find(pipe::detail::message_of(s, r, send));
+          return it != latency.end() ? it->second : fitted.comm;
+        });
     const double replay_err = std::abs(measured.bubble_fraction - replay.bubble_fraction) /
                               std::max(replay.bubble_fraction, 1e-9);
     const auto sim_unit = pipe::simulate(s, costs);

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "trellis/core/error.hpp"
@@ -44,10 +45,11 @@ struct Simulation {
 };
 
 // Simulates `s` with any cost per action: cost_of(rank, action) -> duration of a compute action
-// (e.g. durations measured in a run, to replay it); every message arrives `comm` after its send.
-// The schedule is verified first; one without send/recv gets insert_communication().
-template <class CostOf>
-Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, double comm) {
+// (e.g. durations measured in a run, to replay it); comm_of(rank, send action) -> how long that
+// message takes to arrive (or a number: the same for every message). The schedule is verified
+// first; one without send/recv gets insert_communication().
+template <class CostOf, class CommOf>
+Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& comm_of) {
   bool has_comm = false;
   for (const auto& list : schedule.ranks)
     for (const auto& a : list) has_comm = has_comm || a.is_comm();
@@ -78,7 +80,10 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, double comm
           clock[r] = std::max(clock[r], it->second);
           out.timeline.events.push_back({r, a, start, clock[r]});
         } else if (a.kind == ActionKind::send) {
-          arrival[detail::message_of(s, r, a)] = clock[r] + comm;
+          double latency = 0;
+          if constexpr (std::is_arithmetic_v<std::remove_cvref_t<CommOf>>) latency = static_cast<double>(comm_of);
+          else latency = static_cast<double>(comm_of(r, a));
+          arrival[detail::message_of(s, r, a)] = clock[r] + latency;
           (a.direction == Direction::activation ? out.forward_messages : out.backward_messages)++;
           out.timeline.events.push_back({r, a, clock[r], clock[r]});
         } else {
