@@ -114,13 +114,13 @@ pipe::Costs measured_costs(const pipe::Schedule& s, const pipe::Timeline& t) {
       sum[k] += e.end - e.start;
       ++count[k];
     } else if (e.action.kind == pipe::ActionKind::send) {
-      send_end[pipe::detail::message_of(s, e.rank, e.action)] = e.end;
+      send_end[pipe::message_key(s, e.rank, e.action)] = e.end;
     }
   }
   std::vector<double> latency;
   for (const auto& e : t.events)
     if (e.action.kind == pipe::ActionKind::recv) {
-      auto it = send_end.find(pipe::detail::message_of(s, e.rank, e.action));
+      auto it = send_end.find(pipe::message_key(s, e.rank, e.action));
       if (it != send_end.end() && it->second > e.start) latency.push_back(std::max(0.0, e.end - it->second));
     }
   std::sort(latency.begin(), latency.end());
@@ -184,12 +184,12 @@ int main(int argc, char** argv) {
         duration[{e.rank, static_cast<int>(e.action.kind), e.action.microbatch, e.action.chunk}] = e.end - e.start;
     // each message's own latency where its receiver had to wait (data arrived at the recv's end);
     // the median elsewhere
-    std::map<pipe::detail::MessageKey, double> send_end, latency;
+    std::map<pipe::MessageKey, double> send_end, latency;
     for (const auto& e : best.events)
-      if (e.action.kind == pipe::ActionKind::send) send_end[pipe::detail::message_of(s, e.rank, e.action)] = e.end;
+      if (e.action.kind == pipe::ActionKind::send) send_end[pipe::message_key(s, e.rank, e.action)] = e.end;
     for (const auto& e : best.events)
       if (e.action.kind == pipe::ActionKind::recv) {
-        const auto key = pipe::detail::message_of(s, e.rank, e.action);
+        const auto key = pipe::message_key(s, e.rank, e.action);
         auto it = send_end.find(key);
         if (it != send_end.end() && it->second > e.start) latency[key] = std::max(0.0, e.end - it->second);
       }
@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
           return duration.at({r, static_cast<int>(a.kind), a.microbatch, a.chunk});
         },
         [&](int r, const pipe::Action& send) {
-          auto it = latency.find(pipe::detail::message_of(s, r, send));
+          auto it = latency.find(pipe::message_key(s, r, send));
           return it != latency.end() ? it->second : fitted.comm;
         });
     const double replay_err = std::abs(measured.bubble_fraction - replay.bubble_fraction) /

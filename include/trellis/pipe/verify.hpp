@@ -65,6 +65,11 @@ inline std::string expected_partner(const Schedule& s, int rank, const Action& a
 
 }  // namespace detail
 
+// The message a send or recv action belongs to: (direction, microbatch, consuming virtual stage);
+// a send and its receive have the same key.
+using MessageKey = detail::MessageKey;
+inline MessageKey message_key(const Schedule& s, int rank, const Action& a) { return detail::message_of(s, rank, a); }
+
 // Throws trellis::Error describing the first problem found; returns normally for a good schedule.
 inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
   s.check_shape();
