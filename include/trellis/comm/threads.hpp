@@ -4,15 +4,17 @@
 //   world.run([&](trellis::comm::ThreadComm& comm) { ... comm.all_reduce(x, x, n); ... });
 //
 // Algorithms (bandwidth-optimal for shared memory): every rank publishes its buffer pointers,
-// then does its share of the work reading and writing peers' buffers directly:
-//  - all_reduce: rank r reduces slice r of the message (reading every rank's input) in small
-//    tiles that stay in L1, and writes the finished tile into every rank's output: a fused
+// then the message is cut into 64 KiB tasks that read and write peers' buffers directly:
+//  - all_reduce: a task reduces one chunk of the message (reading every rank's input, in small
+//    tiles that stay in L1) and writes the finished tile into every rank's output: a fused
 //    reduce-scatter + all-gather with one pass over the data and no staging copies;
-//  - reduce: the same, writing only into the root's output; reduce_scatter: rank r reduces block r;
-//  - all_gather / broadcast / all_to_all(v): every rank pulls what it needs (memcpy).
-// Two barriers per collective (publish, done); no lock on the data path. The reduction order is
-// fixed (rank 0, 1, ..., n-1 for every element) so results are deterministic and equal a serial
-// left-to-right sum; half/bfloat16 reduce in float and round once.
+//  - reduce: the same, writing only into the root's output; reduce_scatter: a chunk of one
+//    rank's block; all_gather / broadcast / all_to_all(v): memcpy of one chunk.
+// Any rank may run any task (claimed from a shared counter), so when ranks outnumber cores the
+// ranks that are running do the work of those that are not. One barrier per collective (publish)
+// plus a wait for the last task; no lock on the data path. The reduction order is fixed (rank
+// 0, 1, ..., n-1 for every element, whoever runs the task) so results are deterministic and equal
+// a serial left-to-right sum; half/bfloat16 reduce in float and round once.
 //
 // Waiting: a short spin (none when ranks outnumber cores), then a futex sleep, so 8 ranks on 2
 // cores stay fast. Every wait checks an abort flag (a rank's function threw: the others get
@@ -60,6 +62,10 @@
 #include <unistd.h>
 
 #include <ctime>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
 #endif
 
 #include "trellis/comm/communicator.hpp"
@@ -149,6 +155,59 @@ void wait_until(WakeWord& wake, std::int64_t spin_ns, Done&& done, Check&& check
 }
 
 // ------------------------------------------------------------------------------------------------
+// Copies for large messages: non-temporal stores skip the read-for-ownership of the destination
+// (a third less memory traffic) when the data would not fit in cache anyway.
+
+// Messages whose buffers (all ranks, inputs + outputs) exceed this many bytes use streaming stores.
+#ifndef TRELLIS_COMM_STREAM_BYTES
+#define TRELLIS_COMM_STREAM_BYTES (std::size_t{16} << 20)
+#endif
+
+inline void stream_copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#if defined(__AVX512F__)
+  constexpr std::size_t vec = 64;
+#elif defined(__AVX__)
+  constexpr std::size_t vec = 32;
+#else
+  constexpr std::size_t vec = 16;
+#endif
+  std::size_t head = (vec - (reinterpret_cast<std::uintptr_t>(dst) & (vec - 1))) & (vec - 1);
+  if (head > bytes) head = bytes;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  std::size_t i = 0;
+  for (; i + vec <= bytes; i += vec) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+#elif defined(__AVX__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+#else
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+#endif
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// Orders streaming stores before the release that publishes a finished task.
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+inline void copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes, bool streaming) {
+  if (streaming) stream_copy(dst, src, bytes);
+  else std::memcpy(dst, src, bytes);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Reduction kernels: out = op(in_0, in_1, ..., in_{n-1}) element-wise, in that order.
 
 template <class T>
@@ -176,7 +235,7 @@ struct ReduceArith {
 
 template <class T, ReduceOp Op>
 inline void reduce_into(const std::byte* const* ins, int n_in, std::byte* const* outs, int n_out,
-                        std::size_t count, int divisor) {
+                        std::size_t count, int divisor, bool streaming) {
   using R = ReduceArith<T>;
   using A = typename R::A;
   constexpr std::size_t tile = 8192 / sizeof(A);  // accumulators stay in L1
@@ -206,37 +265,38 @@ inline void reduce_into(const std::byte* const* ins, int n_in, std::byte* const*
       finished = res;
     }
     for (int o = 0; o < n_out; ++o)
-      std::memcpy(outs[o] + base * sizeof(T), finished, len * sizeof(T));
+      copy_bytes(outs[o] + base * sizeof(T), static_cast<const std::byte*>(finished), len * sizeof(T), streaming);
   }
 }
 
 template <class T>
 inline void reduce_typed(const std::byte* const* ins, int n_in, std::byte* const* outs, int n_out,
-                         std::size_t count, ReduceOp op, int divisor) {
+                         std::size_t count, ReduceOp op, int divisor, bool streaming) {
   switch (op) {
-    case ReduceOp::sum: return reduce_into<T, ReduceOp::sum>(ins, n_in, outs, n_out, count, divisor);
-    case ReduceOp::avg: return reduce_into<T, ReduceOp::avg>(ins, n_in, outs, n_out, count, divisor);
-    case ReduceOp::min: return reduce_into<T, ReduceOp::min>(ins, n_in, outs, n_out, count, divisor);
-    case ReduceOp::max: return reduce_into<T, ReduceOp::max>(ins, n_in, outs, n_out, count, divisor);
-    case ReduceOp::prod: return reduce_into<T, ReduceOp::prod>(ins, n_in, outs, n_out, count, divisor);
+    case ReduceOp::sum: return reduce_into<T, ReduceOp::sum>(ins, n_in, outs, n_out, count, divisor, streaming);
+    case ReduceOp::avg: return reduce_into<T, ReduceOp::avg>(ins, n_in, outs, n_out, count, divisor, streaming);
+    case ReduceOp::min: return reduce_into<T, ReduceOp::min>(ins, n_in, outs, n_out, count, divisor, streaming);
+    case ReduceOp::max: return reduce_into<T, ReduceOp::max>(ins, n_in, outs, n_out, count, divisor, streaming);
+    case ReduceOp::prod: return reduce_into<T, ReduceOp::prod>(ins, n_in, outs, n_out, count, divisor, streaming);
   }
 }
 
+// outs[o][i] = op(ins[0][i], ..., ins[n_in-1][i]) for every o, in rank order.
 inline void reduce_dispatch(DType dtype, const std::byte* const* ins, int n_in,
                             std::byte* const* outs, int n_out, std::size_t count, ReduceOp op,
-                            int divisor) {
+                            int divisor, bool streaming = false) {
   if (count == 0) return;
   switch (dtype) {
-    case DType::f32: return reduce_typed<float>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::f64: return reduce_typed<double>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::f16: return reduce_typed<half>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::bf16: return reduce_typed<bfloat16>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::i8: return reduce_typed<std::int8_t>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::u8: return reduce_typed<std::uint8_t>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::i32: return reduce_typed<std::int32_t>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::u32: return reduce_typed<std::uint32_t>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::i64: return reduce_typed<std::int64_t>(ins, n_in, outs, n_out, count, op, divisor);
-    case DType::u64: return reduce_typed<std::uint64_t>(ins, n_in, outs, n_out, count, op, divisor);
+    case DType::f32: return reduce_typed<float>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::f64: return reduce_typed<double>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::f16: return reduce_typed<half>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::bf16: return reduce_typed<bfloat16>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::i8: return reduce_typed<std::int8_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::u8: return reduce_typed<std::uint8_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::i32: return reduce_typed<std::int32_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::u32: return reduce_typed<std::uint32_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::i64: return reduce_typed<std::int64_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
+    case DType::u64: return reduce_typed<std::uint64_t>(ins, n_in, outs, n_out, count, op, divisor, streaming);
   }
 }
 
@@ -303,10 +363,8 @@ struct alignas(64) ThreadSlot {
   OpFingerprint fp;
   const std::byte* in = nullptr;
   std::byte* out = nullptr;
-  const std::size_t* send_counts = nullptr;
-  const std::size_t* send_displs = nullptr;
-  const std::size_t* recv_counts = nullptr;
-  const std::size_t* recv_displs = nullptr;
+  // all_to_allv: copies (the caller's arrays may be gone while a slow peer still validates)
+  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;
   int color = 0;
   int key = 0;
   std::shared_ptr<ThreadGroup> new_group;  // split: set by each new group's leader
@@ -350,7 +408,7 @@ struct ThreadGroup {
         label(std::move(name)),
         size(static_cast<int>(ranks.size())),
         world_ranks(std::move(ranks)),
-        slots(new ThreadSlot[world_ranks.size()]),
+        slots(new ThreadSlot[2 * world_ranks.size()]),
         progress(new ThreadProgress[world_ranks.size()]),
         mailboxes(new Mailbox[world_ranks.size()]) {}
 
@@ -358,8 +416,11 @@ struct ThreadGroup {
   const std::string label;
   const int size;
   const std::vector<int> world_ranks;  // group rank -> world rank
-  std::unique_ptr<ThreadSlot[]> slots;
+  std::unique_ptr<ThreadSlot[]> slots;  // two per rank: [2 * rank + collective parity]
   std::unique_ptr<ThreadProgress[]> progress;
+  // Work sharing: tasks of all collectives so far are numbered consecutively.
+  alignas(64) std::atomic<std::uint64_t> next_task{0};  // next task to claim
+  alignas(64) std::atomic<std::uint64_t> done_tasks{0};  // tasks finished
   std::unique_ptr<Mailbox[]> mailboxes;
   WakeWord wake;
   std::atomic<bool> broken{false};  // a timeout left the barriers out of step
@@ -529,11 +590,19 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
   }
 
   // ---- collectives ------------------------------------------------------------------------------
+  // Protocol: publish (slot of this collective's parity) -> barrier -> validate (every rank
+  // reads the same published slots, so all agree) -> share the work -> wait until every task is
+  // done. The work is a list of tasks (chunks) that ANY rank may take, claimed from a shared
+  // counter: when ranks outnumber cores, whoever is running does the work of those that are
+  // not. Slots alternate by collective parity so a fast rank can publish collective c+1 while a
+  // slow one still reads collective c; it cannot reach c+2 before everyone entered c+1.
   void collective(const CollectiveArgs& a) {
     check_alive();
     ThreadGroup& g = *group_;
     const int n = g.size;
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const int parity = static_cast<int>(a.fp.seq & 1);
+    const auto slot_of = [&](int k) -> ThreadSlot& { return g.slots[2 * k + parity]; };
 
     // An in-place all_to_all(v) would overwrite input blocks peers still read: stage the input.
     std::vector<std::byte> staged;
@@ -550,14 +619,14 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
       in = staged.data();
     }
 
-    ThreadSlot& slot = g.slots[rank_];
+    ThreadSlot& slot = slot_of(rank_);
     slot.fp = a.fp;
     slot.in = in;
     slot.out = a.out;
-    slot.send_counts = a.send_counts.data();
-    slot.send_displs = a.send_displs.data();
-    slot.recv_counts = a.recv_counts.data();
-    slot.recv_displs = a.recv_displs.data();
+    slot.send_counts.assign(a.send_counts.begin(), a.send_counts.end());
+    slot.send_displs.assign(a.send_displs.begin(), a.send_displs.end());
+    slot.recv_counts.assign(a.recv_counts.begin(), a.recv_counts.end());
+    slot.recv_displs.assign(a.recv_displs.begin(), a.recv_displs.end());
     slot.color = a.color;
     slot.key = a.key;
     slot.new_group.reset();
@@ -565,94 +634,165 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
 
     barrier(a.fp, deadline);  // everything published
 
-    if (auto problem = validate(a)) {
-      barrier(a.fp, deadline);  // nobody reuses its slot before all ranks have judged it
-      throw Error(*problem + "\n" + recorder_dump());
+    if (auto problem = validate(a, parity)) throw Error(*problem + "\n" + recorder_dump());
+    if (a.fp.kind == OpKind::split) {
+      split_body(parity, deadline);
+      return;
     }
-    const auto& fp = a.fp;
+    const std::uint64_t tasks = task_count(a.fp, n);
+    if (tasks == 0) return;
+    const std::uint64_t first = task_base_, last = task_base_ + tasks;
+    task_base_ = last;
+    std::vector<const std::byte*> ins(static_cast<std::size_t>(n));
+    std::vector<std::byte*> outs(static_cast<std::size_t>(n));
+    for (;;) {  // claim tasks until none is left
+      std::uint64_t t = g.next_task.load(std::memory_order_relaxed);
+      do {
+        if (t >= last) break;
+      } while (!g.next_task.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
+      if (t >= last) break;
+      run_task(a.fp, parity, t - first, ins, outs);
+      stream_fence();
+      g.done_tasks.fetch_add(1, std::memory_order_acq_rel);
+    }
+    // Peers may still be writing our output (or reading our input): wait for every task.
+    auto all_done = [&] { return g.done_tasks.load(std::memory_order_acquire) >= last; };
+    if (!all_done()) {
+      g.wake.notify();  // (cheap when nobody sleeps) keeps the word moving for sleepers below
+      auto check = [&] {
+        check_alive();
+        if (std::chrono::steady_clock::now() >= deadline) {
+          std::string msg = trellis::detail::concat("timeout after ", timeout_.count(), " ms in ", a.fp.describe(),
+                                                    " on ", where(), ": peers did not finish their share\n",
+                                                    recorder_dump());
+          mark_broken(msg);
+          throw Error(msg);
+        }
+      };
+      wait_until(g.wake, g.world->spin_ns, all_done, check);
+    } else {
+      g.wake.notify();
+    }
+  }
+
+  // Elements per task: big enough to amortise claiming, small enough to balance and stay in L2.
+  static std::size_t chunk_elements(DType dtype) { return (std::size_t{64} << 10) / dtype_size(dtype); }
+  static std::uint64_t chunks(std::size_t count, DType dtype) {
+    const std::size_t c = chunk_elements(dtype);
+    return (count + c - 1) / c;
+  }
+
+  // Bytes of all ranks' buffers touched by a collective (decides streaming stores).
+  static std::size_t footprint_bytes(const OpFingerprint& fp, int n) {
+    const std::size_t per_rank = fp.count * dtype_size(fp.dtype);
+    const auto nn = static_cast<std::size_t>(n);
+    switch (fp.kind) {
+      case OpKind::all_reduce: return 2 * nn * per_rank;
+      case OpKind::reduce: case OpKind::broadcast: return (nn + 1) * per_rank;
+      case OpKind::reduce_scatter: case OpKind::all_gather: return (nn + 1) * nn * per_rank;
+      case OpKind::all_to_all: return 2 * nn * nn * per_rank;
+      default: return nn * per_rank;
+    }
+  }
+
+  // Identical on every rank once the fingerprints agree.
+  static std::uint64_t task_count(const OpFingerprint& fp, int n) {
+    const auto nn = static_cast<std::uint64_t>(n);
+    switch (fp.kind) {
+      case OpKind::all_reduce:
+      case OpKind::reduce: return chunks(fp.count, fp.dtype);
+      case OpKind::reduce_scatter: return nn * chunks(fp.count, fp.dtype);
+      case OpKind::broadcast: return nn * chunks(fp.count, fp.dtype);
+      case OpKind::all_gather:
+      case OpKind::all_to_all: return nn * nn * chunks(fp.count, fp.dtype);
+      case OpKind::all_to_allv: return nn * nn;
+      default: return 0;
+    }
+  }
+
+  void run_task(const OpFingerprint& fp, int parity, std::uint64_t task, std::vector<const std::byte*>& ins,
+                std::vector<std::byte*>& outs) {
+    ThreadGroup& g = *group_;
+    const int n = g.size;
+    const auto slot_of = [&](int k) -> ThreadSlot& { return g.slots[2 * k + parity]; };
     const std::size_t es = dtype_size(fp.dtype);
     const std::size_t count = fp.count;
+    const std::size_t chunk = chunk_elements(fp.dtype);
+    const std::uint64_t per_block = chunks(count, fp.dtype);
+    auto range = [&](std::uint64_t c, std::size_t& begin, std::size_t& len) {
+      begin = static_cast<std::size_t>(c) * chunk;
+      len = std::min(chunk, count - begin);
+    };
+    std::size_t begin = 0, len = 0;
+    const bool streaming = footprint_bytes(fp, n) > TRELLIS_COMM_STREAM_BYTES;
     switch (fp.kind) {
       case OpKind::all_reduce:
       case OpKind::reduce: {
-        // Slice r of the message, in whole cache lines.
-        const std::size_t line = std::max<std::size_t>(1, 64 / es);
-        const std::size_t per = (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
-        const std::size_t step = (per + line - 1) / line * line;
-        const std::size_t begin = std::min(count, step * static_cast<std::size_t>(rank_));
-        const std::size_t end = std::min(count, begin + step);
-        if (begin < end) {
-          std::vector<const std::byte*> ins(static_cast<std::size_t>(n));
-          std::vector<std::byte*> outs;
-          for (int k = 0; k < n; ++k) ins[k] = g.slots[k].in + begin * es;
-          if (fp.kind == OpKind::all_reduce) {
-            // Our own output first: it is the one we read back soonest.
-            outs.push_back(g.slots[rank_].out + begin * es);
-            for (int k = 0; k < n; ++k)
-              if (k != rank_) outs.push_back(g.slots[k].out + begin * es);
-          } else {
-            outs.push_back(g.slots[fp.root].out + begin * es);
-          }
-          reduce_dispatch(fp.dtype, ins.data(), n, outs.data(), static_cast<int>(outs.size()),
-                          end - begin, fp.op, n);
+        range(task, begin, len);
+        for (int k = 0; k < n; ++k) ins[k] = slot_of(k).in + begin * es;
+        int n_out = 0;
+        if (fp.kind == OpKind::all_reduce) {
+          for (int k = 0; k < n; ++k) outs[n_out++] = slot_of(k).out + begin * es;
+        } else {
+          outs[n_out++] = slot_of(fp.root).out + begin * es;
         }
+        reduce_dispatch(fp.dtype, ins.data(), n, outs.data(), n_out, len, fp.op, n, streaming);
         break;
       }
-      case OpKind::reduce_scatter: {
-        std::vector<const std::byte*> ins(static_cast<std::size_t>(n));
-        for (int k = 0; k < n; ++k) ins[k] = g.slots[k].in + static_cast<std::size_t>(rank_) * count * es;
-        std::byte* out = a.out;
-        reduce_dispatch(fp.dtype, ins.data(), n, &out, 1, count, fp.op, n);
+      case OpKind::reduce_scatter: {  // task = (block j, chunk c): rank j's output
+        const int j = static_cast<int>(task / per_block);
+        range(task % per_block, begin, len);
+        const std::size_t offset = (static_cast<std::size_t>(j) * count + begin) * es;
+        for (int k = 0; k < n; ++k) ins[k] = slot_of(k).in + offset;
+        outs[0] = slot_of(j).out + begin * es;
+        reduce_dispatch(fp.dtype, ins.data(), n, outs.data(), 1, len, fp.op, n, streaming);
         break;
       }
-      case OpKind::broadcast:
-        if (rank_ != fp.root && count > 0) std::memcpy(a.out, g.slots[fp.root].out, count * es);
+      case OpKind::broadcast: {  // task = (destination j, chunk c)
+        const int j = static_cast<int>(task / per_block);
+        range(task % per_block, begin, len);
+        if (j != fp.root) copy_bytes(slot_of(j).out + begin * es, slot_of(fp.root).out + begin * es, len * es, streaming);
         break;
+      }
       case OpKind::all_gather:
-        for (int j = 0; j < n; ++j) {
-          const int k = (rank_ + j) % n;  // start at different blocks to spread the reads
-          std::byte* dst = a.out + static_cast<std::size_t>(k) * count * es;
-          if (g.slots[k].in != dst && count > 0) std::memcpy(dst, g.slots[k].in, count * es);
-        }
+      case OpKind::all_to_all: {  // task = (destination j, source k, chunk c)
+        const int j = static_cast<int>(task / (per_block * static_cast<std::uint64_t>(n)));
+        const int k = static_cast<int>((task / per_block) % static_cast<std::uint64_t>(n));
+        range(task % per_block, begin, len);
+        const std::size_t src_block = fp.kind == OpKind::all_gather ? 0 : static_cast<std::size_t>(j) * count;
+        const std::byte* src = slot_of(k).in + (src_block + begin) * es;
+        std::byte* dst = slot_of(j).out + (static_cast<std::size_t>(k) * count + begin) * es;
+        if (src != dst) copy_bytes(dst, src, len * es, streaming);
         break;
-      case OpKind::all_to_all:
-        for (int j = 0; j < n; ++j) {
-          const int k = (rank_ + j) % n;
-          if (count > 0)
-            std::memcpy(a.out + static_cast<std::size_t>(k) * count * es,
-                        g.slots[k].in + static_cast<std::size_t>(rank_) * count * es, count * es);
-        }
+      }
+      case OpKind::all_to_allv: {  // task = (destination j, source k), whole block
+        const int j = static_cast<int>(task / static_cast<std::uint64_t>(n));
+        const int k = static_cast<int>(task % static_cast<std::uint64_t>(n));
+        const ThreadSlot& dst = slot_of(j);
+        const ThreadSlot& src = slot_of(k);
+        const std::size_t c = dst.recv_counts[k];
+        if (c > 0) copy_bytes(dst.out + dst.recv_displs[k] * es, src.in + src.send_displs[j] * es, c * es, streaming);
         break;
-      case OpKind::all_to_allv:
-        for (int j = 0; j < n; ++j) {
-          const int k = (rank_ + j) % n;
-          const std::size_t c = a.recv_counts[k];
-          if (c > 0)
-            std::memcpy(a.out + a.recv_displs[k] * es, g.slots[k].in + g.slots[k].send_displs[rank_] * es, c * es);
-        }
-        break;
-      case OpKind::split:
-        split_body(deadline);
-        break;
+      }
       default:
         break;
     }
-    barrier(a.fp, deadline);  // peers are done with our buffers
   }
 
   // Identical on every rank (reads only published slots), so all ranks agree on the verdict.
-  std::optional<std::string> validate(const CollectiveArgs& a) {
+  std::optional<std::string> validate(const CollectiveArgs& a, int parity) {
     ThreadGroup& g = *group_;
     const int n = g.size;
+    const auto slot_of = [&](int k) -> ThreadSlot& { return g.slots[2 * k + parity]; };
     std::vector<OpFingerprint> fps(static_cast<std::size_t>(n));
-    for (int k = 0; k < n; ++k) fps[k] = g.slots[k].fp;
+    for (int k = 0; k < n; ++k) fps[k] = slot_of(k).fp;
     if (auto mismatch = find_fingerprint_mismatch(fps))
       return trellis::detail::concat(*mismatch, " (communicator '", g.label, "')");
     if (a.fp.kind == OpKind::all_to_allv) {
       for (int src = 0; src < n; ++src) {
         for (int dst = 0; dst < n; ++dst) {
-          const std::size_t sent = g.slots[src].send_counts[dst];
-          const std::size_t expected = g.slots[dst].recv_counts[src];
+          const std::size_t sent = slot_of(src).send_counts[dst];
+          const std::size_t expected = slot_of(dst).recv_counts[src];
           if (sent != expected) {
             return trellis::detail::concat("all_to_allv count mismatch on communicator '", g.label,
                                            "': rank ", src, " sends ", sent, " elements to rank ", dst,
@@ -664,13 +804,14 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
     return std::nullopt;
   }
 
-  void split_body(std::chrono::steady_clock::time_point deadline) {
+  void split_body(int parity, std::chrono::steady_clock::time_point deadline) {
     ThreadGroup& g = *group_;
     const int n = g.size;
-    const int color = g.slots[rank_].color;
+    const auto slot_of = [&](int k) -> ThreadSlot& { return g.slots[2 * k + parity]; };
+    const int color = slot_of(rank_).color;
     std::vector<std::pair<int, int>> members;  // (key, rank) of my color
     for (int k = 0; k < n; ++k)
-      if (g.slots[k].color == color) members.emplace_back(g.slots[k].key, k);
+      if (slot_of(k).color == color) members.emplace_back(slot_of(k).key, k);
     std::sort(members.begin(), members.end());
     const int leader = members.front().second;
     if (leader == rank_) {
@@ -679,10 +820,10 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
       auto child = std::make_shared<ThreadGroup>(
           g.world, trellis::detail::concat(g.label, "/split(", color, ")"), std::move(world_ranks));
       g.world->add_group(child);
-      g.slots[rank_].new_group = std::move(child);
+      slot_of(rank_).new_group = std::move(child);
     }
-    barrier(g.slots[rank_].fp, deadline);
-    split_result_ = g.slots[leader].new_group;
+    barrier(slot_of(rank_).fp, deadline);  // every leader has published its group
+    split_result_ = slot_of(leader).new_group;
     split_rank_ = 0;
     for (std::size_t i = 0; i < members.size(); ++i)
       if (members[i].second == rank_) split_rank_ = static_cast<int>(i);
@@ -880,6 +1021,7 @@ class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
   mutable std::mutex recorder_mutex_;
   FlightRecorder recorder_;
   std::uint64_t collectives_ = 0;
+  std::uint64_t task_base_ = 0;  // tasks of this group's earlier collectives (same on every rank)
   std::shared_ptr<ThreadGroup> split_result_;
   int split_rank_ = 0;
   std::atomic<bool> cancelled_{false};

@@ -1,0 +1,120 @@
+// Shared by comm_bench (thread ranks) and comm_bench_mpi (OpenMPI): command line, nccl-tests
+// size conventions and bus-bandwidth factors, table rows, single-thread memcpy bandwidth.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+
+namespace trellis::bench::comm {
+
+// nccl-tests conventions: `bytes` is the size of the whole message (all_reduce: the buffer;
+// all_gather: the gathered output; reduce_scatter: the input; all_to_all: one rank's buffer).
+struct OpInfo {
+  const char* name;
+  double bus_factor(int n) const {
+    if (std::strcmp(name, "all_reduce") == 0) return 2.0 * (n - 1) / n;
+    if (std::strcmp(name, "broadcast") == 0) return 1.0;
+    return static_cast<double>(n - 1) / n;  // all_gather, reduce_scatter, all_to_all
+  }
+  // Elements per rank-block for a message of `bytes` (all_reduce/broadcast: the whole message).
+  std::size_t count(std::size_t bytes, std::size_t elem, int n) const {
+    if (std::strcmp(name, "all_reduce") == 0 || std::strcmp(name, "broadcast") == 0) return bytes / elem;
+    return bytes / elem / static_cast<std::size_t>(n);
+  }
+};
+
+inline std::vector<std::string> parse_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    if (comma > start) out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+// "16M" -> 16777216, "8K" -> 8192, "100" -> 100.
+inline std::size_t parse_size(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::size_t mult = 1;
+  if (end && *end) {
+    switch (*end) {
+      case 'K': case 'k': mult = std::size_t{1} << 10; break;
+      case 'M': case 'm': mult = std::size_t{1} << 20; break;
+      case 'G': case 'g': mult = std::size_t{1} << 30; break;
+      default: break;
+    }
+  }
+  return static_cast<std::size_t>(v * static_cast<double>(mult));
+}
+
+inline std::string arg_value(int argc, char** argv, const char* flag, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
+  return fallback;
+}
+
+struct Settings {
+  std::vector<std::size_t> sizes;
+  std::vector<std::string> ops;
+  int warmup = 3;
+  int min_iters = 5;
+  double bytes_per_trial = 1.0 * (1 << 30);  // iterations so that each size moves about 1 GiB
+  std::string json;
+
+  static Settings parse(int argc, char** argv, const char* default_ops) {
+    Settings s;
+    for (auto& v : parse_list(arg_value(argc, argv, "--sizes", "8K,64K,1M,16M,64M"))) s.sizes.push_back(parse_size(v));
+    s.ops = parse_list(arg_value(argc, argv, "--op", default_ops));
+    s.warmup = std::atoi(arg_value(argc, argv, "--warmup", "3").c_str());
+    s.min_iters = std::atoi(arg_value(argc, argv, "--iters", "5").c_str());
+    s.json = json_path(argc, argv);
+    return s;
+  }
+  int iterations(std::size_t bytes) const {
+    const double want = bytes_per_trial / static_cast<double>(std::max<std::size_t>(bytes, 1));
+    return std::clamp(static_cast<int>(want), min_iters, 2000);
+  }
+};
+
+inline void print_header(const char* backend, int ranks) {
+  std::printf("# %s, %d ranks\n", backend, ranks);
+  std::printf("# %-15s %12s %12s %7s %6s | %11s %11s %11s %7s\n", "op", "size(B)", "count", "type", "redop",
+              "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+}
+
+inline Row print_row(const char* backend, const char* op, int ranks, std::size_t bytes, std::size_t count,
+                     const char* type, const char* redop, double seconds, double bus_factor, long long wrong) {
+  const double algbw = static_cast<double>(bytes) / seconds / 1e9;
+  const double busbw = algbw * bus_factor;
+  std::printf("  %-15s %12zu %12zu %7s %6s | %11.1f %11.2f %11.2f %7lld\n", op, bytes, count, type, redop,
+              seconds * 1e6, algbw, busbw, wrong);
+  std::fflush(stdout);
+  Row row;
+  row.add_text("backend", backend).add_text("op", op).add("ranks", static_cast<long long>(ranks))
+      .add("bytes", static_cast<long long>(bytes)).add("count", static_cast<long long>(count)).add_text("type", type)
+      .add_text("redop", redop).add("time_us", seconds * 1e6).add("algbw", algbw).add("busbw", busbw)
+      .add("wrong", wrong);
+  return row;
+}
+
+// Single-thread memcpy bandwidth (bytes copied per second) for buffers of `bytes`, warm.
+inline double memcpy_bandwidth(std::size_t bytes, int iters) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  auto [best, median] = time_min_median([&] { std::memcpy(b.data(), a.data(), bytes); }, 2, iters);
+  (void)best;
+  if (b[bytes / 2] != 1) std::printf("memcpy check failed\n");
+  return static_cast<double>(bytes) / median / 1e9;
+}
+
+}  // namespace trellis::bench::comm

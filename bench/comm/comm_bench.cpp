@@ -1,0 +1,96 @@
+// comm_bench: nccl-tests-style table for the thread-rank backend.
+//   comm_bench [--ranks N] [--op all_reduce,all_gather,reduce_scatter,all_to_all,broadcast]
+//              [--sizes 8K,1M,16M,64M] [--iters I] [--warmup W] [--no-memcpy] [--json FILE]
+// Every size also gets a row of single-thread memcpy bandwidth (the machine's reference), so the
+// table says how close the collectives come to moving memory at one core's copy speed.
+// Data are small integers so every result is exact: #wrong counts elements that differ from the
+// closed-form answer.
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "comm/bench_common.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/core/buffer.hpp"
+
+using trellis::Buffer;
+using trellis::comm::ReduceOp;
+using trellis::comm::ThreadComm;
+using trellis::comm::ThreadWorld;
+namespace tb = trellis::bench;
+namespace cb = trellis::bench::comm;
+
+static bool is_reduction(const std::string& op) { return op == "all_reduce" || op == "reduce_scatter"; }
+
+int main(int argc, char** argv) {
+  const int ranks = std::atoi(cb::arg_value(argc, argv, "--ranks", "2").c_str());
+  auto settings = cb::Settings::parse(argc, argv, "all_reduce,all_gather,reduce_scatter,all_to_all");
+  const bool with_memcpy = !tb::has_flag(argc, argv, "--no-memcpy");
+  tb::JsonReport json("comm_bench");
+  cb::print_header("trellis thread ranks (comm_bench)", ranks);
+
+  for (const std::string& op_name : settings.ops) {
+    cb::OpInfo op{op_name.c_str()};
+    for (std::size_t bytes : settings.sizes) {
+      const std::size_t count = op.count(bytes, sizeof(float), ranks);
+      if (count == 0) continue;
+      const int iters = settings.iterations(bytes);
+      double seconds = 0;
+      std::atomic<long long> wrong{0};
+      ThreadWorld(ranks).run([&](ThreadComm& comm) {
+        const int n = comm.size(), r = comm.rank();
+        const std::size_t total = count * static_cast<std::size_t>(n);
+        const bool is_reduce = op_name == "all_reduce", is_gather = op_name == "all_gather",
+                   is_scatter = op_name == "reduce_scatter", is_a2a = op_name == "all_to_all";
+        const std::size_t in_count = is_reduce || op_name == "broadcast" ? count : is_gather ? count : total;
+        const std::size_t out_count = is_reduce || op_name == "broadcast" ? count : is_scatter ? count : total;
+        Buffer<float> in(in_count, false), out(out_count, false);
+        for (std::size_t i = 0; i < in_count; ++i) in.data()[i] = static_cast<float>((r + 1) + (i % 7));
+        for (std::size_t i = 0; i < out_count; ++i) out.data()[i] = 0.0f;
+        auto once = [&] {
+          if (is_reduce) comm.all_reduce(in.data(), out.data(), count, ReduceOp::sum);
+          else if (is_gather) comm.all_gather(in.data(), out.data(), count);
+          else if (is_scatter) comm.reduce_scatter(in.data(), out.data(), count, ReduceOp::sum);
+          else if (is_a2a) comm.all_to_all(in.data(), out.data(), count);
+          else comm.broadcast(r == 0 ? in.data() : out.data(), count, 0);
+        };
+        for (int i = 0; i < settings.warmup; ++i) once();
+        comm.barrier();
+        const double t0 = tb::now_seconds();
+        for (int i = 0; i < iters; ++i) once();
+        comm.barrier();
+        const double t1 = tb::now_seconds();
+        if (r == 0) seconds = (t1 - t0) / iters;
+        // Check against the closed form.
+        long long bad = 0;
+        const float rank_sum = static_cast<float>(n * (n + 1) / 2);
+        for (std::size_t i = 0; i < out_count; ++i) {
+          float expected;
+          if (is_reduce) expected = rank_sum + static_cast<float>(n * static_cast<int>(i % 7));
+          else if (is_scatter) expected = rank_sum + static_cast<float>(n * static_cast<int>((r * count + i) % 7));
+          else if (is_gather) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((i % count) % 7));
+          else if (is_a2a) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((r * count + i % count) % 7));
+          else expected = static_cast<float>(1 + static_cast<int>(i % 7));
+          if (!(op_name == "broadcast" && r == 0)) bad += out.data()[i] != expected;
+        }
+        wrong += bad;
+      });
+      json.add(cb::print_row("threads", op_name.c_str(), ranks, bytes, count, "float", is_reduction(op_name) ? "sum" : "none",
+                             seconds, op.bus_factor(ranks), wrong.load()));
+    }
+  }
+  if (with_memcpy) {
+    std::printf("# single-thread memcpy (bytes copied / s)\n");
+    for (std::size_t bytes : settings.sizes) {
+      const double bw = cb::memcpy_bandwidth(bytes, std::max(5, settings.iterations(bytes) / 4));
+      std::printf("  %-15s %12zu %12s %7s %6s | %11s %11.2f %11s %7s\n", "memcpy", bytes, "-", "bytes", "-", "-", bw, "-", "-");
+      tb::Row row;
+      row.add_text("backend", "memcpy").add_text("op", "memcpy").add("ranks", 1LL).add("bytes", static_cast<long long>(bytes))
+          .add("algbw", bw).add("busbw", bw);
+      json.add(row);
+    }
+  }
+  json.write(settings.json);
+  return 0;
+}
