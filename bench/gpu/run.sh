@@ -10,6 +10,8 @@
 # and reports what it reached. Later modules' GPU tests/benches are picked up automatically
 # (ctest label `gpu`, executables named gpu_*).
 #   usage: bench/gpu/run.sh            (from anywhere; TRELLIS_GPU_RUN_SECONDS overrides 450)
+# On a bare machine without Catch2 (the GPU image has CMake, ninja and nvcc but no Catch2): run
+# bench/gpu/prepare_carry.sh here first and carry build/gpu-deps along; it is used when present.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -47,10 +49,15 @@ say "cores: $jobs, budget: ${budget}s"
 t0=$(date +%s)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
+prefix=()
+if [[ -d "$repo/build/gpu-deps" ]]; then
+  prefix=(-DCMAKE_PREFIX_PATH="$repo/build/gpu-deps")
+  say "using carried dependencies in build/gpu-deps"
+fi
 if timeout "$(step_limit 120 300)" cmake -S "$repo" -B "$build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DTRELLIS_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DTRELLIS_TEST_PACKAGING=OFF -DTRELLIS_BUILD_EXAMPLES=OFF -DTRELLIS_BUILD_TESTS=ON \
-    -DTRELLIS_BUILD_BENCH=ON >"$build/configure.log" 2>&1; then
+    -DTRELLIS_BUILD_BENCH=ON "${prefix[@]}" >"$build/configure.log" 2>&1; then
   say "configure: ok ($(( $(date +%s) - t0 ))s)"
 else
   say "configure: FAILED ($(( $(date +%s) - t0 ))s); last lines:"
