@@ -42,6 +42,12 @@ TEST_CASE("text bytes become tokens; llm.c shards round trip", "[data]") {
     REQUIRE(h[2] == 1000);
   }
   REQUIRE(load_llmc_tokens(path).tokens == tokens);
+  auto second = dir.path / "train_001.bin";
+  write_llmc_tokens(second, std::vector<token_t>{7, 8, 9});
+  auto both = load_llmc_shards({path, second});
+  REQUIRE(both.tokens.size() == 1003);
+  REQUIRE(std::vector<token_t>(both.tokens.begin(), both.tokens.begin() + 1000) == tokens);
+  REQUIRE(both.tokens.back() == 9);
   REQUIRE_THROWS_WITH(load_llmc_tokens(path, 50000), Catch::Contains("outside the vocabulary"));
   std::filesystem::resize_file(path, 1024 + 1998);
   REQUIRE_THROWS_WITH(load_llmc_tokens(path), Catch::Contains("train_000.bin") && Catch::Contains("truncated"));

@@ -138,3 +138,44 @@ TEST_CASE("bigram model's validation loss ends well below the unigram baseline",
   REQUIRE(val_loss < baseline - 0.3);
   REQUIRE(read_metrics(dir.path / "metrics.jsonl").size() == 149);
 }
+
+TEST_CASE("GPT-2 parameter list: names, shapes and the published 124M count", "[resume][gpt2]") {
+  auto params = gpt2_parameters({});
+  REQUIRE(params.size() == 2 + 12 * 12 + 2);
+  index_t total = 0;
+  for (const auto& p : params) total += shape_elements(p.shape);
+  REQUIRE(total == 124439808);  // GPT-2 small with the head tied to wte
+  REQUIRE(params[0].name == "wte.weight");
+  REQUIRE(params[0].shape == Shape{50257, 768});
+  REQUIRE(params[4].name == "h.0.attn.c_attn.weight");
+  REQUIRE(params[4].shape == Shape{768, 2304});
+  REQUIRE(params[4].weight_decay);
+  REQUIRE_FALSE(params[5].weight_decay);  // h.0.attn.c_attn.bias
+  REQUIRE(params.back().name == "ln_f.bias");
+}
+
+TEST_CASE("train state keys are checked on load", "[resume]") {
+  TempDir dir("state");
+  std::vector<float> x = {1, 2};
+  {
+    CheckpointWriter w(dir.path, 4, 0, 1);
+    w.add_whole<float>("x", x, {2});
+    w.set_metadata("train.step", "4");
+    w.finish();
+    commit_checkpoint(dir.path, 4, 1);
+  }
+  REQUIRE_THROWS_WITH(load_train_state(Checkpoint(dir.path)), Catch::Contains("no \"train.rng\""));
+  {
+    CheckpointWriter w(dir.path, 5, 0, 1);
+    w.add_whole<float>("x", x, {2});
+    save_train_state(w, {.step = 5, .rng = Rng(3), .data = {.seed = 3, .next_batch = 9}});
+    w.finish();
+    commit_checkpoint(dir.path, 5, 1);
+  }
+  TrainState s = load_train_state(Checkpoint(dir.path));
+  REQUIRE(s.step == 5);
+  REQUIRE(s.rng == Rng(3));
+  REQUIRE(s.data == DataState{3, 9});
+  std::vector<float> m(2), v(2);
+  REQUIRE_THROWS_WITH(read_adamw_moments(Checkpoint(dir.path), "x", full_box({2}), m, v), Catch::Contains("optimizer.m.x"));
+}

@@ -89,6 +89,19 @@ inline TokenData load_llmc_tokens(const std::filesystem::path& path, int vocab_s
   return d;
 }
 
+// Several shards (e.g. a tokenized corpus split into train_000.bin, train_001.bin, ...), in the
+// given order, as one token stream.
+inline TokenData load_llmc_shards(const std::vector<std::filesystem::path>& paths, int vocab_size = 50257) {
+  TRELLIS_CHECK(!paths.empty(), "load_llmc_shards: no files given");
+  TokenData all;
+  all.vocab_size = vocab_size;
+  for (const auto& p : paths) {
+    TokenData part = load_llmc_tokens(p, vocab_size);
+    all.tokens.insert(all.tokens.end(), part.tokens.begin(), part.tokens.end());
+  }
+  return all;
+}
+
 // The last `val_fraction` of the tokens become validation data (a contiguous tail, so no
 // window straddles both).
 inline std::pair<TokenData, TokenData> train_val_split(const TokenData& all, double val_fraction) {
