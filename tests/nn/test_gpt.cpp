@@ -28,9 +28,9 @@ using Comm = comm::ThreadComm;
 
 namespace {
 
-GptConfig tiny() {
+GptConfig tiny(index_t vocab = 96) {
   GptConfig c;
-  c.vocab = 96;
+  c.vocab = vocab;
   c.positions = 32;
   c.layers = 2;
   c.heads = 4;
@@ -155,12 +155,13 @@ struct ModelRun {
   int stages = 1;
   int microbatches = 1;
   bool deferred_w = false;  // all B passes (reverse order) before any W
+  index_t vocab = 96;
 };
 
 // Collects the loss (sum over microbatches, checked equal across tp ranks), the initial values
 // ("init:" + name) and the gradients of every parameter (wte: summed over the stages holding it).
 void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f) {
-  const GptConfig cfg = tiny();
+  const GptConfig cfg = tiny(o.vocab);
   const double token_count = count_targets(o.microbatches, cfg.vocab);
   std::mutex mutex;
   std::vector<double> losses;
@@ -328,6 +329,29 @@ TEST_CASE("GPT-2 with tensor parallelism equals the 1-rank model", "[nn][gpt][tp
       else CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
     }
   }
+}
+
+TEST_CASE("uneven vocabulary shards (97 over tp 2 and 4) equal the 1-rank model", "[nn][gpt][tp][uneven]") {
+  Collector ref;
+  ModelRun base;
+  base.vocab = 97;
+  run_model(base, ref);
+  for (int tp : {2, 4})
+    for (bool sp : {false, true}) {
+      ModelRun o = base;
+      o.tp = tp;
+      o.sp = sp;
+      o.chunks = 2;
+      Collector got;
+      run_model(o, got);
+      INFO("tp=" << tp << " sp=" << sp);
+      CHECK(std::fabs(got.scalar - ref.scalar) <= 1e-5 * std::fabs(ref.scalar));
+      for (const std::string& key : ref.keys()) {
+        INFO(key);
+        REQUIRE(got.complete(key));
+        CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
+      }
+    }
 }
 
 TEST_CASE("a 2-stage pipeline split equals the unsplit model", "[nn][gpt][stages]") {
