@@ -321,3 +321,47 @@ TEST_CASE("TRELLIS_COMM_TIMEOUT_MS and TRELLIS_COMM_DEBUG set the defaults", "[c
   CHECK(right.load() == 4);
   ThreadWorld(1).run([&](ThreadComm& comm) { CHECK(comm.timeout() == 60000ms); });
 }
+
+TEST_CASE("async collectives: a failing rank reaches waiters; unwaited requests finish at destruction", "[comm][errors]") {
+  std::vector<std::string> seen(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ThreadWorld(3).run([&](ThreadComm& comm) {
+      const int r = comm.rank();
+      if (r == 2) {
+        std::this_thread::sleep_for(50ms);
+        throw std::runtime_error("rank two gives up");
+      }
+      std::vector<float> x(5000, 1.0f), y(5000);
+      auto request = comm.all_reduce_async(x.data(), y.data(), x.size());
+      try {
+        request.wait();
+      } catch (const Error& e) {
+        seen[r] = e.what();
+        throw;
+      }
+    });
+    FAIL("run() did not throw");
+  } catch (const Error& e) {
+    CHECK(e.rank() == 2);
+    CHECK(contains(e.what(), "rank two gives up"));
+  }
+  CHECK(seconds_since(t0) < 5.0);
+  for (int r : {0, 1}) {
+    INFO(seen[r]);
+    CHECK(contains(seen[r], "rank 2 failed: rank two gives up"));
+  }
+
+  // Requests that are never waited: the communicator's destructor lets them complete.
+  std::vector<float> results(4, 0.0f);
+  ThreadWorld(4).run([&](ThreadComm& comm) {
+    std::vector<float> x(1, static_cast<float>(comm.rank())), y(1);
+    {
+      auto sub = comm.split(0, comm.rank());
+      auto request = sub.all_reduce_async(x.data(), y.data(), 1);
+      (void)request;  // destroyed unwaited; sub's progress thread still runs the collective
+    }
+    results[comm.rank()] = y[0];
+  });
+  for (float v : results) CHECK(v == 6.0f);
+}
