@@ -10,6 +10,7 @@
 //   trellis_mpi           MpiComm as shipped (a timeout set): MPI_I* + a polite test loop;
 //   trellis_mpi_blocking  MpiComm with the timeout off: MPI's blocking call behind trellis' checks.
 // Columns (nccl-tests): size count type redop | time algbw busbw #wrong, see bench_common.hpp.
+// Backends alternate for every (op, size), so load from other processes hits them alike.
 // time is the mean per call (iterations between two barriers); #wrong counts elements, over all
 // ranks, that differ from the closed-form answer after the timed loop.
 #include <mpi.h>
@@ -46,18 +47,21 @@ int main(int argc, char** argv) {
     trellis_blocking.set_timeout(std::chrono::milliseconds(0));
     trellis_blocking.set_debug(false);
 
-    for (const std::string& impl : impls) {
-      if (impl != "openmpi" && impl != "trellis_mpi" && impl != "trellis_mpi_blocking") {
-        if (r == 0) std::printf("# unknown --impl %s (openmpi, trellis_mpi, trellis_mpi_blocking)\n", impl.c_str());
-        continue;
-      }
-      if (r == 0) cb::print_header((impl + " (comm_bench_mpi)").c_str(), n);
-      MpiComm& comm = impl == "trellis_mpi" ? trellis_mpi : trellis_blocking;
-      const bool raw = impl == "openmpi";
-
-      for (const std::string& op_name : settings.ops) {
-        cb::OpInfo op{op_name.c_str()};
-        for (std::size_t bytes : settings.sizes) {
+    for (const std::string& impl : impls)
+      if (impl != "openmpi" && impl != "trellis_mpi" && impl != "trellis_mpi_blocking" && r == 0)
+        std::printf("# unknown --impl %s (openmpi, trellis_mpi, trellis_mpi_blocking)\n", impl.c_str());
+    if (r == 0) {
+      std::printf("# OpenMPI and trellis::comm::MpiComm (comm_bench_mpi), %d ranks; backends alternate per size\n", n);
+      std::printf("# %-20s %-15s %12s %12s %7s %6s | %11s %11s %11s %7s\n", "backend", "op", "size(B)", "count", "type",
+                  "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+    }
+    for (const std::string& op_name : settings.ops) {
+      cb::OpInfo op{op_name.c_str()};
+      for (std::size_t bytes : settings.sizes) {
+        for (const std::string& impl : impls) {
+          if (impl != "openmpi" && impl != "trellis_mpi" && impl != "trellis_mpi_blocking") continue;
+          MpiComm& comm = impl == "trellis_mpi" ? trellis_mpi : trellis_blocking;
+          const bool raw = impl == "openmpi";
           const std::size_t count = op.count(bytes, sizeof(float), n);
           if (count == 0) continue;
           const int iters = settings.iterations(bytes);
@@ -105,6 +109,7 @@ int main(int argc, char** argv) {
           MPI_Reduce(&bad, &all_bad, 1, MPI_LONG_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
           if (r == 0) {
             const bool reduction = is_reduce || is_scatter;
+            std::printf("  %-20s", impl.c_str());
             json.add(cb::print_row(impl.c_str(), op_name.c_str(), n, bytes, count, "float", reduction ? "sum" : "none",
                                    seconds, op.bus_factor(n), all_bad));
           }
