@@ -137,8 +137,8 @@ int main(int argc, char** argv) {
   auto [crc_tab, crc_tab_med] = bench::time_min_median([&] { keep = keep + crc32c_portable(big.data(), crc_bytes); }, 1, iters);
 
   bench::JsonReport report("checkpoint");
-  std::printf("# checkpoint I/O, %.1f MB in %zu tensors, best of %d (page cache; peer = python safetensors %s)\n",
-              bytes / 1e6, specs.size(), iters, peer_save >= 0 ? "" : "NOT AVAILABLE");
+  std::printf("# checkpoint I/O, %.1f MB in %zu tensors, best of %d, page cache; peer: Python safetensors%s\n",
+              bytes / 1e6, specs.size(), iters, peer_save >= 0 ? "" : " (NOT AVAILABLE: pip install safetensors numpy)");
   std::printf("%-34s %10s %10s %12s %12s %8s\n", "operation", "trellis_s", "trellis_GB/s", "peer_s", "peer_GB/s", "speedup");
   auto row = [&](const char* op, double ours, double peer, double op_gb) {
     std::printf("%-34s %10.4f %10.2f", op, ours, op_gb / ours);
