@@ -28,8 +28,8 @@
 #include <mutex>
 #include <span>
 #include <string>
-#include <tuple>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "support/report.hpp"
@@ -46,7 +46,8 @@ using Clock = std::chrono::steady_clock;
 // most 0.3 ms per action on a core. --busy spins the whole time.
 void spend(double seconds, bool busy) {
   if (seconds <= 0) return;
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  const auto until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   constexpr auto spin = std::chrono::microseconds(300);
   if (!busy && until - Clock::now() > spin) std::this_thread::sleep_until(until - spin);
   while (Clock::now() < until) {
@@ -143,12 +144,12 @@ int main(int argc, char** argv) {
   const std::string svg_dir = string_arg(argc, argv, "--svg-dir", ".");
   const pipe::Costs costs{t, t, t, 0};
 
-  std::printf("# pipeline schedules on %d thread ranks, m=%d, t_F=t_B=t_W=%.2f ms per rank share (%s)\n", p, m,
-              t * 1e3, busy ? "busy-wait" : "sleep");
+  std::printf("# pipeline schedules on %d thread ranks, m=%d, t_F=t_B=t_W=%.2f ms per rank share (%s)\n", p,
+              m, t * 1e3, busy ? "busy-wait" : "sleep");
   std::printf("# predicted = simulate() with the measured mean action costs and message latency\n");
   std::printf("# replay = simulate() with every action's own measured duration and message latency\n");
-  std::printf("%-17s %3s %8s %8s %8s %9s %9s %7s %9s %7s %7s\n", "schedule", "v", "step_ms", "pred_ms", "comm_us",
-              "bubble", "pred", "err%", "replay", "err%", "mem");
+  std::printf("%-17s %3s %8s %8s %8s %9s %9s %7s %9s %7s %7s\n", "schedule", "v", "step_ms", "pred_ms",
+              "comm_us", "bubble", "pred", "err%", "replay", "err%", "mem");
   bench::JsonReport report("pipe");
   for (const auto& name : pipe::schedule_names()) {
     const int v = name == "interleaved_1f1b" ? 2 : 1;
@@ -181,7 +182,8 @@ int main(int argc, char** argv) {
     std::map<std::tuple<int, int, int, int>, double> duration;
     for (const auto& e : best.events)
       if (e.action.is_compute())
-        duration[{e.rank, static_cast<int>(e.action.kind), e.action.microbatch, e.action.chunk}] = e.end - e.start;
+        duration[{e.rank, static_cast<int>(e.action.kind), e.action.microbatch, e.action.chunk}] =
+            e.end - e.start;
     // each message's own latency where its receiver had to wait (data arrived at the recv's end);
     // the median elsewhere
     std::map<pipe::MessageKey, double> send_end, latency;
@@ -202,13 +204,13 @@ int main(int argc, char** argv) {
           auto it = latency.find(pipe::message_key(s, r, send));
           return it != latency.end() ? it->second : fitted.comm;
         });
-    const double replay_err = std::abs(measured.bubble_fraction - replay.bubble_fraction) /
-                              std::max(replay.bubble_fraction, 1e-9);
+    const double replay_err =
+        std::abs(measured.bubble_fraction - replay.bubble_fraction) / std::max(replay.bubble_fraction, 1e-9);
     const auto sim_unit = pipe::simulate(s, costs);
     std::printf("%-17s %3d %8.2f %8.2f %8.1f %9.4f %9.4f %7.1f %9.4f %7.1f %7.2f\n", name.c_str(), s.chunks,
-                measured.step_time * 1e3, predicted.step_time * 1e3, fitted.comm * 1e6, measured.bubble_fraction,
-                predicted.bubble_fraction, 100 * err, replay.bubble_fraction, 100 * replay_err,
-                sim_unit.max_peak_memory);
+                measured.step_time * 1e3, predicted.step_time * 1e3, fitted.comm * 1e6,
+                measured.bubble_fraction, predicted.bubble_fraction, 100 * err, replay.bubble_fraction,
+                100 * replay_err, sim_unit.max_peak_memory);
     pipe::write_file(svg_dir + "/pipe_" + name + "_measured.svg", pipe::to_svg(best, name + " measured"));
     pipe::write_file(svg_dir + "/pipe_" + name + "_trace.json", pipe::to_chrome_trace(best));
     bench::Row row;

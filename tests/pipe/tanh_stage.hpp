@@ -61,7 +61,8 @@ inline void layer_forward(const Model& model, int l, const float* x, float* y) {
     }
 }
 // gz = gy * (1 - y^2); gx = gz W^T
-inline void layer_backward_input(const Model& model, int l, const float* y, const float* gy, float* gz, float* gx) {
+inline void layer_backward_input(const Model& model, int l, const float* y, const float* gy, float* gz,
+                                 float* gx) {
   for (int e = 0; e < kRows * kWidth; ++e) gz[e] = gy[e] * (1.0f - y[e] * y[e]);
   for (int i = 0; i < kRows; ++i)
     for (int k = 0; k < kWidth; ++k) {
@@ -85,7 +86,8 @@ inline void layer_backward_weight(const float* x, const float* gz, float* gw, fl
 struct Grads {
   std::vector<std::vector<float>> weight, bias;
   explicit Grads(int layers)
-      : weight(layers, std::vector<float>(kWidth * kWidth, 0.0f)), bias(layers, std::vector<float>(kWidth, 0.0f)) {}
+      : weight(layers, std::vector<float>(kWidth * kWidth, 0.0f)),
+        bias(layers, std::vector<float>(kWidth, 0.0f)) {}
 };
 
 // The reference: the whole model on one rank. The loss of a microbatch is 0.5 * sum(y^2) of the
@@ -100,8 +102,8 @@ inline Grads serial_gradients(const Model& model, const std::vector<int>& bounds
     for (int l = 0; l < model.layers; ++l) layer_forward(model, l, acts[l].data(), acts[l + 1].data());
     std::vector<float> gy(n), gz(n), gx(n);
     for (int l = model.layers - 1; l >= 0; --l) {
-      const bool loss_here = l == model.layers - 1 ||
-                             (local && std::find(bounds.begin(), bounds.end(), l + 1) != bounds.end());
+      const bool loss_here =
+          l == model.layers - 1 || (local && std::find(bounds.begin(), bounds.end(), l + 1) != bounds.end());
       if (loss_here) gy = acts[l + 1];  // d(0.5 sum y^2)/dy = y; detaches under local learning
       layer_backward_input(model, l, acts[l + 1].data(), gy.data(), gz.data(), gx.data());
       layer_backward_weight(acts[l].data(), gz.data(), g.weight[l].data(), g.bias[l].data());
@@ -135,10 +137,14 @@ class TanhStage {
     TRELLIS_CHECK(saved.acts.empty());
     const int a = first_layer_[chunk], b = end_layer_[chunk], n = kRows * kWidth;
     saved.acts.assign(b - a + 1, std::vector<float>(n));
-    if (first) saved.acts[0] = model_.data[mb];
-    else saved.acts[0].assign(in.begin(), in.end());
-    for (int l = a; l < b; ++l) layer_forward(model_, l, saved.acts[l - a].data(), saved.acts[l - a + 1].data());
-    std::copy(saved.acts.back().begin(), saved.acts.back().begin() + static_cast<long>(out.size()), out.begin());
+    if (first)
+      saved.acts[0] = model_.data[mb];
+    else
+      saved.acts[0].assign(in.begin(), in.end());
+    for (int l = a; l < b; ++l)
+      layer_forward(model_, l, saved.acts[l - a].data(), saved.acts[l - a + 1].data());
+    std::copy(saved.acts.back().begin(), saved.acts.back().begin() + static_cast<long>(out.size()),
+              out.begin());
     ++forwards;
     peak_saved = std::max(peak_saved, static_cast<int>(saved_.size()));
   }
@@ -153,11 +159,13 @@ class TanhStage {
     const bool pass = !schedule_.local_learning && !schedule_.is_first(rank_, chunk);
     TRELLIS_CHECK(grad_in.size() == (pass ? static_cast<std::size_t>(kRows * kWidth) : 0u));
     const int a = first_layer_[chunk], b = end_layer_[chunk], n = kRows * kWidth;
-    std::vector<float> gy = own_loss ? saved.acts.back() : std::vector<float>(grad_out.begin(), grad_out.end());
+    std::vector<float> gy =
+        own_loss ? saved.acts.back() : std::vector<float>(grad_out.begin(), grad_out.end());
     std::vector<float> gx(n);
     saved.gz.assign(b - a, std::vector<float>(n));
     for (int l = b - 1; l >= a; --l) {
-      layer_backward_input(model_, l, saved.acts[l - a + 1].data(), gy.data(), saved.gz[l - a].data(), gx.data());
+      layer_backward_input(model_, l, saved.acts[l - a + 1].data(), gy.data(), saved.gz[l - a].data(),
+                           gx.data());
       gy = gx;
     }
     std::copy(gy.begin(), gy.begin() + static_cast<long>(grad_in.size()), grad_in.begin());
@@ -169,8 +177,8 @@ class TanhStage {
     TRELLIS_CHECK(!it->second.gz.empty());  // B before W
     const int a = first_layer_[chunk], b = end_layer_[chunk];
     for (int l = a; l < b; ++l)
-      layer_backward_weight(it->second.acts[l - a].data(), it->second.gz[l - a].data(), grads_.weight[l].data(),
-                            grads_.bias[l].data());
+      layer_backward_weight(it->second.acts[l - a].data(), it->second.gz[l - a].data(),
+                            grads_.weight[l].data(), grads_.bias[l].data());
     saved_.erase(it);  // this activation is freed as soon as its W is done
   }
 

@@ -4,7 +4,6 @@
 // activations alive at once match the simulator, broken schedules are rejected before any stage
 // runs, and the recorded timeline is complete and ordered.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -13,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "pipe/tanh_stage.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
 #include "trellis/pipe/picture.hpp"
 #include "trellis/pipe/simulate.hpp"
-#include "pipe/tanh_stage.hpp"
 
 using namespace trellis::pipe;
 using trellis::comm::ThreadComm;
@@ -171,8 +170,9 @@ TEST_CASE("a broken schedule is rejected before any stage runs", "[pipe][executo
     FAIL("no error");
   } catch (const trellis::Error& e) {
     INFO(e.what());
-    REQUIRE_THAT(e.what(), Catch::Contains("rank 0: send activation of microbatch 1, chunk 0 to rank 1 (Sa1.0>1) has "
-                                           "no matching receive"));
+    REQUIRE_THAT(e.what(),
+                 Catch::Contains("rank 0: send activation of microbatch 1, chunk 0 to rank 1 (Sa1.0>1) has "
+                                 "no matching receive"));
   }
   REQUIRE(forwards[0] == 0);
   REQUIRE(forwards[1] == 0);

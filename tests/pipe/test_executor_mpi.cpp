@@ -1,16 +1,15 @@
 // The executor over MPI ranks (MpiComm): the same schedules and stages as on thread ranks must give
 // the single-rank gradients; each process checks the layers it holds against its own serial run.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <string>
 #include <vector>
 
+#include "pipe/tanh_stage.hpp"
 #include "trellis/comm/mpi.hpp"
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
 #include "trellis/pipe/simulate.hpp"
-#include "pipe/tanh_stage.hpp"
 
 using namespace trellis::pipe;
 using namespace pipe_test;

@@ -2,7 +2,6 @@
 // structural checks (each rank's F/B/W counts, the data flow of each placement, the published
 // warm-up counts); hand-made broken schedules are rejected with the rank and action named.
 #include <catch2/catch.hpp>
-
 #include <set>
 #include <string>
 #include <tuple>
@@ -59,7 +58,9 @@ std::string error_of(const Schedule& s, VerifyOptions o = {}) {
   return "";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 }  // namespace
 
@@ -228,15 +229,15 @@ TEST_CASE("verifier: a cyclic wait is a deadlock naming the ranks", "[pipe][veri
   s.stages = 2;
   s.microbatches = 2;
   s.ranks = {
-      {forward_action(0), send_action(Direction::activation, 0, 0, 1), recv_action(Direction::gradient, 0, 0, 1),
-       backward_input_action(0), backward_weight_action(0), forward_action(1),
-       send_action(Direction::activation, 1, 0, 1), recv_action(Direction::gradient, 1, 0, 1),
-       backward_input_action(1), backward_weight_action(1)},
+      {forward_action(0), send_action(Direction::activation, 0, 0, 1),
+       recv_action(Direction::gradient, 0, 0, 1), backward_input_action(0), backward_weight_action(0),
+       forward_action(1), send_action(Direction::activation, 1, 0, 1),
+       recv_action(Direction::gradient, 1, 0, 1), backward_input_action(1), backward_weight_action(1)},
       // rank 1 wants microbatch 1 before it returns the gradient of microbatch 0
-      {recv_action(Direction::activation, 0, 0, 0), forward_action(0), recv_action(Direction::activation, 1, 0, 0),
-       forward_action(1), backward_input_action(0), send_action(Direction::gradient, 0, 0, 0),
-       backward_weight_action(0), backward_input_action(1), send_action(Direction::gradient, 1, 0, 0),
-       backward_weight_action(1)},
+      {recv_action(Direction::activation, 0, 0, 0), forward_action(0),
+       recv_action(Direction::activation, 1, 0, 0), forward_action(1), backward_input_action(0),
+       send_action(Direction::gradient, 0, 0, 0), backward_weight_action(0), backward_input_action(1),
+       send_action(Direction::gradient, 1, 0, 0), backward_weight_action(1)},
   };
   auto msg = error_of(s);
   INFO(msg);
@@ -249,8 +250,8 @@ TEST_CASE("verifier: a cyclic wait is a deadlock naming the ranks", "[pipe][veri
 TEST_CASE("verifier: rendezvous mode catches what buffered sends hide", "[pipe][verify]") {
   // Consecutive send/recv actions are posted together (a batch, like Megatron's
   // send_forward_recv_backward), so the 1F1B family with one chunk survives synchronous sends.
-  for (const auto& s : {gpipe(4, 6), one_f_one_b(4, 8), zero_bubble_h1(4, 8), zero_bubble_h2(4, 8),
-                        local_learning(4, 6)}) {
+  for (const auto& s :
+       {gpipe(4, 6), one_f_one_b(4, 8), zero_bubble_h1(4, 8), zero_bubble_h2(4, 8), local_learning(4, 6)}) {
     INFO(s.name);
     REQUIRE(error_of(s, {SendMode::rendezvous}).empty());
   }
@@ -263,16 +264,16 @@ TEST_CASE("verifier: rendezvous mode catches what buffered sends hide", "[pipe][
   s.microbatches = 3;
   using D = Direction;
   s.ranks = {
-      {forward_action(0), send_action(D::activation, 0, 0, 1), forward_action(1), send_action(D::activation, 1, 0, 1),
-       forward_action(2), send_action(D::activation, 2, 0, 1), recv_action(D::gradient, 0, 0, 1),
-       backward_input_action(0), backward_weight_action(0), recv_action(D::gradient, 1, 0, 1),
-       backward_input_action(1), backward_weight_action(1), recv_action(D::gradient, 2, 0, 1),
-       backward_input_action(2), backward_weight_action(2)},
+      {forward_action(0), send_action(D::activation, 0, 0, 1), forward_action(1),
+       send_action(D::activation, 1, 0, 1), forward_action(2), send_action(D::activation, 2, 0, 1),
+       recv_action(D::gradient, 0, 0, 1), backward_input_action(0), backward_weight_action(0),
+       recv_action(D::gradient, 1, 0, 1), backward_input_action(1), backward_weight_action(1),
+       recv_action(D::gradient, 2, 0, 1), backward_input_action(2), backward_weight_action(2)},
       {recv_action(D::activation, 0, 0, 0), forward_action(0), backward_input_action(0),
        send_action(D::gradient, 0, 0, 0), backward_weight_action(0), recv_action(D::activation, 1, 0, 0),
-       forward_action(1), backward_input_action(1), send_action(D::gradient, 1, 0, 0), backward_weight_action(1),
-       recv_action(D::activation, 2, 0, 0), forward_action(2), backward_input_action(2),
-       send_action(D::gradient, 2, 0, 0), backward_weight_action(2)},
+       forward_action(1), backward_input_action(1), send_action(D::gradient, 1, 0, 0),
+       backward_weight_action(1), recv_action(D::activation, 2, 0, 0), forward_action(2),
+       backward_input_action(2), send_action(D::gradient, 2, 0, 0), backward_weight_action(2)},
   };
   REQUIRE(error_of(s).empty());
   auto msg = error_of(s, {SendMode::rendezvous});
@@ -295,7 +296,8 @@ TEST_CASE("verifier: duplicate, missing and misrouted actions", "[pipe][verify]"
 
   s = one_f_one_b(2, 3);
   std::erase(s.ranks[1], backward_weight_action(2));
-  REQUIRE_THAT(error_of(s), Catch::Contains("rank 1: backward-weight of microbatch 2, chunk 0 (W2.0) never runs"));
+  REQUIRE_THAT(error_of(s),
+               Catch::Contains("rank 1: backward-weight of microbatch 2, chunk 0 (W2.0) never runs"));
 
   s = one_f_one_b(2, 3);
   s.ranks[0][0].microbatch = 7;

@@ -10,9 +10,8 @@
 //     p ranks that is PP = 2p chunks, and the peak is exactly PP+1 = 2p+1 chunk activations
 //     (p + 1/2 in this simulator's rank-share unit).
 //   Local learning: no backward message between stages.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 
 #include "trellis/pipe/generators.hpp"
 #include "trellis/pipe/simulate.hpp"
@@ -172,7 +171,8 @@ TEST_CASE("simulate_with: per-action costs, checked by hand", "[pipe][simulate]"
   // GPipe, p=2, m=2, rank 1 twice as slow. Rank 0: F0 [0,1] F1 [1,2]. Rank 1: F0 [1,3] F1 [3,5]
   // B0 [5,7] W0 [7,9] (gradient sent after the full backward) B1 [9,11] W1 [11,13]. Rank 0:
   // B0 [9,10] W0 [10,11] B1 [13,14] W1 [14,15].
-  auto slow = simulate_with(gpipe(2, 2), [](int rank, const Action&) { return rank == 0 ? 1.0 : 2.0; }, 0.0);
+  auto slow = simulate_with(
+      gpipe(2, 2), [](int rank, const Action&) { return rank == 0 ? 1.0 : 2.0; }, 0.0);
   REQUIRE(slow.step_time == Approx(15));
   REQUIRE(slow.busy[0] == Approx(6));
   REQUIRE(slow.busy[1] == Approx(12));

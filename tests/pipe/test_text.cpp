@@ -1,7 +1,6 @@
 // The schedule text format (round trip, hand-written schedules, parse errors with line/column) and
 // the pictures (SVG boxes per action, Chrome trace events per action).
 #include <catch2/catch.hpp>
-
 #include <cstdio>
 #include <regex>
 #include <string>
@@ -100,8 +99,9 @@ TEST_CASE("parse errors name the line and column", "[pipe][text]") {
   REQUIRE_THAT(e, Catch::Contains("line 2, column 1: the '@' header must come before the rank lines"));
   // a well-formed text with a broken schedule parses, and the verifier names the problem
   Schedule broken = parse_schedule("F0 B1 F1 W1 B0 W0\nF0 B0 W0 F1 B1 W1\n");
-  REQUIRE_THROWS_WITH(verify(broken), Catch::Contains("rank 0: backward-input of microbatch 1, chunk 0 (B1.0) runs "
-                                                      "before its input: it needs forward of microbatch 1"));
+  REQUIRE_THROWS_WITH(verify(broken),
+                      Catch::Contains("rank 0: backward-input of microbatch 1, chunk 0 (B1.0) runs "
+                                      "before its input: it needs forward of microbatch 1"));
 }
 
 TEST_CASE("schedules load from and save to files", "[pipe][text]") {
@@ -110,8 +110,9 @@ TEST_CASE("schedules load from and save to files", "[pipe][text]") {
   save_schedule(path, s);
   REQUIRE(same_schedule(load_schedule(path), s));
   write_file(path, "F0 B0 W0\nF0 B0 W0 Q\n");
-  REQUIRE_THROWS_WITH(load_schedule(path), Catch::Contains("load_schedule 'pipe_text_test_schedule.txt': schedule text, "
-                                                           "line 2, column 10: unknown action 'Q'"));
+  REQUIRE_THROWS_WITH(load_schedule(path),
+                      Catch::Contains("load_schedule 'pipe_text_test_schedule.txt': schedule text, "
+                                      "line 2, column 10: unknown action 'Q'"));
   std::remove(path.c_str());
   REQUIRE_THROWS_WITH(load_schedule("/nonexistent/dir/x.txt"), Catch::Contains("cannot open"));
 }

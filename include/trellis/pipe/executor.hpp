@@ -25,8 +25,8 @@
 
 #include <chrono>
 #include <concepts>
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <span>
@@ -95,11 +95,11 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
   const auto origin = options.origin == clock::time_point{} ? clock::now() : options.origin;
   auto seconds_since = [&](clock::time_point t) { return std::chrono::duration<double>(t - origin).count(); };
 
-  using Key = std::pair<int, int>;                 // (microbatch, chunk)
-  std::map<Key, std::vector<T>> activation_in;     // input of F(mb, chunk): received or local
-  std::map<Key, std::vector<T>> gradient_in;       // output gradient for B(mb, chunk)
-  std::map<Key, std::vector<T>> activation_out;    // F's output waiting for its send
-  std::map<Key, std::vector<T>> gradient_out;      // B's input gradient waiting for its send
+  using Key = std::pair<int, int>;               // (microbatch, chunk)
+  std::map<Key, std::vector<T>> activation_in;   // input of F(mb, chunk): received or local
+  std::map<Key, std::vector<T>> gradient_in;     // output gradient for B(mb, chunk)
+  std::map<Key, std::vector<T>> activation_out;  // F's output waiting for its send
+  std::map<Key, std::vector<T>> gradient_out;    // B's input gradient waiting for its send
   struct PendingSend {
     typename Comm::request_type request;
     std::vector<T> buffer;  // kept alive until the send completes
@@ -112,7 +112,8 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
   auto take = [&](std::map<Key, std::vector<T>>& from, Key key, const Action& a, const char* what) {
     auto it = from.find(key);
     if (it == from.end())
-      TRELLIS_THROW("pipe::execute: rank ", rank, ": ", describe(a), " has no ", what, " (schedule not verified?)");
+      TRELLIS_THROW("pipe::execute: rank ", rank, ": ", describe(a), " has no ", what,
+                    " (schedule not verified?)");
     std::vector<T> out = std::move(it->second);
     from.erase(it);
     return out;
@@ -124,118 +125,140 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
     std::size_t action;  // index in the rank's list
     double posted;
   };
+  std::vector<PendingRecv> recvs;       // the current run's receives (isend mode)
+  std::vector<std::vector<T>> buffers;  // the current run's buffers (batch mode)
   const auto& list = schedule.ranks[rank];
-  for (std::size_t i = 0; i < list.size();) {
-    const Action& a = list[i];
-    const Key key{a.microbatch, a.chunk};
-    const auto start = clock::now();
-    if (a.is_comm() && batched) {
-      // the whole run as one batch, waited for as a whole
-      std::size_t end = i;
-      while (end < list.size() && list[end].is_comm()) ++end;
-      std::vector<std::vector<T>> buffers;
-      std::vector<comm::P2POp> ops;
-      buffers.reserve(end - i);
-      for (std::size_t j = i; j < end; ++j) {
-        const Action& c = list[j];
-        const bool act = c.direction == Direction::activation;
-        if (c.kind == ActionKind::send)
-          buffers.push_back(take(act ? activation_out : gradient_out, {c.microbatch, c.chunk}, c,
-                                 act ? "output activation" : "input gradient"));
-        else
-          buffers.emplace_back(static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
-        ops.push_back(comm::P2POp{c.kind == ActionKind::send ? comm::P2POp::Kind::send : comm::P2POp::Kind::recv,
-                                  buffers.back().data(), buffers.back().size(), dtype_v<T>, c.peer,
-                                  message_tag(schedule, rank, c)});
-      }
-      comm.batch(std::span<const comm::P2POp>(ops)).wait();
-      const double done = seconds_since(clock::now());
-      for (std::size_t j = i; j < end; ++j) {
-        const Action& c = list[j];
-        if (c.kind == ActionKind::recv)
-          (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
-              std::move(buffers[j - i]);
-        result.events.push_back({rank, c, seconds_since(start), done});
-      }
-      i = end;
-      continue;
-    }
-    if (a.is_comm()) {
-      // a run of consecutive send/recv actions is posted at once (as the verifier assumes), then
-      // its receives are waited for; sends complete in the background
-      std::vector<PendingRecv> recvs;
-      std::size_t end = i;
-      for (; end < list.size() && list[end].is_comm(); ++end) {
-        const Action& c = list[end];
-        const Key ckey{c.microbatch, c.chunk};
-        const auto posted = clock::now();
-        if (c.kind == ActionKind::send) {
-          auto& from = c.direction == Direction::activation ? activation_out : gradient_out;
-          std::vector<T> buffer =
-              take(from, ckey, c, c.direction == Direction::activation ? "output activation" : "input gradient");
-          auto request = comm.isend(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
-          sends.push_back(PendingSend{std::move(request), std::move(buffer)});
-          result.events.push_back({rank, c, seconds_since(posted), seconds_since(clock::now())});
-        } else {
+  try {
+    for (std::size_t i = 0; i < list.size();) {
+      const Action& a = list[i];
+      const Key key{a.microbatch, a.chunk};
+      const auto start = clock::now();
+      if (a.is_comm() && batched) {
+        // the whole run as one batch, waited for as a whole
+        std::size_t end = i;
+        while (end < list.size() && list[end].is_comm()) ++end;
+        buffers.clear();
+        std::vector<comm::P2POp> ops;
+        buffers.reserve(end - i);
+        for (std::size_t j = i; j < end; ++j) {
+          const Action& c = list[j];
           const bool act = c.direction == Direction::activation;
-          std::vector<T> buffer(
-              static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
-          auto request = comm.irecv(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
-          recvs.push_back(PendingRecv{std::move(request), std::move(buffer), end, seconds_since(posted)});
+          if (c.kind == ActionKind::send)
+            buffers.push_back(take(act ? activation_out : gradient_out, {c.microbatch, c.chunk}, c,
+                                   act ? "output activation" : "input gradient"));
+          else
+            buffers.emplace_back(
+                static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+          ops.push_back(
+              comm::P2POp{c.kind == ActionKind::send ? comm::P2POp::Kind::send : comm::P2POp::Kind::recv,
+                          buffers.back().data(), buffers.back().size(), dtype_v<T>, c.peer,
+                          message_tag(schedule, rank, c)});
         }
+        comm.batch(std::span<const comm::P2POp>(ops)).wait();
+        const double done = seconds_since(clock::now());
+        for (std::size_t j = i; j < end; ++j) {
+          const Action& c = list[j];
+          if (c.kind == ActionKind::recv)
+            (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
+                std::move(buffers[j - i]);
+          result.events.push_back({rank, c, seconds_since(start), done});
+        }
+        i = end;
+        continue;
       }
-      for (auto& r : recvs) {
-        r.request.wait();
-        const Action& c = list[r.action];
-        (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
-            std::move(r.buffer);
-        result.events.push_back({rank, c, r.posted, seconds_since(clock::now())});
+      if (a.is_comm()) {
+        // a run of consecutive send/recv actions is posted at once (as the verifier assumes), then
+        // its receives are waited for; sends complete in the background
+        recvs.clear();
+        std::size_t end = i;
+        for (; end < list.size() && list[end].is_comm(); ++end) {
+          const Action& c = list[end];
+          const Key ckey{c.microbatch, c.chunk};
+          const auto posted = clock::now();
+          if (c.kind == ActionKind::send) {
+            auto& from = c.direction == Direction::activation ? activation_out : gradient_out;
+            std::vector<T> buffer = take(
+                from, ckey, c, c.direction == Direction::activation ? "output activation" : "input gradient");
+            auto request = comm.isend(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
+            sends.push_back(PendingSend{std::move(request), std::move(buffer)});
+            result.events.push_back({rank, c, seconds_since(posted), seconds_since(clock::now())});
+          } else {
+            const bool act = c.direction == Direction::activation;
+            std::vector<T> buffer(
+                static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+            auto request = comm.irecv(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
+            recvs.push_back(PendingRecv{std::move(request), std::move(buffer), end, seconds_since(posted)});
+          }
+        }
+        for (auto& r : recvs) {
+          r.request.wait();
+          const Action& c = list[r.action];
+          (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
+              std::move(r.buffer);
+          result.events.push_back({rank, c, r.posted, seconds_since(clock::now())});
+        }
+        i = end;
+        while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
+        continue;
       }
-      i = end;
+      const bool first = schedule.is_first(rank, a.chunk);
+      const bool last = schedule.is_last(rank, a.chunk);
+      switch (a.kind) {
+        case ActionKind::forward: {
+          std::vector<T> input;
+          if (!first) input = take(activation_in, key, a, "input activation");
+          std::vector<T> output(static_cast<std::size_t>(stage.output_size(a.chunk)));
+          ++live;
+          result.peak_live_activations = std::max(result.peak_live_activations, live);
+          stage.forward(a.microbatch, a.chunk, std::span<const T>(input), std::span<T>(output));
+          if (!last) {
+            auto next = schedule.next_slot(rank, a.chunk);
+            if (next.rank == rank)
+              activation_in[{a.microbatch, next.chunk}] = std::move(output);
+            else
+              activation_out[key] = std::move(output);
+          }
+          break;
+        }
+        case ActionKind::backward_input: {
+          const bool own_loss = last || schedule.local_learning;
+          const bool pass_back = !first && !schedule.local_learning;
+          std::vector<T> grad_output;
+          if (!own_loss) grad_output = take(gradient_in, key, a, "output gradient");
+          std::vector<T> grad_input(pass_back ? static_cast<std::size_t>(stage.input_size(a.chunk)) : 0);
+          stage.backward_input(a.microbatch, a.chunk, std::span<const T>(grad_output),
+                               std::span<T>(grad_input));
+          if (pass_back) {
+            auto prev = schedule.prev_slot(rank, a.chunk);
+            if (prev.rank == rank)
+              gradient_in[{a.microbatch, prev.chunk}] = std::move(grad_input);
+            else
+              gradient_out[key] = std::move(grad_input);
+          }
+          break;
+        }
+        default:  // backward_weight
+          stage.backward_weight(a.microbatch, a.chunk);
+          --live;
+          break;
+      }
+      result.events.push_back({rank, a, seconds_since(start), seconds_since(clock::now())});
       while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
-      continue;
+      ++i;
     }
-    const bool first = schedule.is_first(rank, a.chunk);
-    const bool last = schedule.is_last(rank, a.chunk);
-    switch (a.kind) {
-      case ActionKind::forward: {
-        std::vector<T> input;
-        if (!first) input = take(activation_in, key, a, "input activation");
-        std::vector<T> output(static_cast<std::size_t>(stage.output_size(a.chunk)));
-        ++live;
-        result.peak_live_activations = std::max(result.peak_live_activations, live);
-        stage.forward(a.microbatch, a.chunk, std::span<const T>(input), std::span<T>(output));
-        if (!last) {
-          auto next = schedule.next_slot(rank, a.chunk);
-          if (next.rank == rank) activation_in[{a.microbatch, next.chunk}] = std::move(output);
-          else activation_out[key] = std::move(output);
-        }
-        break;
-      }
-      case ActionKind::backward_input: {
-        const bool own_loss = last || schedule.local_learning;
-        const bool pass_back = !first && !schedule.local_learning;
-        std::vector<T> grad_output;
-        if (!own_loss) grad_output = take(gradient_in, key, a, "output gradient");
-        std::vector<T> grad_input(pass_back ? static_cast<std::size_t>(stage.input_size(a.chunk)) : 0);
-        stage.backward_input(a.microbatch, a.chunk, std::span<const T>(grad_output), std::span<T>(grad_input));
-        if (pass_back) {
-          auto prev = schedule.prev_slot(rank, a.chunk);
-          if (prev.rank == rank) gradient_in[{a.microbatch, prev.chunk}] = std::move(grad_input);
-          else gradient_out[key] = std::move(grad_input);
-        }
-        break;
-      }
-      default:  // backward_weight
-        stage.backward_weight(a.microbatch, a.chunk);
-        --live;
-        break;
-    }
-    result.events.push_back({rank, a, seconds_since(start), seconds_since(clock::now())});
-    while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
-    ++i;
+    for (auto& pending : sends) pending.request.wait();
+  } catch (...) {
+    // Operations may still be in flight (a peer can still read a send buffer or write a receive
+    // buffer), and waiting for them could hang now that this rank has failed: their requests and
+    // buffers are deliberately leaked instead of freed under the peer's feet.
+    struct InFlight {
+      std::deque<PendingSend> sends;
+      std::vector<PendingRecv> recvs;
+      std::vector<std::vector<T>> buffers;
+    };
+    [[maybe_unused]] auto* leaked = new InFlight{std::move(sends), std::move(recvs), std::move(buffers)};
+    throw;
   }
-  for (auto& pending : sends) pending.request.wait();
   result.seconds = std::chrono::duration<double>(clock::now() - t_begin).count();
   return result;
 }

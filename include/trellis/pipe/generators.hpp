@@ -62,9 +62,9 @@ struct GreedyPolicy {
 
 // Event-driven list scheduling on unit costs: whenever a rank is free it takes the first ready
 // action in the order B, F (or F, B with forward_first; F only under the rank's activation limit),
-// W (oldest first); among chunks the deepest virtual stage first. Ready means the inputs have been produced by then. The
-// order each rank ends up with is the schedule; it is deadlock-free by construction (the
-// simulated run is a witness).
+// W (oldest first); among chunks the deepest virtual stage first. Ready means the inputs have been
+// produced by then. The order each rank ends up with is the schedule; it is deadlock-free by
+// construction (the simulated run is a witness).
 inline void greedy_fill(Schedule& s, const GreedyPolicy& policy) {
   const int p = s.stages, m = s.microbatches, v = s.chunks, S = s.virtual_stages();
   const double never = std::numeric_limits<double>::infinity();
@@ -161,7 +161,8 @@ inline void greedy_fill(Schedule& s, const GreedyPolicy& policy) {
     for (double t : b_end)
       if (t > now) next = std::min(next, t);
     if (next == never)
-      TRELLIS_THROW("pipe generator '", s.name, "': the greedy scheduler is stuck (activation limit too small?)");
+      TRELLIS_THROW("pipe generator '", s.name,
+                    "': the greedy scheduler is stuck (activation limit too small?)");
     now = next;
   }
 }
@@ -311,8 +312,10 @@ inline Schedule dualpipe_v(int p, int m) {
     auto B = [&](int c, bool defer_weight) {
       int mb = next_b[c]++;
       list.push_back(backward_input_action(mb, c));
-      if (defer_weight) weights.emplace_back(mb, c);
-      else list.push_back(backward_weight_action(mb, c));
+      if (defer_weight)
+        weights.emplace_back(mb, c);
+      else
+        list.push_back(backward_weight_action(mb, c));
     };
     auto W = [&] {
       if (weights.empty()) TRELLIS_THROW("dualpipe_v: internal error, no deferred W on rank ", r);
@@ -321,10 +324,26 @@ inline Schedule dualpipe_v(int p, int m) {
       list.push_back(backward_weight_action(mb, c));
     };
     for (int i = 0; i < 2 * (p - r - 1); ++i) F(0);
-    for (int i = 0; i < r + 1; ++i) { F(0); F(1); }
-    for (int i = 0; i < p - r - 1; ++i) { B(1, true); W(); F(1); }
-    for (int i = 0; i < m - 2 * p + r + 1; ++i) { F(0); B(1, false); F(1); B(0, false); }
-    for (int i = 0; i < p - r - 1; ++i) { B(1, false); F(1); B(0, false); }
+    for (int i = 0; i < r + 1; ++i) {
+      F(0);
+      F(1);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {
+      B(1, true);
+      W();
+      F(1);
+    }
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {
+      F(0);
+      B(1, false);
+      F(1);
+      B(0, false);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {
+      B(1, false);
+      F(1);
+      B(0, false);
+    }
     bool defer = false;
     const int step6 = r + 1;
     for (int i = 0; i < step6; ++i) {
@@ -333,7 +352,10 @@ inline Schedule dualpipe_v(int p, int m) {
       if (i == step6 / 2 && r % 2 == 0) defer = true;
       B(0, defer);
     }
-    for (int i = 0; i < p - r - 1; ++i) { W(); B(0, true); }
+    for (int i = 0; i < p - r - 1; ++i) {
+      W();
+      B(0, true);
+    }
     while (!weights.empty()) W();
   }
   return insert_communication(std::move(s));

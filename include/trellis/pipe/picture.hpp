@@ -24,11 +24,16 @@ namespace detail {
 inline std::string svg_escape(const std::string& in) {
   std::string out;
   for (char c : in) {
-    if (c == '<') out += "&lt;";
-    else if (c == '>') out += "&gt;";
-    else if (c == '&') out += "&amp;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
+    if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '&')
+      out += "&amp;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
   }
   return out;
 }
@@ -37,10 +42,14 @@ inline std::string svg_escape(const std::string& in) {
 inline const char* action_colour(ActionKind kind, int chunk) {
   const bool light = chunk > 0;
   switch (kind) {
-    case ActionKind::forward: return light ? "#a0c4e8" : "#4e79a7";
-    case ActionKind::backward_input: return light ? "#a8d99c" : "#59a14f";
-    case ActionKind::backward_weight: return light ? "#f8c58f" : "#f28e2b";
-    default: return "#999999";
+    case ActionKind::forward:
+      return light ? "#a0c4e8" : "#4e79a7";
+    case ActionKind::backward_input:
+      return light ? "#a8d99c" : "#59a14f";
+    case ActionKind::backward_weight:
+      return light ? "#f8c58f" : "#f28e2b";
+    default:
+      return "#999999";
   }
 }
 
@@ -61,7 +70,10 @@ inline std::string to_svg(const Timeline& t, const std::string& title = "") {
       t0 = std::min(t0, e.start);
       t1 = std::max(t1, e.end);
     }
-  if (!(t1 > t0)) { t0 = 0; t1 = 1; }
+  if (!(t1 > t0)) {
+    t0 = 0;
+    t1 = 1;
+  }
   const double left = 70, top = 40, row = 30, width = 1000;
   const double scale = width / (t1 - t0);
   const double height = top + row * p + 40;
@@ -71,20 +83,22 @@ inline std::string to_svg(const Timeline& t, const std::string& title = "") {
       << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   out << "<text x=\"" << left << "\" y=\"20\" font-size=\"14\">" << detail::svg_escape(title)
-      << (title.empty() ? "" : "  ") << "bubble " << detail::fixed(100 * stats.bubble_fraction, 1) << "%</text>\n";
+      << (title.empty() ? "" : "  ") << "bubble " << detail::fixed(100 * stats.bubble_fraction, 1)
+      << "%</text>\n";
   for (int r = 0; r < p; ++r) {
     const double y = top + r * row;
     out << "<text x=\"8\" y=\"" << y + row * 0.65 << "\">rank " << r << "</text>\n";
-    out << "<rect class=\"idle\" x=\"" << left << "\" y=\"" << y + 2 << "\" width=\"" << width << "\" height=\""
-        << row - 4 << "\" fill=\"#e8e8e8\"/>\n";
+    out << "<rect class=\"idle\" x=\"" << left << "\" y=\"" << y + 2 << "\" width=\"" << width
+        << "\" height=\"" << row - 4 << "\" fill=\"#e8e8e8\"/>\n";
   }
   for (const auto& e : t.events) {
     if (!e.action.is_compute()) continue;
     const double x = left + (e.start - t0) * scale, w = std::max((e.end - e.start) * scale, 0.5);
     const double y = top + e.rank * row;
     out << "<rect class=\"" << action_token(e.action, false).substr(0, 1) << "\" x=\"" << detail::fixed(x)
-        << "\" y=\"" << y + 2 << "\" width=\"" << detail::fixed(w) << "\" height=\"" << row - 4 << "\" fill=\""
-        << detail::action_colour(e.action.kind, e.action.chunk) << "\" stroke=\"white\" stroke-width=\"0.5\">"
+        << "\" y=\"" << y + 2 << "\" width=\"" << detail::fixed(w) << "\" height=\"" << row - 4
+        << "\" fill=\"" << detail::action_colour(e.action.kind, e.action.chunk)
+        << "\" stroke=\"white\" stroke-width=\"0.5\">"
         << "<title>rank " << e.rank << ": " << detail::svg_escape(describe(e.action)) << "</title></rect>\n";
     if (w >= 9)
       out << "<text x=\"" << detail::fixed(x + w / 2) << "\" y=\"" << y + row * 0.65
@@ -96,8 +110,8 @@ inline std::string to_svg(const Timeline& t, const std::string& title = "") {
   for (int i = 0; i < 3; ++i) {
     const double lx = left + i * 170;
     out << "<rect x=\"" << lx << "\" y=\"" << ly - 10 << "\" width=\"12\" height=\"12\" fill=\""
-        << detail::action_colour(kinds[i], 0) << "\"/><text x=\"" << lx + 16 << "\" y=\"" << ly << "\">" << names[i]
-        << "</text>\n";
+        << detail::action_colour(kinds[i], 0) << "\"/><text x=\"" << lx + 16 << "\" y=\"" << ly << "\">"
+        << names[i] << "</text>\n";
   }
   out << "<text x=\"" << left + 3 * 170 << "\" y=\"" << ly << "\">lighter: chunk &gt; 0; grey: idle</text>\n";
   out << "</svg>\n";
@@ -107,8 +121,8 @@ inline std::string to_svg(const Timeline& t, const std::string& title = "") {
 // Draws a schedule as the simulator runs it with the given costs.
 inline std::string to_svg(const Schedule& s, const Costs& costs = {}) {
   auto sim = simulate(s, costs);
-  return to_svg(sim.timeline, s.name + " (p=" + std::to_string(s.stages) + ", m=" + std::to_string(s.microbatches) +
-                                  ", v=" + std::to_string(s.chunks) + ")");
+  return to_svg(sim.timeline, s.name + " (p=" + std::to_string(s.stages) + ", m=" +
+                                  std::to_string(s.microbatches) + ", v=" + std::to_string(s.chunks) + ")");
 }
 
 // Chrome trace-event JSON: complete events ("ph":"X") in microseconds, pid 0, one tid per rank.
@@ -123,15 +137,17 @@ inline std::string to_chrome_trace(const Timeline& t) {
     first = false;
   }
   for (const auto& e : t.events) {
-    const char* cat = e.action.kind == ActionKind::forward          ? "F"
-                      : e.action.kind == ActionKind::backward_input ? "B"
+    const char* cat = e.action.kind == ActionKind::forward           ? "F"
+                      : e.action.kind == ActionKind::backward_input  ? "B"
                       : e.action.kind == ActionKind::backward_weight ? "W"
-                      : e.action.kind == ActionKind::send           ? "send"
-                                                                    : "recv";
+                      : e.action.kind == ActionKind::send            ? "send"
+                                                                     : "recv";
     out << (first ? "" : ",\n") << "{\"name\": \"" << action_token(e.action) << "\", \"cat\": \"" << cat
-        << "\", \"ph\": \"X\", \"pid\": 0, \"tid\": " << e.rank << ", \"ts\": " << detail::fixed(e.start * 1e6, 3)
-        << ", \"dur\": " << detail::fixed((e.end - e.start) * 1e6, 3) << ", \"args\": {\"microbatch\": "
-        << e.action.microbatch << ", \"chunk\": " << e.action.chunk << "}}";
+        << "\", \"ph\": \"X\", \"pid\": 0, \"tid\": " << e.rank
+        << ", \"ts\": " << detail::fixed(e.start * 1e6, 3)
+        << ", \"dur\": " << detail::fixed((e.end - e.start) * 1e6, 3)
+        << ", \"args\": {\"microbatch\": " << e.action.microbatch << ", \"chunk\": " << e.action.chunk
+        << "}}";
     first = false;
   }
   out << "\n]}\n";

@@ -52,9 +52,7 @@ struct Action {
 };
 
 inline Action forward_action(int mb, int chunk = 0) { return {ActionKind::forward, mb, chunk}; }
-inline Action backward_input_action(int mb, int chunk = 0) {
-  return {ActionKind::backward_input, mb, chunk};
-}
+inline Action backward_input_action(int mb, int chunk = 0) { return {ActionKind::backward_input, mb, chunk}; }
 inline Action backward_weight_action(int mb, int chunk = 0) {
   return {ActionKind::backward_weight, mb, chunk};
 }
@@ -70,11 +68,21 @@ inline Action recv_action(Direction d, int mb, int chunk, int peer) {
 inline std::string action_token(const Action& a, bool with_chunk = true) {
   std::string out;
   switch (a.kind) {
-    case ActionKind::forward: out = "F"; break;
-    case ActionKind::backward_input: out = "B"; break;
-    case ActionKind::backward_weight: out = "W"; break;
-    case ActionKind::send: out = a.direction == Direction::activation ? "Sa" : "Sg"; break;
-    case ActionKind::recv: out = a.direction == Direction::activation ? "Ra" : "Rg"; break;
+    case ActionKind::forward:
+      out = "F";
+      break;
+    case ActionKind::backward_input:
+      out = "B";
+      break;
+    case ActionKind::backward_weight:
+      out = "W";
+      break;
+    case ActionKind::send:
+      out = a.direction == Direction::activation ? "Sa" : "Sg";
+      break;
+    case ActionKind::recv:
+      out = a.direction == Direction::activation ? "Ra" : "Rg";
+      break;
   }
   out += std::to_string(a.microbatch);
   if (with_chunk) out += "." + std::to_string(a.chunk);
@@ -87,11 +95,21 @@ inline std::string action_token(const Action& a, bool with_chunk = true) {
 inline std::string describe(const Action& a) {
   std::string what;
   switch (a.kind) {
-    case ActionKind::forward: what = "forward"; break;
-    case ActionKind::backward_input: what = "backward-input"; break;
-    case ActionKind::backward_weight: what = "backward-weight"; break;
-    case ActionKind::send: what = "send"; break;
-    case ActionKind::recv: what = "recv"; break;
+    case ActionKind::forward:
+      what = "forward";
+      break;
+    case ActionKind::backward_input:
+      what = "backward-input";
+      break;
+    case ActionKind::backward_weight:
+      what = "backward-weight";
+      break;
+    case ActionKind::send:
+      what = "send";
+      break;
+    case ActionKind::recv:
+      what = "recv";
+      break;
   }
   if (a.is_comm()) what += a.direction == Direction::activation ? " activation" : " gradient";
   what += " of microbatch " + std::to_string(a.microbatch) + ", chunk " + std::to_string(a.chunk);
@@ -111,7 +129,7 @@ struct Schedule {
   int microbatches = 1;  // m
   int chunks = 1;        // v: model chunks per rank
   Placement placement = Placement::loop;
-  bool local_learning = false;            // every stage has its own loss: no backward messages
+  bool local_learning = false;  // every stage has its own loss: no backward messages
   // A B directly followed by its own W is one full backward (one fused kernel): its gradient is
   // sent after the W. Without this flag every gradient is sent right after its B (zero-bubble
   // schedules, where W is deliberately off the critical path).
@@ -131,9 +149,7 @@ struct Schedule {
     return {stage % stages, stage / stages};
   }
   bool is_first(int rank, int chunk) const { return virtual_stage(rank, chunk) == 0; }
-  bool is_last(int rank, int chunk) const {
-    return virtual_stage(rank, chunk) == virtual_stages() - 1;
-  }
+  bool is_last(int rank, int chunk) const { return virtual_stage(rank, chunk) == virtual_stages() - 1; }
   // Where rank/chunk's forward output goes (next virtual stage) and where its input gradient goes.
   StageSlot next_slot(int rank, int chunk) const { return locate(virtual_stage(rank, chunk) + 1); }
   StageSlot prev_slot(int rank, int chunk) const { return locate(virtual_stage(rank, chunk) - 1); }

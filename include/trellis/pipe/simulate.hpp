@@ -33,10 +33,10 @@ struct Costs {
 
 struct Simulation {
   double step_time = 0;
-  double bubble_fraction = 0;         // 1 - compute / (p * step_time)
-  double steady_bubble_fraction = 0;  // see TimelineStats
-  std::vector<double> busy;            // per rank
-  std::vector<double> peak_memory;     // per rank, in rank-share microbatch units (see above)
+  double bubble_fraction = 0;               // 1 - compute / (p * step_time)
+  double steady_bubble_fraction = 0;        // see TimelineStats
+  std::vector<double> busy;                 // per rank
+  std::vector<double> peak_memory;          // per rank, in rank-share microbatch units (see above)
   std::vector<int> peak_chunk_activations;  // per rank, raw count of live (mb, chunk) activations
   double max_peak_memory = 0;
   int forward_messages = 0;   // activation messages between ranks
@@ -81,8 +81,10 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
           out.timeline.events.push_back({r, a, start, clock[r]});
         } else if (a.kind == ActionKind::send) {
           double latency = 0;
-          if constexpr (std::is_arithmetic_v<std::remove_cvref_t<CommOf>>) latency = static_cast<double>(comm_of);
-          else latency = static_cast<double>(comm_of(r, a));
+          if constexpr (std::is_arithmetic_v<std::remove_cvref_t<CommOf>>)
+            latency = static_cast<double>(comm_of);
+          else
+            latency = static_cast<double>(comm_of(r, a));
           arrival[detail::message_of(s, r, a)] = clock[r] + latency;
           (a.direction == Direction::activation ? out.forward_messages : out.backward_messages)++;
           out.timeline.events.push_back({r, a, clock[r], clock[r]});
@@ -101,7 +103,8 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
         progress = true;
       }
     }
-    if (!progress) TRELLIS_THROW("simulate: schedule '", s.name, "' is stuck (verify() should have caught this)");
+    if (!progress)
+      TRELLIS_THROW("simulate: schedule '", s.name, "' is stuck (verify() should have caught this)");
   }
   auto stats = timeline_stats(out.timeline);
   out.step_time = stats.step_time;

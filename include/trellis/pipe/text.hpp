@@ -51,8 +51,9 @@ inline bool parse_flag(std::string_view value, std::string_view yes, std::string
                        std::size_t col, std::string_view key) {
   if (value == yes) return true;
   if (value == no) return false;
-  text_error(line, col, std::string(key) + " must be '" + std::string(yes) + "' or '" + std::string(no) +
-                            "', got '" + std::string(value) + "'");
+  text_error(line, col,
+             std::string(key) + " must be '" + std::string(yes) + "' or '" + std::string(no) + "', got '" +
+                 std::string(value) + "'");
 }
 
 }  // namespace detail
@@ -81,12 +82,14 @@ inline Schedule parse_schedule(std::string_view text) {
     };
     skip_space();
     if (pos < line.size() && line[pos] == '@') {
-      if (!s.ranks.empty()) detail::text_error(line_no, pos, "the '@' header must come before the rank lines");
+      if (!s.ranks.empty())
+        detail::text_error(line_no, pos, "the '@' header must come before the rank lines");
       header_line = line_no;
       ++pos;
       for (skip_space(); pos < line.size(); skip_space()) {
         const std::size_t key_at = pos;
-        while (pos < line.size() && line[pos] != '=' && !std::isspace(static_cast<unsigned char>(line[pos]))) ++pos;
+        while (pos < line.size() && line[pos] != '=' && !std::isspace(static_cast<unsigned char>(line[pos])))
+          ++pos;
         std::string_view key = line.substr(key_at, pos - key_at);
         if (pos >= line.size() || line[pos] != '=')
           detail::text_error(line_no, pos, "expected '=' after header key '" + std::string(key) + "'");
@@ -94,24 +97,27 @@ inline Schedule parse_schedule(std::string_view text) {
         const std::size_t value_at = pos;
         while (pos < line.size() && !std::isspace(static_cast<unsigned char>(line[pos]))) ++pos;
         std::string_view value = line.substr(value_at, pos - value_at);
-        if (value.empty()) detail::text_error(line_no, value_at, "empty value for '" + std::string(key) + "'");
+        if (value.empty())
+          detail::text_error(line_no, value_at, "empty value for '" + std::string(key) + "'");
         if (key == "name") {
           s.name = std::string(value);
         } else if (key == "stages" || key == "microbatches" || key == "chunks") {
           std::size_t q = 0;
           int n = detail::read_int(value, q, line_no, "a number");
-          if (q != value.size()) detail::text_error(line_no, value_at + q, "trailing characters after the number");
+          if (q != value.size())
+            detail::text_error(line_no, value_at + q, "trailing characters after the number");
           (key == "stages" ? header_stages : key == "microbatches" ? header_microbatches : header_chunks) = n;
         } else if (key == "placement") {
           s.placement = detail::parse_flag(value, "vee", "loop", line_no, value_at, key) ? Placement::vee
-                                                                                          : Placement::loop;
+                                                                                         : Placement::loop;
         } else if (key == "loss") {
           s.local_learning = detail::parse_flag(value, "local", "last", line_no, value_at, key);
         } else if (key == "backward") {
           s.full_backward = detail::parse_flag(value, "full", "split", line_no, value_at, key);
         } else {
-          detail::text_error(line_no, key_at, "unknown header key '" + std::string(key) +
-                                                  "' (known: name, stages, microbatches, chunks, placement, loss, backward)");
+          detail::text_error(line_no, key_at,
+                             "unknown header key '" + std::string(key) +
+                                 "' (known: name, stages, microbatches, chunks, placement, loss, backward)");
         }
       }
     } else if (pos < line.size()) {
@@ -121,9 +127,12 @@ inline Schedule parse_schedule(std::string_view text) {
         Action a;
         const char c0 = line[pos];
         if (c0 == 'F' || c0 == 'B' || c0 == 'W') {
-          a.kind = c0 == 'F' ? ActionKind::forward : c0 == 'B' ? ActionKind::backward_input : ActionKind::backward_weight;
+          a.kind = c0 == 'F'   ? ActionKind::forward
+                   : c0 == 'B' ? ActionKind::backward_input
+                               : ActionKind::backward_weight;
           ++pos;
-        } else if ((c0 == 'S' || c0 == 'R') && pos + 1 < line.size() && (line[pos + 1] == 'a' || line[pos + 1] == 'g')) {
+        } else if ((c0 == 'S' || c0 == 'R') && pos + 1 < line.size() &&
+                   (line[pos + 1] == 'a' || line[pos + 1] == 'g')) {
           a.kind = c0 == 'S' ? ActionKind::send : ActionKind::recv;
           a.direction = line[pos + 1] == 'a' ? Direction::activation : Direction::gradient;
           pos += 2;
@@ -131,8 +140,9 @@ inline Schedule parse_schedule(std::string_view text) {
         } else {
           std::size_t e = pos;
           while (e < line.size() && !std::isspace(static_cast<unsigned char>(line[e]))) ++e;
-          detail::text_error(line_no, at, "unknown action '" + std::string(line.substr(at, e - at)) +
-                                              "' (expected F, B, W, Sa, Sg, Ra or Rg followed by a microbatch)");
+          detail::text_error(line_no, at,
+                             "unknown action '" + std::string(line.substr(at, e - at)) +
+                                 "' (expected F, B, W, Sa, Sg, Ra or Rg followed by a microbatch)");
         }
         a.microbatch = detail::read_int(line, pos, line_no, "a microbatch number");
         if (pos < line.size() && line[pos] == '.') {
@@ -142,14 +152,16 @@ inline Schedule parse_schedule(std::string_view text) {
         if (a.is_comm()) {
           const char arrow = a.kind == ActionKind::send ? '>' : '<';
           if (pos >= line.size() || line[pos] != arrow)
-            detail::text_error(line_no, pos, std::string("expected '") + arrow + "' and the peer rank after " +
-                                                 (a.kind == ActionKind::send ? "a send" : "a recv"));
+            detail::text_error(line_no, pos,
+                               std::string("expected '") + arrow + "' and the peer rank after " +
+                                   (a.kind == ActionKind::send ? "a send" : "a recv"));
           ++pos;
           a.peer = detail::read_int(line, pos, line_no, "a peer rank");
         }
         if (pos < line.size() && !std::isspace(static_cast<unsigned char>(line[pos])))
-          detail::text_error(line_no, pos, std::string("unexpected '") + line[pos] + "' after action '" +
-                                               std::string(line.substr(at, pos - at)) + "'");
+          detail::text_error(line_no, pos,
+                             std::string("unexpected '") + line[pos] + "' after action '" +
+                                 std::string(line.substr(at, pos - at)) + "'");
         max_mb = std::max(max_mb, a.microbatch);
         max_chunk = std::max(max_chunk, a.chunk);
         actions.push_back(a);
@@ -164,8 +176,9 @@ inline Schedule parse_schedule(std::string_view text) {
   if (s.ranks.empty()) detail::text_error(line_no, 0, "no rank lines (one line of actions per rank)");
   s.stages = static_cast<int>(s.ranks.size());
   if (header_stages >= 0 && header_stages != s.stages)
-    detail::text_error(header_line, 0, "the header says stages=" + std::to_string(header_stages) + " but there are " +
-                                           std::to_string(s.stages) + " rank lines");
+    detail::text_error(header_line, 0,
+                       "the header says stages=" + std::to_string(header_stages) + " but there are " +
+                           std::to_string(s.stages) + " rank lines");
   s.microbatches = header_microbatches >= 0 ? header_microbatches : max_mb + 1;
   s.chunks = header_chunks >= 0 ? header_chunks : (s.placement == Placement::vee ? 2 : max_chunk + 1);
   if (!any_comm && s.chunks >= 1 && s.microbatches >= 1 && (s.placement != Placement::vee || s.chunks == 2))
@@ -184,8 +197,8 @@ inline std::string to_text(const Schedule& s, const TextOptions& options = {}) {
   out << "@ name=" << (s.name.empty() ? "unnamed" : s.name) << " stages=" << s.stages
       << " microbatches=" << s.microbatches << " chunks=" << s.chunks
       << " placement=" << (s.placement == Placement::vee ? "vee" : "loop")
-      << " loss=" << (s.local_learning ? "local" : "last") << " backward=" << (s.full_backward ? "full" : "split")
-      << "\n";
+      << " loss=" << (s.local_learning ? "local" : "last")
+      << " backward=" << (s.full_backward ? "full" : "split") << "\n";
   for (const auto& list : s.ranks) {
     bool first = true;
     for (const auto& a : list) {
@@ -220,9 +233,9 @@ inline void save_schedule(const std::string& path, const Schedule& s, const Text
 }
 
 inline bool same_schedule(const Schedule& a, const Schedule& b) {
-  return a.name == b.name && a.stages == b.stages && a.microbatches == b.microbatches && a.chunks == b.chunks &&
-         a.placement == b.placement && a.local_learning == b.local_learning && a.full_backward == b.full_backward &&
-         a.ranks == b.ranks;
+  return a.name == b.name && a.stages == b.stages && a.microbatches == b.microbatches &&
+         a.chunks == b.chunks && a.placement == b.placement && a.local_learning == b.local_learning &&
+         a.full_backward == b.full_backward && a.ranks == b.ranks;
 }
 
 }  // namespace trellis::pipe

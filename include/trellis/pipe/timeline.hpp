@@ -23,13 +23,13 @@ struct Timeline {
 };
 
 struct TimelineStats {
-  double step_time = 0;              // first start to last end, over all ranks
-  double bubble_fraction = 0;        // 1 - compute time / (ranks * step_time)
-  double steady_bubble_fraction = 0; // idle time inside each rank's own first-start..last-end
-                                     // span / sum of spans: the bubble left when consecutive
-                                     // steps overlap (ZB-H2's parallelogram)
-  std::vector<double> busy;          // compute time per rank
-  std::vector<double> idle_fraction; // per rank: 1 - busy / step_time
+  double step_time = 0;               // first start to last end, over all ranks
+  double bubble_fraction = 0;         // 1 - compute time / (ranks * step_time)
+  double steady_bubble_fraction = 0;  // idle time inside each rank's own first-start..last-end
+                                      // span / sum of spans: the bubble left when consecutive
+                                      // steps overlap (ZB-H2's parallelogram)
+  std::vector<double> busy;           // compute time per rank
+  std::vector<double> idle_fraction;  // per rank: 1 - busy / step_time
 };
 
 // Only compute actions (F, B, W) count as busy; send/recv events are ignored.

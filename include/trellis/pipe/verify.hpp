@@ -68,7 +68,9 @@ inline std::string expected_partner(const Schedule& s, int rank, const Action& a
 // The message a send or recv action belongs to: (direction, microbatch, consuming virtual stage);
 // a send and its receive have the same key.
 using MessageKey = detail::MessageKey;
-inline MessageKey message_key(const Schedule& s, int rank, const Action& a) { return detail::message_of(s, rank, a); }
+inline MessageKey message_key(const Schedule& s, int rank, const Action& a) {
+  return detail::message_of(s, rank, a);
+}
 
 // Throws trellis::Error describing the first problem found; returns normally for a good schedule.
 inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
@@ -81,14 +83,17 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
       const Action& a = s.ranks[r][i];
       auto where = [&] { return "action " + std::to_string(i) + " (" + action_token(a) + ")"; };
       if (a.microbatch < 0 || a.microbatch >= m)
-        detail::schedule_error(s, r, where() + ": microbatch " + std::to_string(a.microbatch) +
-                                         " is out of range [0, " + std::to_string(m) + ")");
+        detail::schedule_error(s, r,
+                               where() + ": microbatch " + std::to_string(a.microbatch) +
+                                   " is out of range [0, " + std::to_string(m) + ")");
       if (a.chunk < 0 || a.chunk >= v)
-        detail::schedule_error(s, r, where() + ": chunk " + std::to_string(a.chunk) +
-                                         " is out of range [0, " + std::to_string(v) + ")");
+        detail::schedule_error(s, r,
+                               where() + ": chunk " + std::to_string(a.chunk) + " is out of range [0, " +
+                                   std::to_string(v) + ")");
       if (a.is_comm() && (a.peer < 0 || a.peer >= p || a.peer == r))
-        detail::schedule_error(s, r, where() + ": peer " + std::to_string(a.peer) +
-                                         " is not another rank of [0, " + std::to_string(p) + ")");
+        detail::schedule_error(s, r,
+                               where() + ": peer " + std::to_string(a.peer) + " is not another rank of [0, " +
+                                   std::to_string(p) + ")");
     }
 
   // 2. every compute action exactly once
@@ -113,18 +118,24 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
       if (!a.is_comm()) continue;
       const bool grad = a.direction == Direction::gradient;
       if (grad && s.local_learning)
-        detail::schedule_error(s, r, describe(a) + ": a local-learning schedule sends no gradients between stages");
+        detail::schedule_error(s, r,
+                               describe(a) + ": a local-learning schedule sends no gradients between stages");
       bool ok = true;
       if (a.kind == ActionKind::send) {
-        if (grad ? s.is_first(r, a.chunk) : s.is_last(r, a.chunk)) ok = false;
-        else ok = (grad ? s.prev_slot(r, a.chunk) : s.next_slot(r, a.chunk)).rank == a.peer;
+        if (grad ? s.is_first(r, a.chunk) : s.is_last(r, a.chunk))
+          ok = false;
+        else
+          ok = (grad ? s.prev_slot(r, a.chunk) : s.next_slot(r, a.chunk)).rank == a.peer;
       } else {
-        if (grad ? s.is_last(r, a.chunk) : s.is_first(r, a.chunk)) ok = false;
-        else ok = (grad ? s.next_slot(r, a.chunk) : s.prev_slot(r, a.chunk)).rank == a.peer;
+        if (grad ? s.is_last(r, a.chunk) : s.is_first(r, a.chunk))
+          ok = false;
+        else
+          ok = (grad ? s.next_slot(r, a.chunk) : s.prev_slot(r, a.chunk)).rank == a.peer;
       }
       if (!ok)
-        detail::schedule_error(s, r, describe(a) + " does not follow the data flow of the " +
-                                         (s.placement == Placement::vee ? "vee" : "loop") + " placement");
+        detail::schedule_error(s, r,
+                               describe(a) + " does not follow the data flow of the " +
+                                   (s.placement == Placement::vee ? "vee" : "loop") + " placement");
       auto& table = a.kind == ActionKind::send ? sends : recvs;
       auto key = detail::message_of(s, r, a);
       if (table.count(key)) detail::schedule_error(s, r, describe(a) + " appears twice");
@@ -132,14 +143,16 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
     }
   for (const auto& [key, ra] : sends)
     if (!recvs.count(key))
-      detail::schedule_error(s, ra.first, describe(ra.second) + " has no matching receive: rank " +
-                                              std::to_string(ra.second.peer) + " never runs " +
-                                              detail::expected_partner(s, ra.first, ra.second));
+      detail::schedule_error(s, ra.first,
+                             describe(ra.second) + " has no matching receive: rank " +
+                                 std::to_string(ra.second.peer) + " never runs " +
+                                 detail::expected_partner(s, ra.first, ra.second));
   for (const auto& [key, ra] : recvs)
     if (!sends.count(key))
-      detail::schedule_error(s, ra.first, describe(ra.second) + " has no matching send: rank " +
-                                              std::to_string(ra.second.peer) + " never runs " +
-                                              detail::expected_partner(s, ra.first, ra.second));
+      detail::schedule_error(s, ra.first,
+                             describe(ra.second) + " has no matching send: rank " +
+                                 std::to_string(ra.second.peer) + " never runs " +
+                                 detail::expected_partner(s, ra.first, ra.second));
 
   // 4. inputs exist, in each rank's own order
   for (int r = 0; r < p; ++r) {
@@ -151,8 +164,8 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
       return std::string(", which rank ") + std::to_string(r) + " never runs";
     };
     auto fail = [&](const Action& a, const Action& need) {
-      detail::schedule_error(s, r, describe(a) + " runs before its input: it needs " + describe(need) +
-                                       later_or_never(need));
+      detail::schedule_error(
+          s, r, describe(a) + " runs before its input: it needs " + describe(need) + later_or_never(need));
     };
     for (const auto& a : s.ranks[r]) {
       const std::pair<int, int> key{a.microbatch, a.chunk};
@@ -161,7 +174,8 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
           if (!s.is_first(r, a.chunk)) {
             auto prev = s.prev_slot(r, a.chunk);
             if (prev.rank == r) {
-              if (!f_done.count({a.microbatch, prev.chunk})) fail(a, forward_action(a.microbatch, prev.chunk));
+              if (!f_done.count({a.microbatch, prev.chunk}))
+                fail(a, forward_action(a.microbatch, prev.chunk));
             } else if (!recv_act.count(key)) {
               fail(a, recv_action(Direction::activation, a.microbatch, a.chunk, prev.rank));
             }
