@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "trellis/kernels/elementwise_host.hpp"
 #include "trellis/kernels/epilogue.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
@@ -113,7 +114,7 @@ class ColumnParallelLinear {
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "ColumnParallelLinear::backward_input: token shape differs from forward");
     s.dz.assign(dy, dy + rows * out_local_);
     if (cfg_.activation == Activation::gelu_tanh)
-      for (index_t i = 0; i < rows * out_local_; ++i) s.dz[i] *= kernels::gelu_tanh_grad(s.pre[i]);
+      kernels::host::gelu_backward(rows * out_local_, s.pre.data(), s.dz.data(), s.dz.data());
     auto produce = [&](index_t row0, index_t n, float* dst) {
       detail::matmul_bt(n, in, out_local_, s.dz.data() + row0 * out_local_, weight_.value.data(), dst);
     };
