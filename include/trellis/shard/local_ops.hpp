@@ -1,5 +1,6 @@
 // Local (no communication) data movement used by redistribute: strided copies between views of
-// equal extents, and zero fill. One specialisation per memory space; the host one is here.
+// equal extents, scratch buffers and zero fill. One specialisation per memory space; the host one
+// is here.
 // CUDA seam: a LocalOps<Cuda> specialisation (shard/local_ops_cuda.cuh, nvcc) provides the same
 // three functions as kernels on a stream, and Collectives<Cuda> (shard/redistribute.hpp) passes
 // that stream to the NCCL communicator, so no step of a plan changes.
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "trellis/core/buffer.hpp"
 #include "trellis/core/space.hpp"
 #include "trellis/core/tensor.hpp"
 
@@ -35,6 +37,12 @@ struct LocalOps<Host> {
       return;
     }
     copy_dims<0>(src.data(), dst.data(), src, dst);
+  }
+
+  // Packing space for the collectives; zero-filled when asked (padding that gets reduced).
+  template <class T>
+  static Buffer<T, Host> scratch(std::size_t count, bool zero) {
+    return Buffer<T, Host>(count, zero);
   }
 
   template <class T>

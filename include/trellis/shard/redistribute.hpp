@@ -97,9 +97,9 @@ Tensor<T, R, Space> gather_dim(C& c, int n, int me, const Tensor<T, R, Space>& i
     return out;
   }
   const bool mine_full = in.extent(d) == padded;
-  Buffer<T, Space> send(mine_full ? 0 : count);
+  auto send = Ops::template scratch<T>(mine_full ? 0 : count, false);
   if (!mine_full) Ops::copy(in.view(), dense<T, R, Space>(send.data(), block_shape).slice(d, 0, in.extent(d)));
-  Buffer<T, Space> recv(count * static_cast<std::size_t>(n), false);
+  auto recv = Ops::template scratch<T>(count * static_cast<std::size_t>(n), false);
   Coll::all_gather(c, mine_full ? in.data() : send.data(), recv.data(), count);
   for (int i = 0; i < n; ++i) {
     const Chunk part = chunk(parent, n, i);
@@ -130,14 +130,14 @@ Tensor<T, R, Space> reduce_scatter_dim(C& c, int n, int me, const Tensor<T, R, S
     Coll::reduce_scatter(c, in.data(), out.data(), count, op);
     return out;
   }
-  Buffer<T, Space> send(count * static_cast<std::size_t>(n));  // zero padding: discarded after
+  auto send = Ops::template scratch<T>(count * static_cast<std::size_t>(n), true);  // zero padding, dropped after
   for (int i = 0; i < n; ++i) {
     const Chunk part = chunk(parent, n, i);
     auto block = dense<T, R, Space>(send.data() + count * static_cast<std::size_t>(i), block_shape);
     Ops::copy(in.view().slice(e, part.offset, part.offset + part.size), block.slice(e, 0, part.size));
   }
   const bool mine_full = mine.size == padded;
-  Buffer<T, Space> recv(mine_full ? 0 : count, false);
+  auto recv = Ops::template scratch<T>(mine_full ? 0 : count, false);
   Coll::reduce_scatter(c, send.data(), mine_full ? out.data() : recv.data(), count, op);
   if (!mine_full) {
     View<const T, R, Space> src = dense<T, R, Space>(recv.data(), block_shape).slice(e, 0, mine.size);
@@ -172,7 +172,8 @@ Tensor<T, R, Space> all_to_all_dims(C& c, int n, int me, const Tensor<T, R, Spac
     send_total += send_counts[j];
     recv_total += recv_counts[j];
   }
-  Buffer<T, Space> send(send_total, false), recv(recv_total, false);
+  auto send = Ops::template scratch<T>(send_total, false);
+  auto recv = Ops::template scratch<T>(recv_total, false);
   for (int j = 0; j < n; ++j) {
     const Chunk part = chunk(parent_e, n, j);
     std::array<index_t, R> s = in.shape();
