@@ -188,3 +188,36 @@ TEST_CASE("the communicator must have one rank per stage", "[pipe][executor]") {
   }),
                       Catch::Contains("has 3 stages but the communicator has 2 ranks"));
 }
+
+TEST_CASE("a stage failing mid-step fails the run on every rank, without hanging", "[pipe][executor]") {
+  struct FailingStage : TanhStage {
+    using TanhStage::TanhStage;
+    int fail_rank = -1, rank = -1;
+    void forward(int mb, int chunk, std::span<const float> in, std::span<float> out) {
+      if (rank == fail_rank && mb == 2) TRELLIS_THROW("stage broke on microbatch ", mb);
+      TanhStage::forward(mb, chunk, in, out);
+    }
+  };
+  static_assert(Stage<FailingStage>);
+  for (const auto& name : {"1f1b", "zb_v"}) {
+    Schedule s = make_schedule(name, 3, 6);
+    const auto bounds = split_layers(s.virtual_stages(), s.virtual_stages());
+    const Model model = make_model(s.virtual_stages(), 6);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      ThreadWorld(3).run([&](ThreadComm& comm) {
+        comm.set_timeout(std::chrono::milliseconds(20000));
+        FailingStage stage(model, s, comm.rank(), bounds);
+        stage.fail_rank = 1;
+        stage.rank = comm.rank();
+        execute(comm, s, stage);
+      });
+      FAIL("no error");
+    } catch (const trellis::Error& e) {
+      INFO(e.what());
+      REQUIRE(e.rank() == 1);
+      REQUIRE_THAT(e.what(), Catch::Contains("stage broke on microbatch 2"));
+    }
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  }
+}
