@@ -244,6 +244,13 @@ TEST_CASE("invalid roots, peers and short receives raise Error naming the proble
   } else if (rank == 1) {
     CHECK_THROWS_WITH(comm.recv(x, 6, 0, 9), Catch::Contains("recv from rank 0: expected 6 float elements, the message held 5"));
   }
+  // A message longer than the receive buffer: MPI's truncation error, with the call named.
+  if (rank == 0) {
+    comm.send(x, 5, 1, 10);
+  } else if (rank == 1) {
+    CHECK_THROWS_WITH(comm.recv(x, 4, 0, 10), Catch::Contains("recv(float, count=4, peer=0) failed on rank 1") &&
+                                                  Catch::Contains("MPI_ERR_TRUNCATE"));
+  }
   // Still usable (argument errors are raised before any MPI call).
   int one = 1, total = 0;
   comm.all_reduce(&one, &total, 1, ReduceOp::sum);

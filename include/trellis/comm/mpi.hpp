@@ -237,7 +237,8 @@ struct MpiPending {
     statuses.resize(requests.size());
     int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, statuses.data());
     if (rc == MPI_ERR_IN_STATUS) {
-      for (const MPI_Status& s : statuses) TRELLIS_CHECK_MPI(s.MPI_ERROR);
+      for (const MPI_Status& s : statuses)
+        if (s.MPI_ERROR != MPI_ERR_PENDING) TRELLIS_CHECK_MPI(s.MPI_ERROR);
     }
     TRELLIS_CHECK_MPI(rc);
     return flag != 0;
@@ -296,6 +297,7 @@ struct MpiCommState {
   bool debug = false;
   std::chrono::milliseconds timeout{0};
   std::uint64_t collectives = 0;     // collective sequence number (equal on every rank)
+  int tag_upper_bound = 32767;       // MPI_TAG_UB (the standard's minimum until queried)
   std::string failure;               // why the communicator is unusable; empty while healthy
   std::vector<std::unique_ptr<MpiPending>> abandoned;  // timed-out operations, maybe in flight
 
@@ -368,6 +370,10 @@ struct MpiCommState {
                         : "some rank did not arrive; which one is only known in debug mode "
                           "(TRELLIS_COMM_DEBUG=1 or set_debug(true) names it)");
       pending->complete();
+    } catch (const Error& e) {
+      recorder.failed(call.seq);
+      if (!failure.empty()) throw;  // the timeout error, complete already
+      throw Error(call.describe() + " failed " + where() + ": " + e.message(), e.file(), e.line(), e.rank());
     } catch (...) {
       recorder.failed(call.seq);
       throw;
@@ -552,6 +558,10 @@ class MpiComm {
   // Duplicates `comm` (collective over it). `label` names the communicator in errors and dumps.
   explicit MpiComm(MPI_Comm comm, std::string label = "mpi")
       : state_(std::make_shared<detail::MpiCommState>()) {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    TRELLIS_CHECK(initialized && !finalized, "MpiComm needs MPI initialised and not finalised (use MpiWorld)");
     auto& s = *state_;
     TRELLIS_CHECK_MPI(MPI_Comm_dup(comm, &s.comm));
     TRELLIS_CHECK_MPI(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN));
@@ -755,6 +765,10 @@ class MpiComm {
     TRELLIS_CHECK_MPI(MPI_Group_translate_ranks(group, s.size, mine.data(), world, s.world_ranks.data()));
     MPI_Group_free(&group);
     MPI_Group_free(&world);
+    int* tag_ub = nullptr;
+    int flag = 0;
+    TRELLIS_CHECK_MPI(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag));
+    if (flag && tag_ub) s.tag_upper_bound = *tag_ub;
     s.recorder.identify(std::move(label), s.rank, s.size);
     s.debug = detail::mpi_env_debug();
     s.timeout = detail::mpi_env_timeout();
@@ -779,11 +793,8 @@ class MpiComm {
       TRELLIS_THROW(what, ": peer ", peer, " is not a rank of communicator '", label(), "' (size ",
                     state_->size, ")");
     if (tag < 0) [[unlikely]] TRELLIS_THROW(what, ": tag ", tag, " is negative");
-    int* tag_ub = nullptr;
-    int flag = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
-    if (flag && tag_ub && tag > *tag_ub) [[unlikely]]
-      TRELLIS_THROW(what, ": tag ", tag, " exceeds MPI_TAG_UB (", *tag_ub, ")");
+    if (tag > state_->tag_upper_bound) [[unlikely]]
+      TRELLIS_THROW(what, ": tag ", tag, " exceeds MPI_TAG_UB (", state_->tag_upper_bound, ")");
   }
 
   // Validates, records and (debug mode) cross-checks a call; returns its pending state.
