@@ -143,6 +143,50 @@ __device__ __forceinline__ void load_b_rows(std::uint32_t& b0, std::uint32_t& b1
   b1 = pack_bits(p[8 * ld], p[9 * ld]);
 }
 
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+// Without .trans lane l receives (row l / 4, cols 2 (l % 4), +1) of each matrix, with .trans
+// (rows 2 (l % 4), +1; col l / 4).
+template <bool Transposed>
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const std::uint16_t* row_address) {
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(row_address));
+  if constexpr (Transposed) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
+}
+
+// A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile, one ldmatrix:
+// matrices (row0.., col0..), (row0+8.., col0..), (row0.., col0+8..), (row0+8.., col0+8..).
+__device__ __forceinline__ void load_a_rows_x4(std::uint32_t (&a)[4], const std::uint16_t* tile, int ld, int row0,
+                                               int col0, int lane) {
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  load_a_rows(a, tile, ld, row0, col0, lane / 4, lane % 4);
+#else
+  const int matrix = lane / 8, row = lane % 8;
+  ldmatrix_x4<false>(a, tile + (row0 + row + 8 * (matrix & 1)) * ld + col0 + 8 * (matrix >> 1));
+#endif
+}
+
+// B fragments (b0, b1) of n-tiles n0 and n0 + 8 where B(k, n) = tile[n][k] (k contiguous, e.g.
+// K^T from K rows), one ldmatrix: matrices (n0.., k0..), (n0.., k0+8..), (n0+8.., k0..),
+// (n0+8.., k0+8..). b[0], b[1] serve n-tile n0; b[2], b[3] serve n0 + 8.
+__device__ __forceinline__ void load_b_transposed_x2(std::uint32_t (&b)[4], const std::uint16_t* tile, int ld,
+                                                     int k0, int n0, int lane) {
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  const int group = lane / 4, quad = lane % 4;
+  load_b_transposed(b[0], b[1], tile, ld, k0, n0, group, quad);
+  load_b_transposed(b[2], b[3], tile, ld, k0, n0 + 8, group, quad);
+#else
+  const int matrix = lane / 8, row = lane % 8;
+  ldmatrix_x4<false>(b, tile + (n0 + row + 8 * (matrix >> 1)) * ld + k0 + 8 * (matrix & 1));
+#endif
+}
+
 // B fragments (b0, b1) of two adjacent n-tiles, n0 and n0 + 8, where B(k, n) = tile[k][n] (n
 // contiguous, e.g. V with k = key): one ldmatrix.x4.trans. Lane l addresses row l % 8 of 8x8
 // matrix l / 8; matrices: (k0.., n0..), (k0+8.., n0..), (k0.., n0+8..), (k0+8.., n0+8..).
@@ -156,11 +200,7 @@ __device__ __forceinline__ void load_b_rows_x2(std::uint32_t (&b)[4], const std:
   load_b_rows(b[2], b[3], tile, ld, k0, n0 + 8, group, quad);
 #else
   const int matrix = lane / 8, row = lane % 8;
-  const std::uint16_t* p = tile + (k0 + row + 8 * (matrix & 1)) * ld + n0 + 8 * (matrix >> 1);
-  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-               : "r"(address));
+  ldmatrix_x4<true>(b, tile + (k0 + row + 8 * (matrix & 1)) * ld + n0 + 8 * (matrix >> 1));
 #endif
 }
 
@@ -220,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   __syncthreads();
   std::uint32_t q_frag[D / 16][4];  // this warp's 16 rows of Q as A fragments
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a_rows(q_frag[kk], q_tile, kLd, warp * 16, kk * 16, group, quad);
+  for (int kk = 0; kk < D / 16; ++kk) load_a_rows_x4(q_frag[kk], q_tile, kLd, warp * 16, kk * 16, lane);
 
   float acc[D / 8][4];  // (16, D) output tile
 #pragma unroll
@@ -247,10 +287,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-      for (int j = 0; j < kBlockCols / 8; ++j) {
-        std::uint32_t b0, b1;
-        load_b_transposed(b0, b1, k_tile, kLd, kk * 16, j * 8, group, quad);
-        E::mma(s[j], q_frag[kk], b0, b1);
+      for (int j = 0; j < kBlockCols / 8; j += 2) {
+        std::uint32_t b[4];
+        load_b_transposed_x2(b, k_tile, kLd, kk * 16, j * 8, lane);
+        E::mma(s[j], q_frag[kk], b[0], b[1]);
+        E::mma(s[j + 1], q_frag[kk], b[2], b[3]);
       }
     }
     // Scale into the log2 domain and mask (keys past T; keys after the query when causal).
@@ -433,15 +474,17 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         std::uint32_t k_frag[4], v_frag[4];
-        load_a_rows(k_frag, k_tile, kLd, warp * 16, kk * 16, group, quad);
-        load_a_rows(v_frag, v_tile, kLd, warp * 16, kk * 16, group, quad);
+        load_a_rows_x4(k_frag, k_tile, kLd, warp * 16, kk * 16, lane);
+        load_a_rows_x4(v_frag, v_tile, kLd, warp * 16, kk * 16, lane);
 #pragma unroll
-        for (int j = 0; j < kBlockCols / 8; ++j) {
-          std::uint32_t b0, b1;
-          load_b_transposed(b0, b1, q_tile, kLd, kk * 16, j * 8, group, quad);
-          E::mma(st[j], k_frag, b0, b1);
-          load_b_transposed(b0, b1, do_tile, kLd, kk * 16, j * 8, group, quad);
-          E::mma(dpt[j], v_frag, b0, b1);
+        for (int j = 0; j < kBlockCols / 8; j += 2) {
+          std::uint32_t b[4];
+          load_b_transposed_x2(b, q_tile, kLd, kk * 16, j * 8, lane);
+          E::mma(st[j], k_frag, b[0], b[1]);
+          E::mma(st[j + 1], k_frag, b[2], b[3]);
+          load_b_transposed_x2(b, do_tile, kLd, kk * 16, j * 8, lane);
+          E::mma(dpt[j], v_frag, b[0], b[1]);
+          E::mma(dpt[j + 1], v_frag, b[2], b[3]);
         }
       }
       // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); masked entries are 0.
