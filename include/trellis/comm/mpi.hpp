@@ -362,17 +362,20 @@ struct MpiCommState {
   // Waits for a started operation (blocking form) and finishes it.
   void finish(std::unique_ptr<MpiPending> pending) {
     const OpFingerprint call = pending->call;
+    bool timed = false;
     try {
-      if (!mpi_wait_until(*pending, deadline(), forever()))
+      if (!mpi_wait_until(*pending, deadline(), forever())) {
+        timed = true;
         timed_out(std::move(pending), call,
                   debug ? "every rank passed the debug fingerprint check, so a rank stalled inside "
                           "the operation (or a point-to-point peer never posted its side)"
                         : "some rank did not arrive; which one is only known in debug mode "
                           "(TRELLIS_COMM_DEBUG=1 or set_debug(true) names it)");
+      }
       pending->complete();
     } catch (const Error& e) {
       recorder.failed(call.seq);
-      if (!failure.empty()) throw;  // the timeout error, complete already
+      if (timed) throw;  // the timeout error, complete already
       throw Error(call.describe() + " failed " + where() + ": " + e.message(), e.file(), e.line(), e.rank());
     } catch (...) {
       recorder.failed(call.seq);
@@ -423,10 +426,7 @@ struct MpiCommState {
       }
       std::ostringstream who;
       who << (missing.size() == 1 ? "rank " : "ranks ");
-      for (std::size_t i = 0; i < missing.size(); ++i)
-        who << (i ? ", " : "") << missing[i] << (world_ranks[missing[i]] != missing[i]
-                                                     ? " (world rank " + std::to_string(world_ranks[missing[i]]) + ")"
-                                                     : "");
+      for (std::size_t i = 0; i < missing.size(); ++i) who << (i ? ", " : "") << name_rank(missing[i]).substr(5);
       if (missing.empty()) {
         who.str("");
         who << "every rank's fingerprint arrived but this rank's own sends did not complete";
