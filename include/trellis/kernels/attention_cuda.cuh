@@ -218,9 +218,44 @@ __device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16
   }
 }
 
+// load_tile through cp.async (16-byte copies, rows >= `rows` zero-filled), so the next K/V tile
+// arrives while the current one is used. Callers commit a group and wait for it; the scalar
+// debugging build copies synchronously instead.
+template <int D>
+__device__ __forceinline__ void load_tile_async(std::uint16_t* tile, const std::uint16_t* src, std::int64_t row0,
+                                                std::int64_t rows) {
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  load_tile<D>(tile, src, row0, rows);
+#else
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kLd = D + kPad;
+  for (int c = threadIdx.x; c < kBlockRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const bool valid = row0 + r < rows;
+    const std::uint16_t* from = src + (valid ? (row0 + r) * D + col : 0);  // never read when !valid
+    const auto to = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile + r * kLd + col));
+    const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(bytes));
+  }
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most `Pending` of this thread's committed groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+#endif
+}
+
+// Forward: Q plus two stages of K and V.
 template <int D>
 constexpr std::size_t forward_smem_bytes() {
-  return 3 * std::size_t{kBlockRows} * (D + kPad) * sizeof(std::uint16_t);
+  return 5 * std::size_t{kBlockRows} * (D + kPad) * sizeof(std::uint16_t);
 }
 template <int D>
 constexpr std::size_t backward_smem_bytes() {
@@ -240,9 +275,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   using E = MmaElement<T>;
   constexpr int kLd = D + kPad;
   extern __shared__ __align__(16) std::uint16_t smem[];
-  std::uint16_t* q_tile = smem;                     // (64, D)
-  std::uint16_t* k_tile = q_tile + kBlockRows * kLd;  // (64, D)
-  std::uint16_t* v_tile = k_tile + kBlockRows * kLd;  // (64, D)
+  std::uint16_t* q_tile = smem;  // (64, D)
+  // Two stages of (K, V) tiles, (64, D) each: stage s at q_tile + (1 + 2s) and (2 + 2s) tiles.
+  auto k_stage = [&](int stage) { return q_tile + (1 + 2 * stage) * kBlockRows * kLd; };
+  auto v_stage = [&](int stage) { return q_tile + (2 + 2 * stage) * kBlockRows * kLd; };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int query_blocks = static_cast<int>((q_len + kBlockRows - 1) / kBlockRows);
@@ -256,6 +292,20 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   const std::uint16_t* v_head = v + kv_bh * kv_len * D;
   const std::int64_t q_row0 = static_cast<std::int64_t>(qb) * kBlockRows;
 
+  int last_block = 0;  // key blocks [0, last_block) hold keys some row of this block sees
+  {
+    const int key_blocks = static_cast<int>((kv_len + kBlockCols - 1) / kBlockCols);
+    last_block = key_blocks;
+    if (Causal) {
+      std::int64_t last_key = q_row0 + kBlockRows - 1 + causal_offset;
+      last_block = last_key < 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(key_blocks), last_key / kBlockCols + 1));
+    }
+  }
+  if (last_block > 0) {  // first K/V tiles in flight while Q is loaded
+    load_tile_async<D>(k_stage(0), k_head, 0, kv_len);
+    load_tile_async<D>(v_stage(0), v_head, 0, kv_len);
+    cp_async_commit();
+  }
   load_tile<D>(q_tile, q_head, q_row0, q_len);
   __syncthreads();
   std::uint32_t q_frag[D / 16][4];  // this warp's 16 rows of Q as A fragments
@@ -269,17 +319,20 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   float row_sum[2] = {0.0f, 0.0f};            // this thread's share of the row sums
   const std::int64_t my_row[2] = {q_row0 + warp * 16 + group, q_row0 + warp * 16 + group + 8};
 
-  const int key_blocks = static_cast<int>((kv_len + kBlockCols - 1) / kBlockCols);
-  int last_block = key_blocks;
-  if (Causal) {  // blocks holding a key visible to the block's last row
-    std::int64_t last_key = q_row0 + kBlockRows - 1 + causal_offset;
-    last_block = last_key < 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(key_blocks), last_key / kBlockCols + 1));
-  }
   for (int kb = 0; kb < last_block; ++kb) {
-    __syncthreads();  // previous tiles consumed
-    load_tile<D>(k_tile, k_head, static_cast<std::int64_t>(kb) * kBlockCols, kv_len);
-    load_tile<D>(v_tile, v_head, static_cast<std::int64_t>(kb) * kBlockCols, kv_len);
-    __syncthreads();
+    // Prefetch tile kb + 1 into the other stage (last read in iteration kb - 1, which ended with
+    // a barrier), then wait for tile kb.
+    if (kb + 1 < last_block) {
+      load_tile_async<D>(k_stage((kb + 1) & 1), k_head, static_cast<std::int64_t>(kb + 1) * kBlockCols, kv_len);
+      load_tile_async<D>(v_stage((kb + 1) & 1), v_head, static_cast<std::int64_t>(kb + 1) * kBlockCols, kv_len);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies of tile kb are visible
+    const std::uint16_t* k_tile = k_stage(kb & 1);
+    const std::uint16_t* v_tile = v_stage(kb & 1);
 
     float s[kBlockCols / 8][4];  // (16, 64) scores
 #pragma unroll
@@ -351,6 +404,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
         E::mma(acc[n + 1], a, b[2], b[3]);
       }
     }
+    __syncthreads();  // stage kb & 1 is refilled in iteration kb + 1
   }
 
 #pragma unroll
