@@ -239,21 +239,27 @@ inline void reduce_into(const std::byte* const* ins, int n_in, std::byte* const*
   using R = ReduceArith<T>;
   using A = typename R::A;
   constexpr std::size_t tile = 8192 / sizeof(A);  // accumulators stay in L1
+  // acc op v, with acc holding the lower ranks: the order is fixed (rank 0, 1, ..., n-1).
+  const auto combine = [](A acc, A v) -> A {
+    if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) return R::add(acc, v);
+    else if constexpr (Op == ReduceOp::prod) return R::mul(acc, v);
+    else if constexpr (Op == ReduceOp::min) return v < acc ? v : acc;
+    else return acc < v ? v : acc;
+  };
   alignas(64) A acc[tile];
   alignas(64) T res[std::is_same_v<A, T> ? 1 : tile];
   for (std::size_t base = 0; base < count; base += tile) {
     const std::size_t len = std::min(tile, count - base);
     const T* in0 = reinterpret_cast<const T*>(ins[0]) + base;
-    for (std::size_t i = 0; i < len; ++i) acc[i] = R::load(in0[i]);
-    for (int k = 1; k < n_in; ++k) {
+    if (n_in == 1) {
+      for (std::size_t i = 0; i < len; ++i) acc[i] = R::load(in0[i]);
+    } else {  // the first two inputs in one pass
+      const T* in1 = reinterpret_cast<const T*>(ins[1]) + base;
+      for (std::size_t i = 0; i < len; ++i) acc[i] = combine(R::load(in0[i]), R::load(in1[i]));
+    }
+    for (int k = 2; k < n_in; ++k) {
       const T* TRELLIS_RESTRICT src = reinterpret_cast<const T*>(ins[k]) + base;
-      for (std::size_t i = 0; i < len; ++i) {
-        const A v = R::load(src[i]);
-        if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) acc[i] = R::add(acc[i], v);
-        else if constexpr (Op == ReduceOp::prod) acc[i] = R::mul(acc[i], v);
-        else if constexpr (Op == ReduceOp::min) acc[i] = v < acc[i] ? v : acc[i];
-        else acc[i] = acc[i] < v ? v : acc[i];
-      }
+      for (std::size_t i = 0; i < len; ++i) acc[i] = combine(acc[i], R::load(src[i]));
     }
     if constexpr (Op == ReduceOp::avg) {
       const A d = static_cast<A>(divisor);
