@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "trellis/comm/threads.hpp"
+#include "trellis/nn/gpt.hpp"
 #include "trellis/nn/parameter.hpp"
 
 // Catch2 is not thread-safe: assertions made on rank threads go through one lock. (The
@@ -106,6 +107,33 @@ inline double rel_error(const std::vector<float>& a, const std::vector<float>& b
     scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
   }
   return diff / scale;
+}
+
+// ---- the tiny GPT-2 of the model tests (2 layers, 4 heads, width 64, seq 32) ----
+inline trellis::nn::GptConfig tiny(index_t vocab = 96) {
+  trellis::nn::GptConfig c;
+  c.vocab = vocab;
+  c.positions = 32;
+  c.layers = 2;
+  c.heads = 4;
+  c.width = 64;
+  return c;
+}
+inline constexpr index_t kBatch = 2, kSeq = 32;
+
+// Microbatch mb's tokens and targets (one ignored target, -1, per microbatch).
+inline std::vector<std::int32_t> make_ids(const std::string& what, int mb, index_t vocab) {
+  std::vector<std::int32_t> ids(kBatch * kSeq);
+  for (index_t i = 0; i < kBatch * kSeq; ++i)
+    ids[i] = static_cast<std::int32_t>(trellis::nn::detail::splitmix64(trellis::nn::detail::name_hash(what) + 1000 * mb + i) % vocab);
+  if (what == "targets") ids[5 + mb] = -1;
+  return ids;
+}
+inline double count_targets(int microbatches, index_t vocab) {
+  double n = 0;
+  for (int mb = 0; mb < microbatches; ++mb)
+    for (auto t : make_ids("targets", mb, vocab)) n += t >= 0;
+  return n;
 }
 
 template <class F>

@@ -28,31 +28,11 @@ using Comm = comm::ThreadComm;
 
 namespace {
 
-GptConfig tiny(index_t vocab = 96) {
-  GptConfig c;
-  c.vocab = vocab;
-  c.positions = 32;
-  c.layers = 2;
-  c.heads = 4;
-  c.width = 64;
-  return c;
-}
-constexpr index_t kBatch = 2, kSeq = 32;
-
-// Microbatch mb's tokens and targets (one ignored target, -1, per microbatch).
-std::vector<std::int32_t> make_ids(const std::string& what, int mb, index_t vocab) {
-  std::vector<std::int32_t> ids(kBatch * kSeq);
-  for (index_t i = 0; i < kBatch * kSeq; ++i)
-    ids[i] = static_cast<std::int32_t>(nn::detail::splitmix64(nn::detail::name_hash(what) + 1000 * mb + i) % vocab);
-  if (what == "targets") ids[5 + mb] = -1;
-  return ids;
-}
-double count_targets(int microbatches, index_t vocab) {
-  double n = 0;
-  for (int mb = 0; mb < microbatches; ++mb)
-    for (auto t : make_ids("targets", mb, vocab)) n += t >= 0;
-  return n;
-}
+using nn_test::count_targets;
+using nn_test::kBatch;
+using nn_test::kSeq;
+using nn_test::make_ids;
+using nn_test::tiny;
 
 // ---- an independent naive GPT-2 in double -------------------------------------------------
 using Params = std::map<std::string, std::vector<double>>;
