@@ -31,9 +31,17 @@ class Extents {
 
   // The compile-time size of dimension i, or `dynamic`.
   static constexpr index_t static_extent(int i) { return static_extents[static_cast<std::size_t>(i)]; }
+  // The same from the template arguments directly: device code cannot index the host array
+  // static_extents at run time (nvcc instantiates these TRELLIS_HD members for the device too).
+  TRELLIS_HD static constexpr index_t static_at(int i) {
+    index_t s = dynamic;
+    int k = 0;
+    ((s = (k++ == i ? Static : s)), ...);
+    return s;
+  }
 
   TRELLIS_HD constexpr Extents() {
-    for (int i = 0; i < rank; ++i) values_[i] = static_extents[i] == dynamic ? 0 : static_extents[i];
+    for (int i = 0; i < rank; ++i) values_[i] = static_at(i) == dynamic ? 0 : static_at(i);
   }
   // All `rank` sizes; static ones must agree with the template arguments.
   TRELLIS_HD constexpr Extents(const std::array<index_t, sizeof...(Static)>& sizes) {
@@ -55,7 +63,7 @@ class Extents {
   }
 
   TRELLIS_HD constexpr index_t extent(int i) const {
-    return static_extents[i] == dynamic ? values_[i] : static_extents[i];
+    return static_at(i) == dynamic ? values_[i] : static_at(i);
   }
   TRELLIS_HD constexpr index_t size() const {
     index_t n = 1;
