@@ -2,6 +2,7 @@
 // rule, the compile-time transition table, redistribute/distribute/full_tensor). See docs/shard.md.
 #pragma once
 
+#include "trellis/shard/collectives.hpp"   // defines: Collectives<Host> (the per-space communication seam)
 #include "trellis/shard/layout.hpp"        // defines: chunk, local_shape, local_offsets (the uneven rule)
 #include "trellis/shard/local_ops.hpp"     // defines: LocalOps<Host> (the per-space copy seam)
 #include "trellis/shard/placement.hpp"     // defines: Shard, Replicate, Partial, Placements

@@ -23,6 +23,7 @@
 #include "trellis/core/buffer.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/shard/collectives.hpp"
 #include "trellis/shard/layout.hpp"
 #include "trellis/shard/local_ops.hpp"
 #include "trellis/shard/placement.hpp"
@@ -30,31 +31,6 @@
 #include "trellis/shard/sharded.hpp"
 
 namespace trellis::shard {
-
-// The communicator calls redistribute makes, per memory space (see the CUDA seam above).
-template <class Space>
-struct Collectives;
-
-template <>
-struct Collectives<Host> {
-  template <class C, class T>
-  static void all_gather(C& c, const T* in, T* out, std::size_t n) { c.all_gather(in, out, n); }
-  template <class C, class T>
-  static void all_reduce(C& c, const T* in, T* out, std::size_t n, ReduceOp op) { c.all_reduce(in, out, n, op); }
-  template <class C, class T>
-  static void reduce_scatter(C& c, const T* in, T* out, std::size_t n, ReduceOp op) {
-    c.reduce_scatter(in, out, n, op);
-  }
-  template <class C, class T>
-  static void all_to_allv(C& c, const T* in, const std::vector<std::size_t>& send_counts,
-                          const std::vector<std::size_t>& send_displs, T* out,
-                          const std::vector<std::size_t>& recv_counts, const std::vector<std::size_t>& recv_displs) {
-    c.all_to_allv(in, std::span<const std::size_t>(send_counts), std::span<const std::size_t>(send_displs), out,
-                  std::span<const std::size_t>(recv_counts), std::span<const std::size_t>(recv_displs));
-  }
-  template <class C, class T>
-  static void broadcast(C& c, T* buffer, std::size_t n, int root) { c.broadcast(buffer, n, root); }
-};
 
 namespace detail {
 
@@ -341,7 +317,8 @@ Sharded<std::remove_const_t<T>, E::rank, Mesh, Placements<P...>, Space> distribu
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     (
         [&] {
-          if (agrees_after(I)) Collectives<Space>::broadcast(axis_comm<static_cast<int>(I)>(mesh), shape.data(), R, root[I]);
+          if (agrees_after(I))
+            Collectives<Space>::host_broadcast(axis_comm<static_cast<int>(I)>(mesh), shape.data(), R, root[I]);
         }(),
         ...);
     for (int d = 0; d < R; ++d) global[d] = shape[d];

@@ -19,6 +19,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/core/space.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/shard/collectives.hpp"
 #include "trellis/shard/layout.hpp"
 #include "trellis/shard/placement.hpp"
 
@@ -48,9 +49,10 @@ using mesh_axis_t = std::tuple_element_t<static_cast<std::size_t>(I), typename m
 
 // Placements<Replicate, ..., Replicate> with one entry per mesh axis.
 template <class Seq> struct all_replicate_impl;
+// (A struct, not an alias template ignoring its argument: nvcc loses the pack through those.)
+template <std::size_t> struct replicate_for { using type = Replicate; };
 template <std::size_t... I> struct all_replicate_impl<std::index_sequence<I...>> {
-  template <std::size_t> using each = Replicate;
-  using type = Placements<each<I>...>;
+  using type = Placements<typename replicate_for<I>::type...>;
 };
 template <int Axes>
 using AllReplicate = typename all_replicate_impl<std::make_index_sequence<static_cast<std::size_t>(Axes)>>::type;
@@ -88,7 +90,7 @@ std::string array_string(const A& a) {
 // fingerprint (global shape, mesh sizes, layout) is all-gathered along each mesh axis in turn
 // (agreement along every axis = agreement everywhere) and compared; every rank sees the same
 // gathered data, so either all ranks throw or none does (no hang).
-template <class Mesh, int R, std::size_t N>
+template <class Space, class Mesh, int R, std::size_t N>
 void check_same_everywhere(Mesh& mesh, const std::array<index_t, R>& global_shape,
                            const std::array<PlacementCode, N>& codes) {
   constexpr std::size_t len = static_cast<std::size_t>(R) + 2 * N;
@@ -105,7 +107,7 @@ void check_same_everywhere(Mesh& mesh, const std::array<index_t, R>& global_shap
           auto& c = axis_comm<static_cast<int>(I)>(mesh);
           const int n = c.size();
           std::vector<std::int64_t> all(len * static_cast<std::size_t>(n));
-          c.all_gather(mine.data(), all.data(), len);
+          Collectives<Space>::host_all_gather(c, mine.data(), all.data(), len);
           for (int r = 0; r < n; ++r) {
             const std::int64_t* theirs = all.data() + len * static_cast<std::size_t>(r);
             std::array<index_t, R> their_shape{};
@@ -154,7 +156,7 @@ class Sharded {
   static Sharded from_local(Mesh& mesh, local_type local, const std::array<index_t, R>& global_shape) {
     for (int d = 0; d < R; ++d)
       TRELLIS_CHECK(global_shape[d] >= 0, "sharded tensor: negative global extent ", global_shape[d], " in dimension ", d);
-    detail::check_same_everywhere<Mesh, R>(mesh, global_shape, Layout::codes);
+    detail::check_same_everywhere<Space, Mesh, R>(mesh, global_shape, Layout::codes);
     const auto expected = local_shape<R>(global_shape, Layout::codes, mesh_sizes(mesh), mesh_coords(mesh));
     if (local.shape() != expected)
       TRELLIS_THROW("sharded tensor: local shard has shape ", detail::array_string(local.shape()), " but global shape ",
