@@ -220,6 +220,9 @@ TEST_CASE("cuBLASLt GEMM refuses bad arguments with trellis::Error", "[gpu][gemm
   REQUIRE_THROWS_AS(k::cuda::gemm(handle, args, a.data(), b.data(), c.data(), stream,
                                   ep::DGeluBiasGrad<float>{c.data(), 0, 0, v.data(), true}),
                     trellis::Error);
-  k::GemmArgs empty = k::gemm_args(0, 16, 16);
-  REQUIRE_THROWS_AS(k::cuda::gemm(handle, empty, a.data(), b.data(), c.data(), stream), trellis::Error);
+  k::GemmArgs no_k = k::gemm_args(16, 16, 0);  // the host handles k = 0; cuBLASLt does not
+  REQUIRE_THROWS_AS(k::cuda::gemm(handle, no_k, a.data(), b.data(), c.data(), stream), trellis::Error);
+  k::GemmArgs empty = k::gemm_args(0, 16, 16);  // empty C: a no-op, as on the host
+  REQUIRE_NOTHROW(k::cuda::gemm(handle, empty, a.data(), b.data(), c.data(), stream));
+  REQUIRE(handle.plan_count() == 0);
 }

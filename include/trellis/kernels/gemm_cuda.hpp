@@ -244,6 +244,9 @@ class GemmHandle {
   void run(const GemmArgs& args, DType in_type, DType out_type, const void* a, const void* b, void* c,
            const LtEpilogueArgs& epilogue, cudaStream_t stream, void* workspace = nullptr,
            std::size_t workspace_bytes = 0) {
+    TRELLIS_CHECK(args.m >= 0 && args.n >= 0 && args.k >= 0, "GEMM sizes must not be negative, got m=", args.m,
+                  " n=", args.n, " k=", args.k);
+    if (args.m == 0 || args.n == 0) return;  // empty C: nothing to do (as on the host)
     GemmArgs s = args;
     s.lda = s.lda_or_packed();
     s.ldb = s.ldb_or_packed();
@@ -295,8 +298,7 @@ class GemmHandle {
  private:
   static void validate(const GemmArgs& s, DType in_type, DType out_type, const void* a, const void* b,
                        const void* c, const LtEpilogueArgs& e) {
-    TRELLIS_CHECK(s.m > 0 && s.n > 0 && s.k > 0, "GEMM sizes must be positive, got m=", s.m, " n=", s.n,
-                  " k=", s.k);
+    TRELLIS_CHECK(s.k > 0, "GEMM (cuBLASLt): k must be positive, got k=", s.k, " (m=", s.m, ", n=", s.n, ")");
     TRELLIS_CHECK(s.batch >= 1 && s.batch <= INT32_MAX, "GEMM batch ", s.batch, " out of range");
     TRELLIS_CHECK(s.batch == 1 || s.stride_c != 0, "GEMM: batched C needs a non-zero stride_c");
     TRELLIS_CHECK(in_type == DType::f32 || in_type == DType::f16 || in_type == DType::bf16,
