@@ -400,6 +400,7 @@ class NcclComm {
   // Blocks the host until everything enqueued on the current stream so far completed.
   void synchronize(std::source_location where = std::source_location::current()) {
     auto call = begin(OpKind::barrier, DType::u8, 0, -1, ReduceOp::sum, where, false);
+    detail::NcclDeviceScope scope(state_->device);
     state_->synchronize(call);
     state_->recorder.completed(call.seq);
   }
@@ -515,6 +516,7 @@ class NcclComm {
   // A device-side all-reduce of one word, then the host waits for the stream (with the timeout).
   void barrier(std::source_location where = std::source_location::current()) {
     auto call = begin(OpKind::barrier, DType::u8, 0, -1, ReduceOp::sum, where, true);
+    detail::NcclDeviceScope scope(state_->device);
     auto* word = static_cast<std::int32_t*>(state_->scratch_memory());
     TRELLIS_CHECK_NCCL(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm(), stream()));
     state_->synchronize(call);
