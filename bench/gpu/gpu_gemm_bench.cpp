@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,7 @@ int main(int argc, char** argv) {
               "gemm_only");
   std::printf("%-16s %6s %6s %6s | %10s %10s %7s | %10s\n", "", "", "", "", "TFLOP/s", "TFLOP/s", "", "TFLOP/s");
   for (const Shape& s : shapes) {
+    try {  // one shape failing (no algorithm, out of memory) must not lose the others
     trellis::Buffer<bfloat16, trellis::Cuda> x(s.m * s.k, stream), w(s.k * s.n, stream), y(s.m * s.n, stream),
         bias(s.n, stream);
     trellis::Buffer<char, trellis::Cuda> ws(handle.workspace_bytes(), stream, false);
@@ -150,6 +152,9 @@ int main(int argc, char** argv) {
     row.add("ratio_vs_raw", t_peer / t_ours, "%.4f");
     row.add("gemm_only_tflops", tflops(t_bare));
     report.add(row);
+    } catch (const std::exception& e) {
+      std::printf("%-16s failed: %s\n", s.name, e.what());
+    }
   }
   report.write(json);
   (void)cudaStreamDestroy(stream);
