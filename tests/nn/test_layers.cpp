@@ -9,7 +9,9 @@
 // 2e-3 + 2e-2 |analytic| (truncation O(h^2) and fp32 rounding of L / h).
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <functional>
+#include <map>
 #include <numeric>
 
 #include "support.hpp"
@@ -331,5 +333,95 @@ TEST_CASE("layers reject bad configurations with trellis::Error", "[nn][errors]"
     RANK_CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 12, 5, tp), Error);  // 12 not a multiple of 5
     RANK_CHECK_THROWS_AS(CausalSelfAttention<Comm>("attn", 8, 1, tp), Error);   // 1 head over 2 ranks
     RANK_CHECK_THROWS_AS((ColumnParallelLinear<Comm>("c", LinearConfig{4, 10, true, 4, 1}, tp)), Error);
+  });
+}
+
+// ---- overlap is real: a Communicator wrapper that logs each collective ----------------------
+namespace {
+// Forwards every operation to a ThreadComm and appends its name to a per-rank log, so a test
+// can see which collectives a layer issues and whether they were asynchronous.
+class LoggingComm {
+ public:
+  using request_type = comm::ThreadComm::request_type;
+  LoggingComm(Comm& inner, std::vector<std::string>& log) : inner_(&inner), log_(&log) {}
+  int rank() const { return inner_->rank(); }
+  int size() const { return inner_->size(); }
+  void set_timeout(std::chrono::milliseconds t) { inner_->set_timeout(t); }
+#define NN_TEST_FORWARD(name)                                \
+  template <class... A>                                      \
+  decltype(auto) name(A&&... a) {                            \
+    log_->push_back(#name);                                  \
+    return inner_->name(std::forward<A>(a)...);              \
+  }
+  NN_TEST_FORWARD(all_reduce)
+  NN_TEST_FORWARD(reduce)
+  NN_TEST_FORWARD(broadcast)
+  NN_TEST_FORWARD(all_gather)
+  NN_TEST_FORWARD(reduce_scatter)
+  NN_TEST_FORWARD(all_to_all)
+  NN_TEST_FORWARD(all_to_allv)
+  NN_TEST_FORWARD(send)
+  NN_TEST_FORWARD(recv)
+  NN_TEST_FORWARD(barrier)
+  NN_TEST_FORWARD(all_reduce_async)
+  NN_TEST_FORWARD(all_gather_async)
+  NN_TEST_FORWARD(reduce_scatter_async)
+  NN_TEST_FORWARD(isend)
+  NN_TEST_FORWARD(irecv)
+  NN_TEST_FORWARD(batch)
+#undef NN_TEST_FORWARD
+  LoggingComm split(int, int) { throw Error("LoggingComm::split is not needed by the layers"); }
+
+ private:
+  Comm* inner_;
+  std::vector<std::string>* log_;
+};
+static_assert(comm::Communicator<LoggingComm>);
+
+std::map<std::string, int> tally(const std::vector<std::string>& log) {
+  std::map<std::string, int> t;
+  for (const auto& s : log) ++t[s];
+  return t;
+}
+}  // namespace
+
+TEST_CASE("overlap splits each tp collective into async chunks", "[nn][overlap]") {
+  const TokenShape shape{2, 8};  // 16 rows; sp: 8 per rank
+  nn_test::run_ranks(2, [&](Comm& inner) {
+    for (bool sp : {false, true}) {
+      std::vector<std::string> log;
+      LoggingComm comm(inner, log);
+      TensorParallel<LoggingComm> tp{&comm, sp, 4};
+      ColumnParallelLinear<LoggingComm> col("c", LinearConfig{8, 12, true}, tp);
+      RowParallelLinear<LoggingComm> row("r", LinearConfig{12, 8, true}, tp);
+      const index_t local = tp.local_rows(shape);
+      std::vector<float> x(local * 8, 0.5f), h(16 * 6), y(local * 8), dh(16 * 6), dx(local * 8);
+      col.forward(0, shape, x.data(), h.data());
+      auto fwd_col = tally(log);
+      log.clear();
+      row.forward(0, shape, h.data(), y.data());
+      auto fwd_row = tally(log);
+      log.clear();
+      row.backward_input(0, shape, y.data(), dh.data());
+      auto bwd_row = tally(log);
+      log.clear();
+      col.backward_input(0, shape, dh.data(), dx.data());
+      auto bwd_col = tally(log);
+      if (sp) {
+        // 4 chunks of each rank's 8 rows: 4 async gathers in, 4 async reduce-scatters out.
+        RANK_CHECK(fwd_col == std::map<std::string, int>{{"all_gather_async", 4}});
+        RANK_CHECK(fwd_row == std::map<std::string, int>{{"reduce_scatter_async", 4}});
+        RANK_CHECK(bwd_row == std::map<std::string, int>{{"all_gather_async", 4}});
+        // + the re-gather of the saved input shard (Megatron), also asynchronous.
+        RANK_CHECK(bwd_col == std::map<std::string, int>{{"all_gather_async", 1}, {"reduce_scatter_async", 4}});
+      } else {
+        RANK_CHECK(fwd_col.empty());
+        RANK_CHECK(fwd_row == std::map<std::string, int>{{"all_reduce_async", 4}});
+        RANK_CHECK(bwd_row.empty());
+        RANK_CHECK(bwd_col == std::map<std::string, int>{{"all_reduce_async", 4}});
+      }
+      col.backward_weight(0);
+      row.backward_weight(0);
+    }
   });
 }
