@@ -92,59 +92,59 @@ int main(int argc, char** argv) {
   for (std::int64_t t : lengths) {
     for (bool causal : {false, true}) {
       try {  // one configuration failing (e.g. out of memory) must not lose the others
-      k::AttentionArgs a;
-      a.batch = std::max<std::int64_t>(1, tokens / t), a.q_heads = heads, a.kv_heads = heads;
-      a.q_len = a.kv_len = t, a.head_dim = d, a.causal = causal;
-      const std::size_t n = static_cast<std::size_t>(a.q_elements());
-      trellis::Buffer<bfloat16, trellis::Cuda> q(n, stream), kk(n, stream), v(n, stream), o(n, stream),
-          d_o(n, stream), dq(n, stream), dk(n, stream), dv(n, stream);
-      trellis::Buffer<float, trellis::Cuda> lse(static_cast<std::size_t>(a.lse_elements()), stream);
-      const std::size_t ws_bytes = k::cuda::attention_backward_workspace_bytes(a);
-      trellis::Buffer<char, trellis::Cuda> ws(ws_bytes, stream, false);
-      // Constant byte patterns (small finite bf16 values): the kernels' work does not depend on values.
-      TRELLIS_CHECK_CUDA(cudaMemsetAsync(q.data(), 0x3c, n * sizeof(bfloat16), stream));
-      TRELLIS_CHECK_CUDA(cudaMemsetAsync(kk.data(), 0x3b, n * sizeof(bfloat16), stream));
-      TRELLIS_CHECK_CUDA(cudaMemsetAsync(v.data(), 0x3d, n * sizeof(bfloat16), stream));
-      TRELLIS_CHECK_CUDA(cudaMemsetAsync(d_o.data(), 0x3a, n * sizeof(bfloat16), stream));
-      const int iters = quick ? 3 : (t >= 8192 ? 5 : 10);
-      auto fwd = [&] { k::cuda::attention_forward(a, q.data(), kk.data(), v.data(), o.data(), lse.data(), stream); };
-      auto bwd = [&] {
-        k::cuda::attention_backward(a, q.data(), kk.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(),
-                                    dk.data(), dv.data(), ws.data(), ws_bytes, stream);
-      };
-      const double t_fwd = time_ms(stream, fwd, 2, iters);
-      const double t_bwd = time_ms(stream, bwd, 2, iters);
+        k::AttentionArgs a;
+        a.batch = std::max<std::int64_t>(1, tokens / t), a.q_heads = heads, a.kv_heads = heads;
+        a.q_len = a.kv_len = t, a.head_dim = d, a.causal = causal;
+        const std::size_t n = static_cast<std::size_t>(a.q_elements());
+        trellis::Buffer<bfloat16, trellis::Cuda> q(n, stream), kk(n, stream), v(n, stream), o(n, stream),
+            d_o(n, stream), dq(n, stream), dk(n, stream), dv(n, stream);
+        trellis::Buffer<float, trellis::Cuda> lse(static_cast<std::size_t>(a.lse_elements()), stream);
+        const std::size_t ws_bytes = k::cuda::attention_backward_workspace_bytes(a);
+        trellis::Buffer<char, trellis::Cuda> ws(ws_bytes, stream, false);
+        // Constant byte patterns (small finite bf16 values): the kernels' work does not depend on values.
+        TRELLIS_CHECK_CUDA(cudaMemsetAsync(q.data(), 0x3c, n * sizeof(bfloat16), stream));
+        TRELLIS_CHECK_CUDA(cudaMemsetAsync(kk.data(), 0x3b, n * sizeof(bfloat16), stream));
+        TRELLIS_CHECK_CUDA(cudaMemsetAsync(v.data(), 0x3d, n * sizeof(bfloat16), stream));
+        TRELLIS_CHECK_CUDA(cudaMemsetAsync(d_o.data(), 0x3a, n * sizeof(bfloat16), stream));
+        const int iters = quick ? 3 : (t >= 8192 ? 5 : 10);
+        auto fwd = [&] { k::cuda::attention_forward(a, q.data(), kk.data(), v.data(), o.data(), lse.data(), stream); };
+        auto bwd = [&] {
+          k::cuda::attention_backward(a, q.data(), kk.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(),
+                                      dk.data(), dv.data(), ws.data(), ws_bytes, stream);
+        };
+        const double t_fwd = time_ms(stream, fwd, 2, iters);
+        const double t_bwd = time_ms(stream, bwd, 2, iters);
 
-      // Peer: materialised attention on cuBLASLt (batched over B*H).
-      const std::int64_t bh = a.batch * heads;
-      trellis::Buffer<float, trellis::Cuda> s(static_cast<std::size_t>(bh * t * t), stream, false);
-      trellis::Buffer<bfloat16, trellis::Cuda> p(static_cast<std::size_t>(bh * t * t), stream, false);
-      k::GemmArgs qk = k::gemm_args(t, t, d, k::Op::none, k::Op::transpose);
-      qk.batch = bh;
-      qk.packed();
-      k::GemmArgs pv = k::gemm_args(t, d, t);
-      pv.batch = bh;
-      pv.packed();
-      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      auto peer = [&] {
-        k::cuda::gemm(gemm, qk, q.data(), kk.data(), s.data(), stream);
-        softmax_rows_kernel<<<static_cast<unsigned>(bh * t), 256, 0, stream>>>(s.data(), p.data(), t, causal, scale);
-        k::cuda::gemm(gemm, pv, p.data(), v.data(), o.data(), stream);
-      };
-      const double t_peer = time_ms(stream, peer, 1, std::max(2, iters / 2));
-      const double f_fwd = k::cuda::attention_forward_flops(a), f_bwd = k::cuda::attention_backward_flops(a);
-      auto tf = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
-      std::printf("%6lld %6s %4lld | %9.3f %9.1f | %9.3f %9.1f | %9.3f %9.1f %8.2f\n", (long long)t,
-                  causal ? "yes" : "no", (long long)a.batch, t_fwd, tf(f_fwd, t_fwd), t_bwd, tf(f_bwd, t_bwd), t_peer,
-                  tf(f_fwd, t_peer), t_peer / t_fwd);
-      trellis::bench::Row row;
-      row.add("T", (long long)t).add_text("causal", causal ? "yes" : "no").add("batch", (long long)a.batch);
-      row.add("heads", (long long)heads).add("head_dim", (long long)d);
-      row.add("fwd_ms", t_fwd, "%.4f").add("fwd_tflops", tf(f_fwd, t_fwd));
-      row.add("bwd_ms", t_bwd, "%.4f").add("bwd_tflops", tf(f_bwd, t_bwd));
-      row.add("materialised_fwd_ms", t_peer, "%.4f").add("materialised_fwd_tflops", tf(f_fwd, t_peer));
-      row.add("fwd_speedup_vs_materialised", t_peer / t_fwd);
-      report.add(row);
+        // Peer: materialised attention on cuBLASLt (batched over B*H).
+        const std::int64_t bh = a.batch * heads;
+        trellis::Buffer<float, trellis::Cuda> s(static_cast<std::size_t>(bh * t * t), stream, false);
+        trellis::Buffer<bfloat16, trellis::Cuda> p(static_cast<std::size_t>(bh * t * t), stream, false);
+        k::GemmArgs qk = k::gemm_args(t, t, d, k::Op::none, k::Op::transpose);
+        qk.batch = bh;
+        qk.packed();
+        k::GemmArgs pv = k::gemm_args(t, d, t);
+        pv.batch = bh;
+        pv.packed();
+        const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+        auto peer = [&] {
+          k::cuda::gemm(gemm, qk, q.data(), kk.data(), s.data(), stream);
+          softmax_rows_kernel<<<static_cast<unsigned>(bh * t), 256, 0, stream>>>(s.data(), p.data(), t, causal, scale);
+          k::cuda::gemm(gemm, pv, p.data(), v.data(), o.data(), stream);
+        };
+        const double t_peer = time_ms(stream, peer, 1, std::max(2, iters / 2));
+        const double f_fwd = k::cuda::attention_forward_flops(a), f_bwd = k::cuda::attention_backward_flops(a);
+        auto tf = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+        std::printf("%6lld %6s %4lld | %9.3f %9.1f | %9.3f %9.1f | %9.3f %9.1f %8.2f\n", (long long)t,
+                    causal ? "yes" : "no", (long long)a.batch, t_fwd, tf(f_fwd, t_fwd), t_bwd, tf(f_bwd, t_bwd), t_peer,
+                    tf(f_fwd, t_peer), t_peer / t_fwd);
+        trellis::bench::Row row;
+        row.add("T", (long long)t).add_text("causal", causal ? "yes" : "no").add("batch", (long long)a.batch);
+        row.add("heads", (long long)heads).add("head_dim", (long long)d);
+        row.add("fwd_ms", t_fwd, "%.4f").add("fwd_tflops", tf(f_fwd, t_fwd));
+        row.add("bwd_ms", t_bwd, "%.4f").add("bwd_tflops", tf(f_bwd, t_bwd));
+        row.add("materialised_fwd_ms", t_peer, "%.4f").add("materialised_fwd_tflops", tf(f_fwd, t_peer));
+        row.add("fwd_speedup_vs_materialised", t_peer / t_fwd);
+        report.add(row);
       } catch (const std::exception& e) {
         std::printf("%6lld %6s failed: %s\n", (long long)t, causal ? "yes" : "no", e.what());
         (void)cudaGetLastError();

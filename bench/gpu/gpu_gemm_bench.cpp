@@ -121,37 +121,37 @@ int main(int argc, char** argv) {
   std::printf("%-16s %6s %6s %6s | %10s %10s %7s | %10s\n", "", "", "", "", "TFLOP/s", "TFLOP/s", "", "TFLOP/s");
   for (const Shape& s : shapes) {
     try {  // one shape failing (no algorithm, out of memory) must not lose the others
-    trellis::Buffer<bfloat16, trellis::Cuda> x(s.m * s.k, stream), w(s.k * s.n, stream), y(s.m * s.n, stream),
-        bias(s.n, stream);
-    trellis::Buffer<char, trellis::Cuda> ws(handle.workspace_bytes(), stream, false);
-    const double flops = 2.0 * s.m * s.n * s.k;
-    const int iters = quick ? 10 : 30;
-    k::GemmArgs args = k::gemm_args(s.m, s.n, s.k);
-    auto ours = [&] {
-      k::cuda::gemm(handle, args, x.data(), w.data(), y.data(), stream,
-                    k::epilogue::BiasGelu<bfloat16>{bias.data()});
-    };
-    RawLtGemm raw(handle.native(), s.m, s.n, s.k, CUBLASLT_EPILOGUE_GELU_BIAS, bias.data(), handle.workspace_bytes());
-    RawLtGemm plain(handle.native(), s.m, s.n, s.k, CUBLASLT_EPILOGUE_DEFAULT, nullptr, handle.workspace_bytes());
-    auto peer = [&] { raw(x.data(), w.data(), y.data(), ws.data(), stream); };
-    auto bare = [&] { plain(x.data(), w.data(), y.data(), ws.data(), stream); };
-    // Interleave the two contenders twice and keep each one's best, so clock drift hits both.
-    double t_ours = 1e30, t_peer = 1e30;
-    for (int round = 0; round < 2; ++round) {
-      t_ours = std::min(t_ours, time_ms(stream, ours, 3, iters));
-      t_peer = std::min(t_peer, time_ms(stream, peer, 3, iters));
-    }
-    const double t_bare = time_ms(stream, bare, 3, iters);
-    auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
-    std::printf("%-16s %6lld %6lld %6lld | %10.1f %10.1f %7.3f | %10.1f\n", s.name, (long long)s.m, (long long)s.n,
-                (long long)s.k, tflops(t_ours), tflops(t_peer), t_peer / t_ours, tflops(t_bare));
-    trellis::bench::Row row;
-    row.add_text("shape", s.name).add("m", (long long)s.m).add("n", (long long)s.n).add("k", (long long)s.k);
-    row.add("trellis_ms", t_ours, "%.4f").add("raw_cublaslt_ms", t_peer, "%.4f");
-    row.add("trellis_tflops", tflops(t_ours)).add("raw_cublaslt_tflops", tflops(t_peer));
-    row.add("ratio_vs_raw", t_peer / t_ours, "%.4f");
-    row.add("gemm_only_tflops", tflops(t_bare));
-    report.add(row);
+      trellis::Buffer<bfloat16, trellis::Cuda> x(s.m * s.k, stream), w(s.k * s.n, stream), y(s.m * s.n, stream),
+          bias(s.n, stream);
+      trellis::Buffer<char, trellis::Cuda> ws(handle.workspace_bytes(), stream, false);
+      const double flops = 2.0 * s.m * s.n * s.k;
+      const int iters = quick ? 10 : 30;
+      k::GemmArgs args = k::gemm_args(s.m, s.n, s.k);
+      auto ours = [&] {
+        k::cuda::gemm(handle, args, x.data(), w.data(), y.data(), stream,
+                      k::epilogue::BiasGelu<bfloat16>{bias.data()});
+      };
+      RawLtGemm raw(handle.native(), s.m, s.n, s.k, CUBLASLT_EPILOGUE_GELU_BIAS, bias.data(), handle.workspace_bytes());
+      RawLtGemm plain(handle.native(), s.m, s.n, s.k, CUBLASLT_EPILOGUE_DEFAULT, nullptr, handle.workspace_bytes());
+      auto peer = [&] { raw(x.data(), w.data(), y.data(), ws.data(), stream); };
+      auto bare = [&] { plain(x.data(), w.data(), y.data(), ws.data(), stream); };
+      // Interleave the two contenders twice and keep each one's best, so clock drift hits both.
+      double t_ours = 1e30, t_peer = 1e30;
+      for (int round = 0; round < 2; ++round) {
+        t_ours = std::min(t_ours, time_ms(stream, ours, 3, iters));
+        t_peer = std::min(t_peer, time_ms(stream, peer, 3, iters));
+      }
+      const double t_bare = time_ms(stream, bare, 3, iters);
+      auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+      std::printf("%-16s %6lld %6lld %6lld | %10.1f %10.1f %7.3f | %10.1f\n", s.name, (long long)s.m, (long long)s.n,
+                  (long long)s.k, tflops(t_ours), tflops(t_peer), t_peer / t_ours, tflops(t_bare));
+      trellis::bench::Row row;
+      row.add_text("shape", s.name).add("m", (long long)s.m).add("n", (long long)s.n).add("k", (long long)s.k);
+      row.add("trellis_ms", t_ours, "%.4f").add("raw_cublaslt_ms", t_peer, "%.4f");
+      row.add("trellis_tflops", tflops(t_ours)).add("raw_cublaslt_tflops", tflops(t_peer));
+      row.add("ratio_vs_raw", t_peer / t_ours, "%.4f");
+      row.add("gemm_only_tflops", tflops(t_bare));
+      report.add(row);
     } catch (const std::exception& e) {
       std::printf("%-16s failed: %s\n", s.name, e.what());
     }
