@@ -69,6 +69,7 @@ struct Settings {
   std::vector<std::string> ops;
   int warmup = 3;
   int min_iters = 5;
+  int trials = 1;  // timed blocks of iterations; rows give the fastest block and the mean of all
   double bytes_per_trial = 1.0 * (1 << 30);  // iterations so that each size moves about 1 GiB
   std::string json;
 
@@ -78,43 +79,56 @@ struct Settings {
     s.ops = parse_list(arg_value(argc, argv, "--op", default_ops));
     s.warmup = std::atoi(arg_value(argc, argv, "--warmup", "3").c_str());
     s.min_iters = std::atoi(arg_value(argc, argv, "--iters", "5").c_str());
+    s.trials = std::max(1, std::atoi(arg_value(argc, argv, "--trials", "1").c_str()));
     s.json = json_path(argc, argv);
     return s;
   }
   int iterations(std::size_t bytes) const {
-    const double want = bytes_per_trial / static_cast<double>(std::max<std::size_t>(bytes, 1));
+    const double want = bytes_per_trial / trials / static_cast<double>(std::max<std::size_t>(bytes, 1));
     return std::clamp(static_cast<int>(want), min_iters, 2000);
   }
 };
 
 inline void print_header(const char* backend, int ranks) {
   std::printf("# %s, %d ranks\n", backend, ranks);
-  std::printf("# %-15s %12s %12s %7s %6s | %11s %11s %11s %7s\n", "op", "size(B)", "count", "type", "redop",
-              "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+  std::printf("# %-15s %12s %12s %7s %6s | %11s %11s %11s %7s | %11s\n", "op", "size(B)", "count", "type", "redop",
+              "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw(mean)");
+  std::printf("# time/algbw/busbw: fastest timed block (--trials); busbw(mean): all timed iterations\n");
 }
 
 inline Row print_row(const char* backend, const char* op, int ranks, std::size_t bytes, std::size_t count,
-                     const char* type, const char* redop, double seconds, double bus_factor, long long wrong) {
+                     const char* type, const char* redop, double seconds, double bus_factor, long long wrong,
+                     double mean_seconds = -1.0) {
+  if (mean_seconds <= 0) mean_seconds = seconds;
   const double algbw = static_cast<double>(bytes) / seconds / 1e9;
   const double busbw = algbw * bus_factor;
-  std::printf("  %-15s %12zu %12zu %7s %6s | %11.1f %11.2f %11.2f %7lld\n", op, bytes, count, type, redop,
-              seconds * 1e6, algbw, busbw, wrong);
+  const double busbw_mean = static_cast<double>(bytes) / mean_seconds / 1e9 * bus_factor;
+  std::printf("  %-15s %12zu %12zu %7s %6s | %11.1f %11.2f %11.2f %7lld | %11.2f\n", op, bytes, count, type, redop,
+              seconds * 1e6, algbw, busbw, wrong, busbw_mean);
   std::fflush(stdout);
   Row row;
   row.add_text("backend", backend).add_text("op", op).add("ranks", static_cast<long long>(ranks))
       .add("bytes", static_cast<long long>(bytes)).add("count", static_cast<long long>(count)).add_text("type", type)
       .add_text("redop", redop).add("time_us", seconds * 1e6).add("algbw", algbw).add("busbw", busbw)
-      .add("wrong", wrong);
+      .add("wrong", wrong).add("time_us_mean", mean_seconds * 1e6).add("busbw_mean", busbw_mean);
   return row;
 }
 
-// Single-thread memcpy bandwidth (bytes copied per second) for buffers of `bytes`, warm.
-inline double memcpy_bandwidth(std::size_t bytes, int iters) {
+// Single-thread memcpy bandwidth (bytes copied per second) for buffers of `bytes`, warm, timed
+// like the collectives: {fastest block of iterations, mean of all}.
+inline std::pair<double, double> memcpy_bandwidth(std::size_t bytes, int iters, int trials) {
   std::vector<char> a(bytes, 1), b(bytes, 2);
-  auto [best, median] = time_min_median([&] { std::memcpy(b.data(), a.data(), bytes); }, 2, iters);
-  (void)best;
+  for (int i = 0; i < 2; ++i) std::memcpy(b.data(), a.data(), bytes);
+  double best = 1e30, total = 0;
+  for (int t = 0; t < trials; ++t) {
+    const double t0 = now_seconds();
+    for (int i = 0; i < iters; ++i) std::memcpy(b.data(), a.data(), bytes);
+    const double block = (now_seconds() - t0) / iters;
+    best = std::min(best, block);
+    total += block;
+  }
   if (b[bytes / 2] != 1) std::printf("memcpy check failed\n");
-  return static_cast<double>(bytes) / median / 1e9;
+  return {static_cast<double>(bytes) / best / 1e9, static_cast<double>(bytes) / (total / trials) / 1e9};
 }
 
 }  // namespace trellis::bench::comm

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Thread backend vs OpenMPI, side by side on this machine, plus single-thread memcpy bandwidth:
 # all_reduce / all_gather / reduce_scatter, fp32, 16 MiB and 64 MiB, 2 and 4 ranks.
-#   bench/comm/compare.sh [BUILD_DIR] [REPEATS]     (default build/comm, 3)
-# Every configuration runs REPEATS times, alternating the two backends so that load from other
-# processes hits both alike; the table gives the median busbw of the repeats (and the best).
+#   bench/comm/compare.sh [BUILD_DIR] [REPEATS] [TRIALS]     (default build/comm, 3, 5)
+# Every configuration runs REPEATS times, alternating the backends so that load from other
+# processes hits them alike. Each run times TRIALS blocks of iterations. Two views, each the
+# median over the repeats: "best" = the fastest block (what the code can do when it gets the
+# cores), "mean" = all blocks (what it did on this machine as loaded at the time).
+# comm_bench_mpi also times trellis' own MpiComm (column trellis_mpi) when it was built with it.
 set -euo pipefail
 build="${1:-build/comm}"
 repeats="${2:-3}"
+trials="${3:-5}"
 bench="$build/bench/comm/comm_bench"
 bench_mpi="$build/bench/comm/comm_bench_mpi"
 ops="all_reduce,all_gather,reduce_scatter"
@@ -18,9 +22,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 for rep in $(seq "$repeats"); do
   for n in 2 4; do
-    "$bench" --ranks "$n" --op "$ops" --sizes "$sizes" --json "$out/threads_${n}_${rep}.json" > /dev/null
+    "$bench" --ranks "$n" --op "$ops" --sizes "$sizes" --trials "$trials" --json "$out/threads_${n}_${rep}.json" > /dev/null
     if [[ -x "$bench_mpi" ]]; then
-      mpirun -np "$n" "${mpirun_flags[@]}" "$bench_mpi" --op "$ops" --sizes "$sizes" \
+      mpirun -np "$n" "${mpirun_flags[@]}" "$bench_mpi" --op "$ops" --sizes "$sizes" --trials "$trials" \
         --json "$out/mpi_${n}_${rep}.json" > /dev/null
     fi
   done
@@ -28,27 +32,32 @@ done
 
 python3 - "$out" <<'PY'
 import glob, json, os, statistics, sys
-rows = {}
-memcpy = {}
+rows, memcpy = {}, {}
 for path in glob.glob(os.path.join(sys.argv[1], "*.json")):
     for r in json.load(open(path))["rows"]:
+        best, mean = r["busbw"], r.get("busbw_mean", r["busbw"])
         if r["backend"] == "memcpy":
-            memcpy.setdefault(int(r["bytes"]), []).append(r["busbw"])
+            memcpy.setdefault(int(r["bytes"]), []).append((best, mean))
         else:
             key = (r["op"], int(r["ranks"]), int(r["bytes"]))
-            rows.setdefault(key, {}).setdefault(r["backend"], []).append((r["busbw"], r["wrong"]))
+            rows.setdefault(key, {}).setdefault(r["backend"], []).append((best, mean, r["wrong"]))
 
-def med(v): return statistics.median(v) if v else float("nan")
-print("# busbw in GB/s (nccl-tests factors), median of repeats [best]; memcpy = single-thread memcpy, bytes/s")
-print(f"{'op':15} {'ranks':>5} {'size':>6} | {'threads':>15} {'openmpi':>15} {'ratio':>6} | {'memcpy':>7} {'thr/memcpy':>10} | wrong")
+def med(values, i):
+    v = [x[i] for x in values]
+    return statistics.median(v) if v else float("nan")
+
+print("# busbw GB/s (nccl-tests factors), median over repeats; memcpy: single-thread memcpy, bytes copied/s")
+print("#                          |------------------ best block -------------------|--------------- mean of all blocks ---------------|")
+hdr = f"{'threads':>8} {'openmpi':>8} {'ratio':>6} {'trl_mpi':>8} {'memcpy':>7} {'thr/mc':>6}"
+print(f"{'op':15} {'ranks':>5} {'size':>6} | {hdr} | {hdr} | wrong")
 for key in sorted(rows):
     op, n, size = key
-    t = [b for b, _ in rows[key].get("threads", [])]
-    m = [b for b, _ in rows[key].get("openmpi", [])]
-    wrong = sum(w for b, w in rows[key].get("threads", []) + rows[key].get("openmpi", []))
-    mc = med(memcpy.get(size, []))
-    ratio = med(t) / med(m) if m else float("nan")
-    print(f"{op:15} {n:5d} {size >> 20:4d}Mi | {med(t):7.2f} [{max(t):5.2f}] "
-          f"{med(m) if m else float('nan'):7.2f} [{max(m) if m else float('nan'):5.2f}] {ratio:6.1f} | "
-          f"{mc:7.2f} {med(t) / mc:9.0%} | {wrong:.0f}")
+    t, m, tm = rows[key].get("threads", []), rows[key].get("openmpi", []), rows[key].get("trellis_mpi", [])
+    wrong = sum(x[2] for v in rows[key].values() for x in v)
+    mc = memcpy.get(size, [])
+    cells = []
+    for i in (0, 1):
+        tv, mv, tmv, mcv = med(t, i), med(m, i), med(tm, i), med(mc, i)
+        cells.append(f"{tv:8.2f} {mv:8.2f} {tv / mv if m else float('nan'):5.1f}x {tmv:8.2f} {mcv:7.2f} {tv / mcv:6.0%}")
+    print(f"{op:15} {n:5d} {size >> 20:4d}Mi | {cells[0]} | {cells[1]} | {wrong:.0f}")
 PY
