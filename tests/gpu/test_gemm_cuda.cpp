@@ -181,6 +181,25 @@ TEST_CASE("cuBLASLt BGRADA / BGRADB give the sums over k of op(A) / op(B)", "[gp
   }
 }
 
+TEST_CASE("cuBLASLt GELU_AUX writes gelu(AB) and saves AB", "[gpu][gemm][epilogue]") {
+  Stream stream;
+  k::cuda::GemmHandle handle;
+  const std::int64_t m = 33, n = 48, kk = 32;
+  k::GemmArgs args = k::gemm_args(m, n, kk);
+  auto a = random_vector<float>(m * kk, 61), b = random_vector<float>(kk * n, 62);
+  std::vector<float> want_gelu(m * n), want_pre(m * n);
+  k::host::gemm(args, a.data(), b.data(), want_gelu.data(), ep::Gelu{});
+  k::host::gemm(args, a.data(), b.data(), want_pre.data());
+  auto da = to_device(a, stream), db = to_device(b, stream);
+  trellis::Buffer<float, trellis::Cuda> dc(m * n, stream), daux(m * n, stream);
+  k::cuda::LtEpilogueArgs lt;
+  lt.kind = k::cuda::LtEpilogue::gelu_aux;
+  lt.aux = daux.data();
+  handle.run(args, trellis::DType::f32, trellis::DType::f32, da.data(), db.data(), dc.data(), lt, stream);
+  require_close(to_host(dc), want_gelu, 1e-3, 1e-3, "gelu(AB)");
+  require_close(to_host(daux), want_pre, 2e-4, 1e-4, "aux = AB");
+}
+
 TEST_CASE("cuBLASLt plan cache: one heuristic query per distinct problem", "[gpu][gemm]") {
   Stream stream;
   k::cuda::GemmHandle handle;
