@@ -234,3 +234,14 @@ TEST_CASE("gemm bias gradient is identical for every row block size", "[kernels]
   host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g2.data()}, opt);
   REQUIRE(g1 == g2);
 }
+
+TEST_CASE("gemm large enough for the threaded epilogue (default blocking) vs reference", "[kernels][gemm]") {
+  // 2100 x 300: two row blocks of the default blocking (2048 rows + 52), each epilogue split over
+  // the thread pool.
+  Case cs;
+  cs.args = gemm_args(2100, 300, 24);
+  run_case<float, float, float>(cs, epilogue::BiasGelu<>{}, 1e-4, 1e-4);
+  run_case<float, float, float>(cs, epilogue::DGeluBiasGrad<>{}, 1e-4, 1e-4);
+  cs.args.layout = Layout::col_major;
+  run_case<float, float, bfloat16>(cs, epilogue::BiasGrad<>{}, 1e-4, 1e-4);
+}
