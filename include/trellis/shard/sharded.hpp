@@ -154,9 +154,10 @@ class Sharded {
   // every rank gives the same global shape, mesh and layout, and that `local` has the shape the
   // uneven-size rule gives this rank; throws trellis::Error naming the difference otherwise.
   static Sharded from_local(Mesh& mesh, local_type local, const std::array<index_t, R>& global_shape) {
+    // The collective comparison first: then every rank reaches the same verdict below.
+    detail::check_same_everywhere<Space, Mesh, R>(mesh, global_shape, Layout::codes);
     for (int d = 0; d < R; ++d)
       TRELLIS_CHECK(global_shape[d] >= 0, "sharded tensor: negative global extent ", global_shape[d], " in dimension ", d);
-    detail::check_same_everywhere<Space, Mesh, R>(mesh, global_shape, Layout::codes);
     const auto expected = local_shape<R>(global_shape, Layout::codes, mesh_sizes(mesh), mesh_coords(mesh));
     if (local.shape() != expected)
       TRELLIS_THROW("sharded tensor: local shard has shape ", detail::array_string(local.shape()), " but global shape ",
