@@ -191,6 +191,21 @@ TEST_CASE("debug mode: a rank that never arrives is named within the timeout", "
   }
   (void)size;
   MPI_Barrier(MPI_COMM_WORLD);  // all ranks in step again
+
+  // In a sub-communicator the error gives the world rank too.
+  MpiComm parent(MPI_COMM_WORLD, "parent");
+  MpiComm sub = parent.split(rank % 2, -rank);  // reversed order: sub rank 1 is not world rank 1
+  sub.set_debug(true);
+  sub.set_timeout(300ms);
+  if (sub.size() >= 2 && sub.rank() != 1) {
+    int world_of_sub_rank_1 = -1;
+    for (int r = size - 1, seen = 0; r >= 0; --r)
+      if (r % 2 == rank % 2 && seen++ == 1) world_of_sub_rank_1 = r;
+    int x = 1, y = 0;
+    CHECK_THROWS_WITH(sub.all_reduce(&x, &y, 1, ReduceOp::sum),
+                      Catch::Contains("rank 1 (world rank " + std::to_string(world_of_sub_rank_1) + ") did not arrive"));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST_CASE("without debug mode a missing rank times out naming the call; a late rank completes it", "[mpi][errors]") {

@@ -293,6 +293,7 @@ struct MpiCommState {
   int rank = 0;
   int size = 1;
   std::vector<int> world_ranks;      // world rank of each rank of this communicator
+  bool world_order = true;           // rank r is world rank r for every r, and all are here
   FlightRecorder recorder;
   bool debug = false;
   std::chrono::milliseconds timeout{0};
@@ -320,11 +321,11 @@ struct MpiCommState {
     if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
   }
 
-  // "rank 2" or, in a sub-communicator, "rank 2 (world rank 5)".
+  // "rank 2" or, in a communicator whose ranks are not the world's, "rank 2 (world rank 5)".
   std::string name_rank(int r) const {
     std::ostringstream out;
     out << "rank " << r;
-    if (r >= 0 && r < static_cast<int>(world_ranks.size()) && world_ranks[r] != r)
+    if (!world_order && r >= 0 && r < static_cast<int>(world_ranks.size()))
       out << " (world rank " << world_ranks[r] << ")";
     return out.str();
   }
@@ -765,6 +766,10 @@ class MpiComm {
     TRELLIS_CHECK_MPI(MPI_Group_translate_ranks(group, s.size, mine.data(), world, s.world_ranks.data()));
     MPI_Group_free(&group);
     MPI_Group_free(&world);
+    int world_size = 0;
+    TRELLIS_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+    s.world_order = world_size == s.size;
+    for (int r = 0; r < s.size; ++r) s.world_order = s.world_order && s.world_ranks[static_cast<std::size_t>(r)] == r;
     int* tag_ub = nullptr;
     int flag = 0;
     TRELLIS_CHECK_MPI(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag));
