@@ -80,6 +80,29 @@ TEST_CASE("MpiComm split orders by key and reduces within the group", "[mpi]") {
   comm.barrier();
 }
 
+TEST_CASE("MpiRequest: destruction waits, moves transfer, finished requests stay finished", "[mpi]") {
+  MpiComm comm(MPI_COMM_WORLD, "requests");
+  const int size = comm.size();
+  std::vector<trellis::half> in(513, trellis::half(1.5f)), out(513);
+  {
+    auto dropped = comm.all_reduce_async(in.data(), out.data(), in.size(), ReduceOp::avg);
+    REQUIRE(dropped.pending());
+  }  // destroyed unwaited: completes (and narrows) before the buffers go away
+  for (const auto& v : out) REQUIRE(static_cast<float>(v) == 1.5f);
+  std::vector<double> a(64, 2.0), b(64 * static_cast<std::size_t>(size));
+  trellis::comm::MpiRequest moved;
+  REQUIRE_FALSE(moved.pending());
+  moved = comm.all_gather_async(a.data(), b.data(), a.size());
+  trellis::comm::MpiRequest other = std::move(moved);
+  REQUIRE_FALSE(moved.pending());
+  other.wait();
+  REQUIRE_FALSE(other.pending());
+  REQUIRE(other.test());
+  other.wait();
+  for (double v : b) REQUIRE(v == 2.0);
+  REQUIRE(comm.recorder().last()->state == trellis::comm::FlightRecorder::State::completed);
+}
+
 TEST_CASE("MpiWorld run gives the world communicator with the rank set", "[mpi]") {
   trellis::comm::MpiWorld world;  // MPI already initialised by the test main: does not own it
   REQUIRE_FALSE(world.owns_mpi());
