@@ -1,0 +1,220 @@
+// Command line of train_gpt: a hand-written parser (no dependency) and the checks that stop a bad
+// run before any work, each message saying what to change. Pure functions, tested directly
+// (tests/train/test_trainer_flags.cpp).
+#pragma once
+
+#include <charconv>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/train/trainer.hpp"
+
+namespace train_gpt {
+
+struct Options {
+  // model
+  int layers = 4, heads = 4, width = 128, vocab = 256, context = 64;
+  // batch and layout
+  int batch = 16, microbatches = 2;
+  int dp = 1, tp = 1, pp = 1;
+  bool sp = false, zero1 = false;
+  std::string schedule = "1f1b";
+  int chunks = 2;
+  std::string backend = "host";
+  bool mpi = false;
+  // data
+  std::string data;  // empty: the shipped corpus; *.bin (comma separated): llm.c token shards
+  double val_fraction = 0.1;
+  // optimisation
+  int steps = 150;
+  double lr = 3e-3, min_lr = 3e-4;
+  int warmup = 10;
+  double clip = 1.0;
+  double weight_decay = 0.1;
+  std::uint64_t seed = 1234;
+  // checkpoints, logs, reporting
+  std::string ckpt_dir;
+  int ckpt_every = 0;  // 0: only at the end (when --ckpt-dir is given)
+  bool resume = false;
+  std::string log;     // metrics.jsonl; the loss curve goes next to it (.svg)
+  int eval_every = 25;
+  int sample_tokens = 200;
+  double temperature = 0.8;
+  std::string prompt = "The ";
+  double peak_gflops = 0;  // 0: measure the host sgemm at start
+  bool help = false;
+};
+
+inline std::string usage() {
+  return R"(train_gpt: train a GPT-2 on text with data, tensor and pipeline parallelism (trellis).
+
+usage: train_gpt [flags]            (ranks are threads of this process)
+       mpirun -np N train_gpt --mpi [flags]   (one rank per process)
+
+model:     --layers N (4) --heads N (4) --width N (128) --vocab N (256) --context T (64)
+batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
+layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
+           --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
+           --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
+           --chunks V (2, model chunks per rank for interleaved_1f1b)
+backend:   --backend host|cuda (host; cuda needs a CUDA build of the trainer, not available yet)
+           --mpi (one rank per MPI process instead of threads)
+data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
+           --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
+           --val-fraction F (0.1)
+optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --clip X (1.0, 0: off)
+           --weight-decay X (0.1) --seed N (1234)
+output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
+           --ckpt-dir DIR --ckpt-every N (0: only at the end) --resume (continue from DIR/latest)
+           --eval-every N (25) --sample-tokens N (200) --temperature X (0.8, 0: greedy)
+           --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: measured sgemm speed)
+           --help
+)";
+}
+
+// Parses argv; throws trellis::Error naming the flag and what is wrong.
+inline Options parse_flags(const std::vector<std::string>& args) {
+  Options o;
+  auto need = [&](std::size_t& i) -> const std::string& {
+    if (i + 1 >= args.size()) TRELLIS_THROW("flag ", args[i], " needs a value (see --help)");
+    return args[++i];
+  };
+  auto to_int = [&](const std::string& flag, const std::string& v) {
+    long long x = 0;
+    auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (ec != std::errc() || p != v.data() + v.size() || x < -(1ll << 31) || x > (1ll << 31) - 1)
+      TRELLIS_THROW("flag ", flag, ": '", v, "' is not an integer");
+    return static_cast<int>(x);
+  };
+  auto to_double = [&](const std::string& flag, const std::string& v) {
+    std::istringstream s(v);
+    double x = 0;
+    s >> x;
+    if (!s || !s.eof()) TRELLIS_THROW("flag ", flag, ": '", v, "' is not a number");
+    return x;
+  };
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    std::string f = args[i];
+    std::string inline_value;
+    bool has_inline = false;
+    if (auto eq = f.find('='); f.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = f.substr(eq + 1);
+      f = f.substr(0, eq);
+      has_inline = true;
+    }
+    auto value = [&]() -> std::string { return has_inline ? inline_value : need(i); };
+    auto int_flag = [&](int& dst) { dst = to_int(f, value()); };
+    auto dbl_flag = [&](double& dst) { dst = to_double(f, value()); };
+    if (f == "--help" || f == "-h") o.help = true;
+    else if (f == "--layers") int_flag(o.layers);
+    else if (f == "--heads") int_flag(o.heads);
+    else if (f == "--width") int_flag(o.width);
+    else if (f == "--vocab") int_flag(o.vocab);
+    else if (f == "--context") int_flag(o.context);
+    else if (f == "--batch") int_flag(o.batch);
+    else if (f == "--microbatches") int_flag(o.microbatches);
+    else if (f == "--dp") int_flag(o.dp);
+    else if (f == "--tp") int_flag(o.tp);
+    else if (f == "--pp") int_flag(o.pp);
+    else if (f == "--sp") o.sp = true;
+    else if (f == "--zero1") o.zero1 = true;
+    else if (f == "--schedule") o.schedule = value();
+    else if (f == "--chunks") int_flag(o.chunks);
+    else if (f == "--backend") o.backend = value();
+    else if (f == "--mpi") o.mpi = true;
+    else if (f == "--data") o.data = value();
+    else if (f == "--val-fraction") dbl_flag(o.val_fraction);
+    else if (f == "--steps") int_flag(o.steps);
+    else if (f == "--lr") dbl_flag(o.lr);
+    else if (f == "--min-lr") dbl_flag(o.min_lr);
+    else if (f == "--warmup") int_flag(o.warmup);
+    else if (f == "--clip") dbl_flag(o.clip);
+    else if (f == "--weight-decay") dbl_flag(o.weight_decay);
+    else if (f == "--seed") {
+      const int s = to_int(f, value());
+      if (s < 0) TRELLIS_THROW("flag --seed: must be >= 0");
+      o.seed = static_cast<std::uint64_t>(s);
+    } else if (f == "--ckpt-dir") o.ckpt_dir = value();
+    else if (f == "--ckpt-every") int_flag(o.ckpt_every);
+    else if (f == "--resume") o.resume = true;
+    else if (f == "--log") o.log = value();
+    else if (f == "--eval-every") int_flag(o.eval_every);
+    else if (f == "--sample-tokens") int_flag(o.sample_tokens);
+    else if (f == "--temperature") dbl_flag(o.temperature);
+    else if (f == "--prompt") o.prompt = value();
+    else if (f == "--peak-gflops") dbl_flag(o.peak_gflops);
+    else TRELLIS_THROW("unknown flag '", args[i], "' (see --help)");
+  }
+  return o;
+}
+
+inline trellis::train::TrainerConfig trainer_config(const Options& o) {
+  trellis::train::TrainerConfig c;
+  c.model.layers = o.layers;
+  c.model.heads = o.heads;
+  c.model.width = o.width;
+  c.model.vocab = o.vocab;
+  c.model.positions = o.context;
+  c.options.sequence_parallel = o.sp;
+  c.options.seed = o.seed;
+  c.pp = o.pp;
+  c.dp = o.dp;
+  c.tp = o.tp;
+  c.schedule = o.schedule;
+  c.virtual_chunks = o.chunks;
+  c.microbatches = o.microbatches;
+  c.batch = o.batch;
+  c.seq = o.context;
+  c.zero1 = o.zero1;
+  c.adamw.lr = static_cast<float>(o.lr);
+  c.adamw.weight_decay = static_cast<float>(o.weight_decay);
+  c.lr.max_lr = o.lr;
+  c.lr.min_lr = o.min_lr;
+  c.lr.warmup_steps = o.warmup;
+  c.lr.total_steps = o.steps;
+  c.clip = o.clip;
+  c.seed = o.seed;
+  return c;
+}
+
+// Every problem of the options (flags alone and the trainer's layout rules), each saying what to
+// change; `world_size`: the ranks the run has (MPI) or nothing (threads: dp x tp x pp are made).
+inline std::vector<std::string> problems(const Options& o, std::optional<int> world_size = std::nullopt) {
+  std::vector<std::string> out;
+  if (o.backend != "host" && o.backend != "cuda") out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
+  if (o.backend == "cuda")
+    out.push_back("--backend cuda: this train_gpt is built for the host only (the trainer has no CUDA path yet); "
+                  "use --backend host");
+  if (o.steps < 1) out.push_back("--steps must be >= 1");
+  if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");
+  if (o.warmup < 0 || o.warmup >= o.steps) out.push_back("--warmup must be in [0, --steps)");
+  if (o.val_fraction <= 0 || o.val_fraction >= 0.5) out.push_back("--val-fraction must be in (0, 0.5)");
+  if (o.eval_every < 1) out.push_back("--eval-every must be >= 1");
+  if (o.ckpt_every < 0) out.push_back("--ckpt-every must be >= 0");
+  if (o.resume && o.ckpt_dir.empty()) out.push_back("--resume needs --ckpt-dir (where the checkpoints are)");
+  if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
+  if (o.temperature < 0) out.push_back("--temperature must be >= 0");
+  if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
+  if (o.zero1 && o.dp == 1) out.push_back("--zero1 shards the optimizer over dp ranks: it needs --dp > 1");
+  for (auto& p : trellis::train::config_problems(trainer_config(o))) out.push_back(p);
+  if (world_size && *world_size != o.dp * o.tp * o.pp)
+    out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp = " +
+                  std::to_string(o.dp * o.tp * o.pp) + ": start that many or change --dp/--tp/--pp");
+  return out;
+}
+
+// Throws trellis::Error with every problem.
+inline void validate(const Options& o, std::optional<int> world_size = std::nullopt) {
+  auto p = problems(o, world_size);
+  if (p.empty()) return;
+  std::string msg = "cannot start:";
+  for (auto& s : p) msg += "\n  - " + s;
+  TRELLIS_THROW(msg);
+}
+
+}  // namespace train_gpt

@@ -1,0 +1,696 @@
+// train::Trainer: one training step of a GPT-2 over a <pp, dp, tp> mesh of any Communicator.
+//
+//   TrainerConfig cfg{.model = {...}, .pp = 2, .dp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 4};
+//   Trainer<ThreadComm> trainer(comm, cfg);            // a collective over comm (builds the mesh)
+//   StepResult r = trainer.step(batch);                  // batch: this dp rank's rows (train::Batch)
+//   trainer.save(root, loader.state());                  // reshardable checkpoint
+//   TrainState s = trainer.load(*latest_checkpoint(root)); loader.restore(s.data);
+//
+// A step:
+//  1. the rank's rows are cut into `microbatches` microbatches; the loss normaliser is the GLOBAL
+//     token count (all dp ranks, all microbatches), so gradients are those of the global mean loss
+//     and the data-parallel reduction is a plain sum;
+//  2. pp > 1: pipe::execute runs the schedule over this rank's model chunks (GptStage::of over
+//     p * v virtual stages). pp = 1: the plain loop (per microbatch F through the chunks, then B
+//     and W per chunk in reverse); the 1-rank model is cut into one chunk per block so gradients
+//     become final block by block;
+//  3. data parallel (dp > 1, no ZeRO): the gradients go into buckets (<= bucket_elements, in
+//     reverse parameter order within a chunk); when a chunk's LAST W of the step is done its
+//     grads are final, and its buckets start at once as all_reduce_async on the dp communicator.
+//     What overlaps: those reductions run while the rest of the schedule runs (the B/W of earlier
+//     chunks: the other blocks at pp = 1, the other virtual chunk under interleaved / zb_v /
+//     dualpipe_v, and the other microbatches' work and the pipeline drain of the remaining
+//     chunks). Not overlapped: a chunk whose last W is the rank's last action (pp > 1, v = 1: its
+//     only chunk), and wte (its gradient is final only after the tied first/last-stage sum);
+//  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
+//     then reduced over dp;
+//     --zero1 instead: after the schedule, one reduce-scatter of the flat (padded) gradient over
+//     dp, AdamW on this rank's partition only (moments for the partition only), all-gather of the
+//     updated parameters;
+//  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
+//     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
+//     the whole world with ZeRO-1, where dp ranks hold different partitions); clip factor fused
+//     into AdamW; lr from warm-up + cosine at the optimizer's step count.
+// The reported loss is the global mean (sum over pp and dp of the last stage's contributions).
+//
+// Checkpoints (train/checkpoint.hpp, train_state.hpp): every parameter by its GPT-2 name and
+// global shape, each box written once (dp rank 0, tp rank 0 for replicated tensors, the
+// embedding's copy of wte), AdamW moments under the same boxes (ZeRO-1 gathers its partitions
+// first), step, per-rank Rng and the data position. load() reads any other layout's checkpoint.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "trellis/comm/communicator.hpp"
+#include "trellis/comm/mesh.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/nn/gpt.hpp"
+#include "trellis/nn/pipeline_stage.hpp"
+#include "trellis/optim/adamw.hpp"
+#include "trellis/optim/clip.hpp"
+#include "trellis/optim/lr_schedule.hpp"
+#include "trellis/optim/zero.hpp"
+#include "trellis/pipe/executor.hpp"
+#include "trellis/pipe/generators.hpp"
+#include "trellis/train/checkpoint.hpp"
+#include "trellis/train/data.hpp"
+#include "trellis/train/rng.hpp"
+#include "trellis/train/train_state.hpp"
+
+namespace trellis::train {
+
+struct TrainerConfig {
+  nn::GptConfig model{};
+  nn::GptOptions options{};
+  int pp = 1, dp = 1, tp = 1;
+  std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
+  int virtual_chunks = 2;         // v of interleaved_1f1b (vee schedules always hold 2)
+  int microbatches = 1;
+  index_t batch = 8;              // rows of the GLOBAL batch
+  index_t seq = 64;               // T
+  bool zero1 = false;
+  optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+  optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
+  double clip = 1.0;              // max global grad norm (<= 0: no clipping)
+  std::size_t bucket_elements = std::size_t{1} << 18;
+  std::uint64_t seed = 1234;      // Rng streams (one per rank); the model's init seed is options.seed
+};
+
+// Every problem with a layout, each saying what to change; empty when the config is usable.
+inline std::vector<std::string> config_problems(const TrainerConfig& c) {
+  std::vector<std::string> out;
+  auto add = [&](auto&&... parts) {
+    std::ostringstream s;
+    (s << ... << parts);
+    out.push_back(s.str());
+  };
+  const auto& m = c.model;
+  if (c.pp < 1 || c.dp < 1 || c.tp < 1) add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
+  if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
+    add("--layers, --heads, --width, --vocab and --context must be >= 1");
+  if (m.heads >= 1 && m.width % m.heads != 0) add("--width ", m.width, " is not divisible by --heads ", m.heads, ": change one of them");
+  if (c.tp >= 1 && m.heads >= 1 && m.heads % c.tp != 0)
+    add("--tp ", c.tp, " does not divide --heads ", m.heads, ": use a tp that divides the head count");
+  if (c.tp >= 1 && m.vocab < c.tp) add("--vocab ", m.vocab, " is smaller than --tp ", c.tp);
+  if (c.seq < 1 || c.seq > m.positions) add("sequence length ", c.seq, " must be in 1..--context (", m.positions, ")");
+  if (c.microbatches < 1) add("--microbatches must be >= 1 (got ", c.microbatches, ")");
+  if (c.batch < 1) add("--batch must be >= 1 (got ", c.batch, ")");
+  if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 && c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
+    add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
+        " (each dp rank cuts its rows into equal microbatches)");
+  if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
+    add("--sp needs the sequence length ", c.seq, " divisible by --tp ", c.tp);
+  if (c.pp > 1) {
+    const auto names = pipe::schedule_names();
+    if (std::find(names.begin(), names.end(), c.schedule) == names.end()) {
+      std::string known;
+      for (auto& n : names) known += (known.empty() ? "" : ", ") + n;
+      add("unknown --schedule '", c.schedule, "' (known: ", known, ")");
+    } else if (c.schedule == "local_learning") {
+      add("--schedule local_learning trains every stage on its own auxiliary loss, which the GPT model does not "
+          "have: pick another schedule");
+    } else {
+      const int v = c.schedule == "interleaved_1f1b" ? c.virtual_chunks
+                    : (c.schedule == "zb_v" || c.schedule == "dualpipe_v") ? 2 : 1;
+      if (v < 1) add("--chunks must be >= 1");
+      else if (m.layers < static_cast<index_t>(c.pp) * v)
+        add("--layers ", m.layers, " is fewer than the ", c.pp * v, " virtual pipeline stages of '", c.schedule,
+            "' with pp ", c.pp, ": use more layers or a smaller --pp");
+    }
+  }
+  if (c.clip < 0) add("--clip must be >= 0");
+  if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
+  return out;
+}
+
+// Throws trellis::Error listing every problem (with `world_size` also checking dp x tp x pp).
+inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt) {
+  auto problems = config_problems(c);
+  if (world_size && *world_size != c.dp * c.tp * c.pp) {
+    std::ostringstream s;
+    s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x " << c.pp
+      << " = " << c.dp * c.tp * c.pp << ": start " << c.dp * c.tp * c.pp << " ranks or change the layout";
+    problems.push_back(s.str());
+  }
+  if (problems.empty()) return;
+  std::string msg = "invalid training configuration:";
+  for (auto& p : problems) msg += "\n  - " + p;
+  TRELLIS_THROW(msg);
+}
+
+struct StepResult {
+  double loss = 0;       // global mean loss of the step (before the update)
+  double grad_norm = 0;  // global norm before clipping
+  double lr = 0;
+  float clip_scale = 1;
+  std::int64_t step = 0;  // optimizer steps done after this one
+};
+
+// Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
+inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const float> local) {
+  std::vector<float> out(static_cast<std::size_t>(shape_elements(pc.shape)));
+  const std::size_t r = pc.shape.size();
+  std::vector<index_t> idx(r, 0);
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    index_t off = pc.local_offset;
+    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
+    out[k] = local[static_cast<std::size_t>(off)];
+    for (std::size_t d = r; d-- > 0;)
+      if (++idx[d] < pc.shape[d]) break;
+      else idx[d] = 0;
+  }
+  return out;
+}
+inline void scatter_piece(const nn::ShardPiece& pc, std::span<const float> piece, std::span<float> local) {
+  const std::size_t r = pc.shape.size();
+  std::vector<index_t> idx(r, 0);
+  for (std::size_t k = 0; k < piece.size(); ++k) {
+    index_t off = pc.local_offset;
+    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
+    local[static_cast<std::size_t>(off)] = piece[k];
+    for (std::size_t d = r; d-- > 0;)
+      if (++idx[d] < pc.shape[d]) break;
+      else idx[d] = 0;
+  }
+}
+// Reads tensor `name` (the parameter's GPT-2 global shape) into a local array shaped like `p`.
+inline void read_parameter_shaped(const Checkpoint& ck, const std::string& name, const nn::Parameter& p,
+                                  std::span<float> local) {
+  ck.expect(name, DType::f32, p.global_shape);
+  for (const auto& pc : p.pieces()) {
+    std::vector<float> piece(static_cast<std::size_t>(shape_elements(pc.shape)));
+    ck.read(name, DType::f32, Box{pc.offsets, pc.shape}, piece.data());
+    scatter_piece(pc, piece, local);
+  }
+}
+
+template <comm::Communicator C>
+class Trainer {
+ public:
+  using Mesh = comm::Mesh<C, trellis::pp, trellis::dp, trellis::tp>;
+
+  Trainer(C& world, const TrainerConfig& cfg)
+      : cfg_(cfg), mesh_(make_checked_mesh(world, cfg)), pp_comm_(&mesh_.template comm<trellis::pp>()),
+        dp_comm_(&mesh_.template comm<trellis::dp>()), tp_comm_(&mesh_.template comm<trellis::tp>()),
+        pp_dp_comm_(&mesh_.template comm<trellis::pp, trellis::dp>()),
+        pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
+        rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())) {
+    const int pp_rank = mesh_.template coord<trellis::pp>();
+    int chunks = 1, stages = 1;
+    if (cfg_.pp > 1) {
+      schedule_ = pipe::make_schedule(cfg_.schedule, cfg_.pp, cfg_.microbatches, cfg_.virtual_chunks);
+      chunks = schedule_->chunks;
+      stages = schedule_->virtual_stages();
+    } else {
+      chunks = stages = static_cast<int>(cfg_.model.layers);  // one block per chunk: grads final block by block
+    }
+    std::vector<nn::GptModel<C>*> raw;
+    for (int c = 0; c < chunks; ++c) {
+      const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c;
+      models_.push_back(std::make_unique<nn::GptModel<C>>(cfg_.model, *tp_comm_, cfg_.options,
+                                                          nn::GptStage::of(vs, stages, cfg_.model.layers)));
+      raw.push_back(models_.back().get());
+    }
+    shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq};
+    stage_ = std::make_unique<nn::GptPipelineStage<C>>(raw, shape_);
+    // Primary parameters: every parameter once per rank (a second wte copy on this rank aliases
+    // the first and is overwritten after each update).
+    for (std::size_t c = 0; c < models_.size(); ++c)
+      for (nn::Parameter* p : models_[c]->parameters()) {
+        if (p->name == "wte.weight") {
+          if (primary_wte_) {
+            wte_aliases_.push_back(p);
+            continue;
+          }
+          primary_wte_ = p;
+        }
+        params_.push_back(p);
+        chunk_of_.push_back(static_cast<int>(c));
+      }
+    holds_embedding_ = false;
+    for (auto& m : models_) holds_embedding_ = holds_embedding_ || m->stage().embedding;
+    const bool tp0 = mesh_.template coord<trellis::tp>() == 0;
+    for (nn::Parameter* p : params_) {
+      const bool dup_wte = p->name == "wte.weight" && !holds_embedding_;
+      norm_weight_.push_back((p->replicated() && !tp0) || dup_wte ? 0.0f : 1.0f);
+      decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
+    }
+    if (cfg_.zero1) setup_zero1();
+    else {
+      std::vector<index_t> sizes;
+      for (nn::Parameter* p : params_) sizes.push_back(p->numel());
+      state_ = optim::AdamWState(std::span<const index_t>(sizes));
+      if (cfg_.dp > 1) setup_buckets();
+    }
+  }
+
+  const TrainerConfig& config() const { return cfg_; }
+  Mesh& mesh() { return mesh_; }
+  std::int64_t step_count() const { return state_.step(); }
+  const nn::TokenShape& microbatch_shape() const { return shape_; }
+  // This rank's parameters (each once; GPT-2 names, shard boxes via pieces()).
+  const std::vector<nn::Parameter*>& parameters() const { return params_; }
+  std::vector<std::unique_ptr<nn::GptModel<C>>>& chunks() { return models_; }
+  Rng& rng() { return rng_; }
+  // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
+  double exposed_reduction_seconds() const { return exposed_reduce_s_; }
+
+  // Parameters counted once over the whole model (for MFU): a collective over (pp, tp).
+  double global_parameter_count() {
+    double n = 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) n += norm_weight_[i] * static_cast<double>(params_[i]->numel());
+    double total = 0;
+    pp_tp_comm_->all_reduce(&n, &total, 1, comm::ReduceOp::sum);
+    return total;
+  }
+
+  // One optimizer step on this dp rank's rows (batch.rows = global batch / dp, seq = cfg.seq).
+  StepResult step(const Batch& batch) {
+    check_batch(batch);
+    for (auto& m : models_) m->zero_grad();
+    const double token_count = global_token_count(batch);
+    set_microbatches(batch, token_count);
+    w_done_.assign(models_.size(), 0);
+    if (cfg_.pp > 1) {
+      Counting counting{this};
+      pipe::execute(*pp_comm_, *schedule_, counting);
+    } else {
+      run_local_loop();
+    }
+    // the tied wte: sum of the copies' gradients over the chunks and pipeline ranks holding one
+    stage_->all_reduce_tied_wte_grad(*pp_comm_);
+    StepResult r;
+    double loss = stage_->loss();
+    pp_dp_comm_->all_reduce(&loss, &r.loss, 1, comm::ReduceOp::sum);
+    if (cfg_.zero1) zero1_update(r);
+    else {
+      finish_dp_reduction();
+      plain_update(r);
+    }
+    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    r.step = state_.step();
+    return r;
+  }
+
+  // Global mean loss of a batch without training (forward only, activations released).
+  double evaluate(const Batch& batch) {
+    check_batch(batch);
+    const double token_count = global_token_count(batch);
+    set_microbatches(batch, token_count);
+    double loss = 0;
+    const int pp_rank = mesh_.template coord<trellis::pp>();
+    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+      std::vector<float> act;
+      const int stages = cfg_.pp > 1 ? schedule_->virtual_stages() : static_cast<int>(models_.size());
+      auto holder = [&](int vs) -> std::pair<int, int> {  // (pipeline rank, chunk)
+        if (cfg_.pp == 1) return {pp_rank, vs};
+        auto slot = schedule_->locate(vs);
+        return {slot.rank, slot.chunk};
+      };
+      for (int vs = 0; vs < stages; ++vs) {
+        auto [rank, chunk] = holder(vs);
+        if (rank != pp_rank) continue;
+        if (vs > 0 && holder(vs - 1).first != pp_rank) {
+          act.assign(stage_->input_size(chunk), 0.0f);
+          pp_comm_->recv(act.data(), act.size(), holder(vs - 1).first, 0);
+        }
+        std::vector<float> next(stage_->output_size(chunk));
+        const double before = stage_->loss();
+        stage_->forward(mb, chunk, std::span<const float>(act.data(), vs == 0 ? 0 : act.size()), std::span<float>(next));
+        loss += stage_->loss() - before;
+        models_[static_cast<std::size_t>(chunk)]->release(mb);
+        act = std::move(next);
+        if (vs + 1 < stages && holder(vs + 1).first != pp_rank) pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
+      }
+    }
+    double total = 0;
+    pp_dp_comm_->all_reduce(&loss, &total, 1, comm::ReduceOp::sum);
+    return total;
+  }
+
+  // ---- checkpoints -----------------------------------------------------------------------------
+  // Collective over the world: writes <root>/step-N (N = optimizer steps done) and commits it.
+  void save(const std::filesystem::path& root, const DataState& data) {
+    C& world = mesh_.world();
+    CheckpointWriter w(root, state_.step(), world.rank(), world.size());
+    std::vector<std::vector<float>> keep;  // contiguous copies, alive until finish()
+    std::vector<std::vector<float>> m_full, v_full;
+    full_moments(m_full, v_full);
+    const bool writer = mesh_.template coord<trellis::dp>() == 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      nn::Parameter* p = params_[i];
+      if (!writer || norm_weight_[i] == 0.0f) continue;  // each box once
+      for (const auto& pc : p->pieces()) {
+        const Box box{pc.offsets, pc.shape};
+        keep.push_back(gather_piece(pc, p->value));
+        w.add(p->name, DType::f32, p->global_shape, box, keep.back().data());
+        keep.push_back(gather_piece(pc, m_full[i]));
+        const float* m = keep.back().data();
+        keep.push_back(gather_piece(pc, v_full[i]));
+        const float* v = keep.back().data();
+        w.add(optim::adamw_m_name(p->name), DType::f32, p->global_shape, box, m);
+        w.add(optim::adamw_v_name(p->name), DType::f32, p->global_shape, box, v);
+      }
+    }
+    TrainState s;
+    s.step = state_.step();
+    s.rng = rng_;
+    s.data = data;
+    save_train_state(w, s);
+    save_collectively(w, world);
+  }
+
+  // Loads a checkpoint written by any layout (parameters, moments, step, this rank's Rng when the
+  // saving run had this rank); returns the saved train state (restore the loader with .data).
+  TrainState load(const std::filesystem::path& step_dir) {
+    Checkpoint ck(step_dir);
+    TrainState s = load_train_state(ck, mesh_.world().rank());
+    if (mesh_.world().rank() >= ck.world_size()) s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
+    std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      nn::Parameter* p = params_[i];
+      read_parameter_shaped(ck, p->name, *p, p->value);
+      m_full[i].assign(p->value.size(), 0.0f);
+      v_full[i].assign(p->value.size(), 0.0f);
+      read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, m_full[i]);
+      read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, v_full[i]);
+    }
+    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    if (cfg_.zero1) {
+      for (std::size_t k = 0; k < zpieces_.size(); ++k) {
+        const auto& pc = zpieces_[k];
+        auto dst_m = state_.m(k), dst_v = state_.v(k);
+        std::copy_n(m_full[pc.tensor].begin() + pc.tensor_begin, pc.size, dst_m.begin());
+        std::copy_n(v_full[pc.tensor].begin() + pc.tensor_begin, pc.size, dst_v.begin());
+      }
+    } else {
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        std::copy(m_full[i].begin(), m_full[i].end(), state_.m(i).begin());
+        std::copy(v_full[i].begin(), v_full[i].end(), state_.v(i).begin());
+      }
+    }
+    state_.set_step(s.step);
+    rng_ = s.rng;
+    return s;
+  }
+
+ private:
+  // The pipe::Stage the executor drives: forwards to the model stage and starts a chunk's dp
+  // reduction when its last W of the step is done.
+  struct Counting {
+    using value_type = float;
+    Trainer* t;
+    std::size_t input_size(int c) const { return t->stage_->input_size(c); }
+    std::size_t output_size(int c) const { return t->stage_->output_size(c); }
+    void forward(int mb, int c, std::span<const float> in, std::span<float> out) { t->stage_->forward(mb, c, in, out); }
+    void backward_input(int mb, int c, std::span<const float> g, std::span<float> gi) {
+      t->stage_->backward_input(mb, c, g, gi);
+    }
+    void backward_weight(int mb, int c) {
+      t->stage_->backward_weight(mb, c);
+      if (++t->w_done_[static_cast<std::size_t>(c)] == t->cfg_.microbatches) t->start_chunk_reduction(c);
+    }
+  };
+
+  struct Bucket {
+    int chunk = 0;
+    std::vector<std::size_t> params;  // indices into params_
+    std::vector<float> buffer;
+    std::optional<typename C::request_type> request;
+  };
+
+  static Mesh make_checked_mesh(C& world, const TrainerConfig& cfg) {
+    check_config(cfg, world.size());
+    return comm::make_mesh<trellis::pp, trellis::dp, trellis::tp>(world, {cfg.pp, cfg.dp, cfg.tp});
+  }
+
+  void check_batch(const Batch& b) const {
+    TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == cfg_.batch / cfg_.dp, "Trainer (rank ", mesh_.rank(),
+                  "): batch of ", b.rows, " x ", b.seq_len, " rows, expected ", cfg_.batch / cfg_.dp, " x ", cfg_.seq,
+                  " (global batch / dp x sequence length)");
+  }
+  double global_token_count(const Batch& b) {
+    double local = 0, total = 0;
+    for (auto t : b.targets) local += t >= 0;
+    dp_comm_->all_reduce(&local, &total, 1, comm::ReduceOp::sum);
+    return total;
+  }
+  void set_microbatches(const Batch& b, double token_count) {
+    std::vector<const std::int32_t*> tokens, targets;
+    const index_t per = shape_.rows();
+    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+      tokens.push_back(b.inputs.data() + mb * per);
+      targets.push_back(b.targets.data() + mb * per);
+    }
+    stage_->set_batch(std::move(tokens), std::move(targets), token_count);
+  }
+
+  void run_local_loop() {
+    Counting counting{this};
+    const int chunks = static_cast<int>(models_.size());
+    std::vector<std::vector<float>> acts(static_cast<std::size_t>(chunks));
+    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+      std::vector<float> in;
+      for (int c = 0; c < chunks; ++c) {
+        std::vector<float> out(stage_->output_size(c));
+        counting.forward(mb, c, std::span<const float>(in), std::span<float>(out));
+        in = std::move(out);
+      }
+      std::vector<float> grad_out;
+      for (int c = chunks - 1; c >= 0; --c) {
+        std::vector<float> grad_in(c > 0 ? stage_->input_size(c) : 0);
+        counting.backward_input(mb, c, std::span<const float>(grad_out), std::span<float>(grad_in));
+        counting.backward_weight(mb, c);
+        grad_out = std::move(grad_in);
+      }
+    }
+  }
+
+  void setup_buckets() {
+    for (int c = static_cast<int>(models_.size()) - 1; c >= 0; --c) {
+      std::vector<std::size_t> idx;
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (chunk_of_[i] == c && params_[i] != primary_wte_) idx.push_back(i);
+      std::reverse(idx.begin(), idx.end());  // backward order
+      Bucket b;
+      b.chunk = c;
+      std::size_t n = 0;
+      for (std::size_t i : idx) {
+        const auto sz = static_cast<std::size_t>(params_[i]->numel());
+        if (!b.params.empty() && n + sz > cfg_.bucket_elements) {
+          b.buffer.resize(n);
+          buckets_.push_back(std::move(b));
+          b = Bucket{};
+          b.chunk = c;
+          n = 0;
+        }
+        b.params.push_back(i);
+        n += sz;
+      }
+      if (!b.params.empty()) {
+        b.buffer.resize(n);
+        buckets_.push_back(std::move(b));
+      }
+    }
+    if (primary_wte_) {
+      Bucket b;
+      b.chunk = -1;  // after the tied reduction
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (params_[i] == primary_wte_) b.params.push_back(i);
+      b.buffer.resize(primary_wte_->value.size());
+      buckets_.push_back(std::move(b));
+    }
+  }
+
+  void start_bucket(Bucket& b) {
+    float* dst = b.buffer.data();
+    for (std::size_t i : b.params) dst = std::copy(params_[i]->grad.begin(), params_[i]->grad.end(), dst);
+    b.request.emplace(dp_comm_->all_reduce_async(b.buffer.data(), b.buffer.data(), b.buffer.size(), comm::ReduceOp::sum));
+  }
+  void start_chunk_reduction(int chunk) {
+    if (cfg_.zero1 || cfg_.dp == 1) return;
+    for (auto& b : buckets_)
+      if (b.chunk == chunk) start_bucket(b);
+  }
+  void finish_dp_reduction() {
+    if (cfg_.dp == 1) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& b : buckets_)
+      if (b.chunk < 0) start_bucket(b);
+    for (auto& b : buckets_) {
+      TRELLIS_CHECK(b.request.has_value(), "Trainer (rank ", mesh_.rank(), "): a gradient bucket of chunk ", b.chunk,
+                    " was never started (a chunk saw fewer W than microbatches)");
+      b.request->wait();
+      b.request.reset();
+      const float* src = b.buffer.data();
+      for (std::size_t i : b.params) {
+        std::copy(src, src + params_[i]->grad.size(), params_[i]->grad.begin());
+        src += params_[i]->grad.size();
+      }
+    }
+    exposed_reduce_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  float lr_now() const { return static_cast<float>(cfg_.lr(state_.step())); }
+
+  void plain_update(StepResult& r) {
+    double sq = 0;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (norm_weight_[i] != 0.0f)
+        for (float g : params_[i]->grad) sq += static_cast<double>(g) * g;
+    double total = 0;
+    pp_tp_comm_->all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
+    finish_update(r, total, [&](float lr, float scale) {
+      std::vector<std::span<float>> values;
+      std::vector<std::span<const float>> grads;
+      for (nn::Parameter* p : params_) {
+        values.emplace_back(p->value);
+        grads.emplace_back(p->grad);
+      }
+      state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(decay_), scale);
+    });
+  }
+
+  template <class F>
+  void finish_update(StepResult& r, double sum_squares, F&& update) {
+    r.grad_norm = std::sqrt(sum_squares);
+    r.clip_scale = cfg_.clip > 0 ? kernels::host::clip_scale(r.grad_norm, cfg_.clip) : 1.0f;
+    const float lr = lr_now();
+    r.lr = lr;
+    update(lr, r.clip_scale);
+  }
+
+  // ---- ZeRO-1 ----------------------------------------------------------------------------------
+  void setup_zero1() {
+    std::vector<index_t> sizes;
+    for (nn::Parameter* p : params_) sizes.push_back(p->numel());
+    layout_ = optim::pack_flat(std::span<const index_t>(sizes));
+    const int dp = cfg_.dp, r = mesh_.template coord<trellis::dp>();
+    partition_ = optim::zero1_partition(layout_.total, dp, r);
+    part_max_ = shard::max_chunk(layout_.total, dp);
+    zpieces_ = optim::pieces_in(layout_, partition_);
+    std::vector<index_t> piece_sizes;
+    for (auto& pc : zpieces_) {
+      piece_sizes.push_back(pc.size);
+      zdecay_.push_back(decay_[pc.tensor]);
+    }
+    state_ = optim::AdamWState(std::span<const index_t>(piece_sizes));
+  }
+  // Flat buffer of dp * part_max_ elements where rank j's partition starts at j * part_max_.
+  std::vector<float> padded_flat(bool grads) const {
+    const int dp = cfg_.dp;
+    std::vector<float> out(static_cast<std::size_t>(dp * part_max_), 0.0f);
+    for (int j = 0; j < dp; ++j) {
+      const auto part = optim::zero1_partition(layout_.total, dp, j);
+      for (auto& pc : optim::pieces_in(layout_, part)) {
+        const auto& src = grads ? params_[pc.tensor]->grad : params_[pc.tensor]->value;
+        std::copy_n(src.begin() + pc.tensor_begin, pc.size, out.begin() + j * part_max_ + pc.partition_begin);
+      }
+    }
+    return out;
+  }
+  void zero1_update(StepResult& r) {
+    const auto flat = padded_flat(true);
+    std::vector<float> part(static_cast<std::size_t>(part_max_));
+    dp_comm_->reduce_scatter(flat.data(), part.data(), part.size(), comm::ReduceOp::sum);
+    double sq = 0;
+    for (auto& pc : zpieces_)
+      if (norm_weight_[pc.tensor] != 0.0f)
+        for (index_t k = 0; k < pc.size; ++k) {
+          const double g = part[static_cast<std::size_t>(pc.partition_begin + k)];
+          sq += g * g;
+        }
+    double total = 0;
+    mesh_.world().all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
+    finish_update(r, total, [&](float lr, float scale) {
+      std::vector<std::span<float>> values;
+      std::vector<std::span<const float>> grads;
+      for (auto& pc : zpieces_) {
+        values.emplace_back(params_[pc.tensor]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
+        grads.emplace_back(part.data() + pc.partition_begin, static_cast<std::size_t>(pc.size));
+      }
+      state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
+    });
+    // all-gather of the updated partitions
+    std::vector<float> mine(static_cast<std::size_t>(part_max_), 0.0f);
+    for (auto& pc : zpieces_)
+      std::copy_n(params_[pc.tensor]->value.begin() + pc.tensor_begin, pc.size, mine.begin() + pc.partition_begin);
+    std::vector<float> all(static_cast<std::size_t>(cfg_.dp * part_max_));
+    dp_comm_->all_gather(mine.data(), all.data(), mine.size());
+    for (int j = 0; j < cfg_.dp; ++j)
+      for (auto& pc : optim::pieces_in(layout_, optim::zero1_partition(layout_.total, cfg_.dp, j)))
+        std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size,
+                    params_[pc.tensor]->value.begin() + pc.tensor_begin);
+  }
+
+  // AdamW moments shaped like each parameter's local shard (ZeRO-1: gathered over dp).
+  void full_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) {
+    m.assign(params_.size(), {});
+    v.assign(params_.size(), {});
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      m[i].assign(params_[i]->value.size(), 0.0f);
+      v[i].assign(params_[i]->value.size(), 0.0f);
+    }
+    if (!cfg_.zero1) {
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        std::copy(state_.m(i).begin(), state_.m(i).end(), m[i].begin());
+        std::copy(state_.v(i).begin(), state_.v(i).end(), v[i].begin());
+      }
+      return;
+    }
+    for (int which = 0; which < 2; ++which) {
+      auto& out = which == 0 ? m : v;
+      std::vector<float> mine(static_cast<std::size_t>(part_max_), 0.0f);
+      for (std::size_t k = 0; k < zpieces_.size(); ++k) {
+        auto src = which == 0 ? state_.m(k) : state_.v(k);
+        std::copy(src.begin(), src.end(), mine.begin() + zpieces_[k].partition_begin);
+      }
+      std::vector<float> all(static_cast<std::size_t>(cfg_.dp * part_max_));
+      dp_comm_->all_gather(mine.data(), all.data(), mine.size());
+      for (int j = 0; j < cfg_.dp; ++j)
+        for (auto& pc : optim::pieces_in(layout_, optim::zero1_partition(layout_.total, cfg_.dp, j)))
+          std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size, out[pc.tensor].begin() + pc.tensor_begin);
+    }
+  }
+
+  TrainerConfig cfg_;
+  Mesh mesh_;
+  C* pp_comm_;
+  C* dp_comm_;
+  C* tp_comm_;
+  C* pp_dp_comm_;
+  C* pp_tp_comm_;
+  Rng rng_;
+  std::optional<pipe::Schedule> schedule_;
+  std::vector<std::unique_ptr<nn::GptModel<C>>> models_;
+  nn::TokenShape shape_{};
+  std::unique_ptr<nn::GptPipelineStage<C>> stage_;
+  std::vector<nn::Parameter*> params_;
+  std::vector<int> chunk_of_;
+  nn::Parameter* primary_wte_ = nullptr;
+  std::vector<nn::Parameter*> wte_aliases_;
+  bool holds_embedding_ = false;
+  std::vector<float> norm_weight_, decay_;
+  optim::AdamWState state_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> w_done_;
+  double exposed_reduce_s_ = 0;
+  // ZeRO-1
+  optim::FlatLayout layout_;
+  shard::Chunk partition_{};
+  index_t part_max_ = 0;
+  std::vector<optim::FlatPiece> zpieces_;
+  std::vector<float> zdecay_;
+};
+
+}  // namespace trellis::train
