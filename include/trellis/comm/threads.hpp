@@ -466,7 +466,7 @@ inline std::size_t max_count(DType dtype, std::size_t blocks = 1) {
 // ------------------------------------------------------------------------------------------------
 // One rank's view of one communicator: settings, recorder, progress thread.
 
-class ThreadRankState : public std::enable_shared_from_this<ThreadRankState> {
+class ThreadRankState {
  public:
   ThreadRankState(std::shared_ptr<ThreadGroup> g, int r, std::chrono::milliseconds timeout, bool debug)
       : group_(std::move(g)), rank_(r), timeout_(timeout), debug_(debug) {
