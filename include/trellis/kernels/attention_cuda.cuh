@@ -257,10 +257,11 @@ template <int D>
 constexpr std::size_t forward_smem_bytes() {
   return 5 * std::size_t{kBlockRows} * (D + kPad) * sizeof(std::uint16_t);
 }
+// Backward: K, V, two stages of (Q, dO), dS^T, and two stages of (lse, delta) rows.
 template <int D>
 constexpr std::size_t backward_smem_bytes() {
-  return 4 * std::size_t{kBlockRows} * (D + kPad) * sizeof(std::uint16_t) +
-         std::size_t{kBlockRows} * (kBlockCols + kPad) * sizeof(std::uint16_t) + 2 * kBlockCols * sizeof(float);
+  return 6 * std::size_t{kBlockRows} * (D + kPad) * sizeof(std::uint16_t) +
+         std::size_t{kBlockRows} * (kBlockCols + kPad) * sizeof(std::uint16_t) + 4 * kBlockCols * sizeof(float);
 }
 
 // ---- kernels -----------------------------------------------------------------------------------
@@ -469,13 +470,15 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   constexpr int kLd = D + kPad;
   constexpr int kLdS = kBlockCols + kPad;
   extern __shared__ __align__(16) std::uint16_t smem[];
-  std::uint16_t* k_tile = smem;                          // (64 keys, D)
-  std::uint16_t* v_tile = k_tile + kBlockRows * kLd;      // (64 keys, D)
-  std::uint16_t* q_tile = v_tile + kBlockRows * kLd;      // (64 queries, D)
-  std::uint16_t* do_tile = q_tile + kBlockRows * kLd;     // (64 queries, D)
-  std::uint16_t* ds_tile = do_tile + kBlockRows * kLd;    // (64 keys, 64 queries): dS^T
-  float* lse_tile = reinterpret_cast<float*>(ds_tile + kBlockRows * kLdS);  // (64)
-  float* delta_tile = lse_tile + kBlockCols;                                // (64)
+  constexpr int kTile = kBlockRows * kLd;
+  std::uint16_t* k_tile = smem;           // (64 keys, D)
+  std::uint16_t* v_tile = smem + kTile;   // (64 keys, D)
+  // Two stages of (Q, dO) tiles, (64 queries, D) each, so the next pair loads during this one.
+  auto q_stage = [&](int stage) { return smem + (2 + 2 * stage) * kTile; };
+  auto do_stage = [&](int stage) { return smem + (3 + 2 * stage) * kTile; };
+  std::uint16_t* ds_tile = smem + 6 * kTile;  // (64 keys, 64 queries): dS^T
+  // Two stages of (lse, delta), 64 floats each.
+  auto lse_stage = [&](int stage) { return reinterpret_cast<float*>(ds_tile + kBlockRows * kLdS) + 2 * kBlockCols * stage; };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int kv_heads = heads / group_size;
@@ -502,21 +505,47 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     first_query_block = first_query <= 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(query_blocks), first_query / kBlockCols));
   }
 
-  for (int hh = 0; hh < group_size; ++hh) {
-    const std::int64_t bh = static_cast<std::int64_t>(b) * heads + kvh * group_size + hh;
-    const std::uint16_t* q_head = q + bh * q_len * D;
-    const std::uint16_t* do_head = dout + bh * q_len * D;
-    for (int qb = first_query_block; qb < query_blocks; ++qb) {
-      const std::int64_t q0 = static_cast<std::int64_t>(qb) * kBlockCols;
-      __syncthreads();  // previous tiles consumed
-      load_tile<D>(q_tile, q_head, q0, q_len);
-      load_tile<D>(do_tile, do_head, q0, q_len);
-      for (int i = threadIdx.x; i < kBlockCols; i += kThreads) {
-        bool valid = q0 + i < q_len;
-        lse_tile[i] = valid ? lse[bh * q_len + q0 + i] : 0.0f;
-        delta_tile[i] = valid ? delta[bh * q_len + q0 + i] : 0.0f;
-      }
-      __syncthreads();
+  // Work items: every query block this key block meets, for every q head of the group.
+  const int blocks_per_head = query_blocks - first_query_block;
+  const int items = blocks_per_head > 0 ? group_size * blocks_per_head : 0;
+  auto item_head = [&](int item) {  // (b, q head) row index of the [B*Hq, T, D] tensors
+    return static_cast<std::int64_t>(b) * heads + kvh * group_size + item / blocks_per_head;
+  };
+  auto item_q0 = [&](int item) {
+    return static_cast<std::int64_t>(first_query_block + item % blocks_per_head) * kBlockCols;
+  };
+  // Starts the loads of work item `item` into `stage`: Q and dO through cp.async (one group), lse
+  // and delta with plain stores. The stage was last read before the mid-iteration barrier of the
+  // previous item, which every thread has passed.
+  auto issue = [&](int item, int stage) {
+    const std::int64_t bh = item_head(item), q0 = item_q0(item);
+    load_tile_async<D>(q_stage(stage), q + bh * q_len * D, q0, q_len);
+    load_tile_async<D>(do_stage(stage), dout + bh * q_len * D, q0, q_len);
+    cp_async_commit();
+    float* lse_rows = lse_stage(stage);
+    for (int i = threadIdx.x; i < kBlockCols; i += kThreads) {
+      const bool valid = q0 + i < q_len;
+      lse_rows[i] = valid ? lse[bh * q_len + q0 + i] : 0.0f;
+      lse_rows[kBlockCols + i] = valid ? delta[bh * q_len + q0 + i] : 0.0f;
+    }
+  };
+  if (items > 0) issue(0, 0);
+
+  for (int item = 0; item < items; ++item) {
+    const int stage = item & 1;
+    if (item + 1 < items) {
+      issue(item + 1, stage ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // this item's tiles (and K, V, and the previous dQ reads of dS) settled
+    {
+      const std::int64_t bh = item_head(item), q0 = item_q0(item);
+      const std::uint16_t* q_tile = q_stage(stage);
+      const std::uint16_t* do_tile = do_stage(stage);
+      const float* lse_tile = lse_stage(stage);
+      const float* delta_tile = lse_tile + kBlockCols;
 
       // S^T and dP^T for this warp's 16 keys x 64 queries.
       float st[kBlockCols / 8][4], dpt[kBlockCols / 8][4];
