@@ -109,7 +109,7 @@ struct CBlock {
 
 // Product of one row block: c = alpha * op(A)[rows] op(B) + beta * c, A and B fp32.
 inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
-                          const CBlock& blk, std::vector<float>& scratch) {
+                          const CBlock& blk) {
   const std::int64_t n = args.n, k = args.k;
   const bool row_major = args.layout == Layout::row_major;
   // A row of op(A): element (i, p) of op(A).
@@ -126,7 +126,6 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
   }
 #if defined(TRELLIS_HAS_CBLAS)
   (void)a_at;
-  (void)scratch;
   const float* a_block = args.op_a == Op::none ? a + args.offset(blk.row0, 0, lda) : a + args.offset(0, blk.row0, lda);
   char ta = args.op_a == Op::none ? 'N' : 'T', tb = args.op_b == Op::none ? 'N' : 'T';
   int rows = static_cast<int>(blk.rows), cols = static_cast<int>(n), depth = static_cast<int>(k);
@@ -141,7 +140,7 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
     sgemm_(&ta, &tb, &rows, &cols, &depth, &alpha, am, &ld_a, bm, &ld_b, &beta, blk.c, &ld_c);
   }
 #else
-  // scratch holds op(B) packed row-major (k x n), prepared by the caller; acc is one row of C.
+  // b holds op(B) packed row-major (k x n), prepared by the caller; acc is one row of C.
   const float* bp = b;
   (void)ldb;
   std::vector<float> acc(static_cast<std::size_t>(n));
@@ -172,7 +171,6 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
       }
     }
   }
-  (void)scratch;
 #endif
 }
 
@@ -356,7 +354,7 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
       bf = bpack.data();
     }
 
-    auto run_block = [&](std::int64_t blk_index, std::vector<float>& cbuf, std::vector<float>& scratch) {
+    auto run_block = [&](std::int64_t blk_index, std::vector<float>& cbuf) {
       const std::int64_t row0 = blk_index * row_block;
       const std::int64_t rows = std::min(row_block, m - row0);
       detail::CBlock blk{};
@@ -375,7 +373,7 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
             for (std::int64_t j = 0; j < n; ++j)
               blk.c[args.offset(r, j, blk.ldc)] = to_float(c_b[args.offset(row0 + r, j, ldc)]);
       }
-      detail::block_product(args, af, lda, bf, ldb, blk, scratch);
+      detail::block_product(args, af, lda, bf, ldb, blk);
       TE* pre = nullptr;
       if constexpr (traits::reads_pre || traits::writes_pre) {
         using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
@@ -407,12 +405,12 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
     };
 
     if constexpr (gemm_uses_cblas()) {
-      std::vector<float> cbuf, scratch;
-      for (std::int64_t blk = 0; blk < blocks; ++blk) run_block(blk, cbuf, scratch);
+      std::vector<float> cbuf;  // fp32 block of a 16-bit C
+      for (std::int64_t blk = 0; blk < blocks; ++blk) run_block(blk, cbuf);
     } else {
       parallel_for(blocks, [&](std::int64_t blk) {
-        std::vector<float> cbuf, scratch;
-        run_block(blk, cbuf, scratch);
+        std::vector<float> cbuf;
+        run_block(blk, cbuf);
       });
     }
   }
