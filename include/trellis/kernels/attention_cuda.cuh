@@ -286,8 +286,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(
   const std::int64_t causal_offset = kv_len - q_len;  // row i sees keys j <= i + offset
   // Causal: the longest rows first, so the short blocks fill the tail of the grid.
   const int qb = Causal ? query_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  const std::int64_t kv_bh = static_cast<std::int64_t>(b) * (heads / group_size) + h / group_size;
+  const int bh = blockIdx.y, batch = bh / heads, h = bh % heads;
+  const std::int64_t kv_bh = static_cast<std::int64_t>(batch) * (heads / group_size) + h / group_size;
   const std::uint16_t* q_head = q + static_cast<std::int64_t>(bh) * q_len * D;
   const std::uint16_t* k_head = k + kv_bh * kv_len * D;
   const std::uint16_t* v_head = v + kv_bh * kv_len * D;
@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int kv_heads = heads / group_size;
   const int kb = blockIdx.x;
-  const int kv_bh = blockIdx.y, b = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
+  const int kv_bh = blockIdx.y, batch = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
   const std::int64_t key0 = static_cast<std::int64_t>(kb) * kBlockRows;
   const float scale_log2 = scale * kLog2e;
   const std::int64_t causal_offset = kv_len - q_len;  // query i sees keys j <= i + offset
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   const int blocks_per_head = query_blocks - first_query_block;
   const int items = blocks_per_head > 0 ? group_size * blocks_per_head : 0;
   auto item_head = [&](int item) {  // (b, q head) row index of the [B*Hq, T, D] tensors
-    return static_cast<std::int64_t>(b) * heads + kvh * group_size + item / blocks_per_head;
+    return static_cast<std::int64_t>(batch) * heads + kvh * group_size + item / blocks_per_head;
   };
   auto item_q0 = [&](int item) {
     return static_cast<std::int64_t>(first_query_block + item % blocks_per_head) * kBlockCols;
