@@ -11,6 +11,8 @@ scripts/setup.sh
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 jobs="${TRELLIS_JOBS:-$(nproc)}"
+# Relative paths in ccache keys: a fresh clone elsewhere reuses this machine's cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 
 echo "== host: configure, build, test"
 cmake --preset host
