@@ -5,6 +5,7 @@
 #include "trellis/nn/attention.hpp"
 #include "trellis/nn/block.hpp"
 #include "trellis/nn/cross_entropy.hpp"
+#include "trellis/nn/dropout.hpp"
 #include "trellis/nn/embedding.hpp"
 #include "trellis/nn/gpt.hpp"
 #include "trellis/nn/layernorm.hpp"

@@ -33,6 +33,7 @@ using nn_test::kBatch;
 using nn_test::kSeq;
 using nn_test::make_ids;
 using nn_test::tiny;
+constexpr std::uint64_t kDropoutSeed = 2024;
 
 // ---- an independent naive GPT-2 in double -------------------------------------------------
 using Params = std::map<std::string, std::vector<double>>;
@@ -135,6 +136,7 @@ struct ModelRun {
   int stages = 1;
   int microbatches = 1;
   bool deferred_w = false;  // all B passes (reverse order) before any W
+  float dropout = 0.0f;     // microbatch mb's masks: seed splitmix64(kDropoutSeed + mb), as GptPipelineStage
   index_t vocab = 96;
 };
 
@@ -150,6 +152,7 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
     opt.sequence_parallel = o.sp;
     opt.overlap_chunks = o.chunks;
     opt.recompute = o.recompute;
+    opt.dropout = o.dropout;
     std::vector<std::unique_ptr<GptModel<Comm>>> stages;
     for (int s = 0; s < o.stages; ++s)
       stages.push_back(std::make_unique<GptModel<Comm>>(cfg, comm, opt, GptStage::of(s, o.stages, cfg.layers)));
@@ -158,6 +161,7 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
         for (index_t i = 0; i < p->numel(); ++i) out.put("init:" + p->name, p->global_numel(), p->global_index(i), p->value[i]);
         if (randomize_scale > 0) nn_test::randomize(*p, randomize_scale);
       }
+    auto shape_of = [](int mb) { return TokenShape{kBatch, kSeq, nn::detail::splitmix64(kDropoutSeed + mb)}; };
     const TokenShape shape{kBatch, kSeq};
     const index_t act = stages[0]->local_rows(shape) * cfg.width;
     // acts[mb][s]: output of stage s; grads[mb][s]: gradient of stage s's input.
@@ -172,13 +176,13 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
     }
     auto backward_input = [&](int mb) {
       for (int s = o.stages - 1; s >= 0; --s)
-        stages[s]->backward_input(mb, shape, s + 1 < o.stages ? grads[mb][s + 1].data() : nullptr,
+        stages[s]->backward_input(mb, shape_of(mb), s + 1 < o.stages ? grads[mb][s + 1].data() : nullptr,
                                   s > 0 ? grads[mb][s].data() : nullptr);
     };
     for (int mb = 0; mb < o.microbatches; ++mb) {
       for (int s = 0; s < o.stages; ++s) {
         StageInput in{tokens[mb].data(), s > 0 ? acts[mb][s - 1].data() : nullptr, targets[mb].data(), token_count};
-        loss += stages[s]->forward(mb, shape, in, acts[mb][s].data());
+        loss += stages[s]->forward(mb, shape_of(mb), in, acts[mb][s].data());
       }
       if (!o.deferred_w) {
         backward_input(mb);
@@ -311,6 +315,57 @@ TEST_CASE("GPT-2 with tensor parallelism equals the 1-rank model", "[nn][gpt][tp
   }
 }
 
+TEST_CASE("GPT-2 with dropout: tp / sp / overlap / recompute equal the 1-rank model", "[nn][gpt][tp][dropout]") {
+  ModelRun base;
+  base.dropout = 0.1f;
+  base.microbatches = 2;
+  Collector ref, none;
+  run_model(base, ref);
+  ModelRun no_dropout = base;
+  no_dropout.dropout = 0.0f;
+  run_model(no_dropout, none);
+  CHECK(std::fabs(ref.scalar - none.scalar) > 1e-4);  // the masks do change the loss
+  for (ModelRun o : {ModelRun{2, true, 2, false}, ModelRun{2, false, 1, true}, ModelRun{4, true, 1, true}}) {
+    o.dropout = base.dropout;
+    o.microbatches = base.microbatches;
+    Collector got;
+    run_model(o, got);
+    INFO("tp=" << o.tp << " sp=" << o.sp << " chunks=" << o.chunks << " recompute=" << o.recompute);
+    CHECK(std::fabs(got.scalar - ref.scalar) <= 1e-5 * std::fabs(ref.scalar));
+    for (const std::string& key : ref.keys()) {
+      INFO(key);
+      REQUIRE(got.complete(key));
+      CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
+    }
+  }
+}
+
+TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]") {
+  Dropout d(0.25f, "h.0.mlp");
+  std::vector<float> x(64 * 1000, 1.0f);
+  d.apply(7, 0, 1000, 64, x.data());
+  double kept = 0;
+  int bad = 0;
+  for (float v : x) {
+    bad += !(v == 0.0f || std::fabs(v - 1.0f / 0.75f) < 1e-6f);  // dropped, or kept and scaled
+    kept += v != 0.0f;
+  }
+  CHECK(bad == 0);
+  CHECK(kept / x.size() == Approx(0.75).margin(0.01));  // 64000 draws: sd 0.0017
+  // Applying to rows [500, 1000) alone gives the same mask as the full tensor's rows 500..999.
+  std::vector<float> part(64 * 500, 1.0f);
+  d.apply(7, 500, 500, 64, part.data());
+  CHECK(std::equal(part.begin(), part.end(), x.begin() + 64 * 500));
+  // Another seed or site draws another mask; p = 0 is the identity.
+  int differ = 0;
+  for (index_t c = 0; c < 64; ++c) differ += d.keep(7, 3, c) != d.keep(8, 3, c);
+  CHECK(differ > 10);  // expected 64 * 2 * 0.25 * 0.75 = 24
+  std::vector<float> y(10, 2.0f);
+  Dropout(0.0f, "x").apply(7, 0, 1, 10, y.data());
+  CHECK(y == std::vector<float>(10, 2.0f));
+  CHECK_THROWS_AS(Dropout(1.0f, "x"), Error);
+}
+
 TEST_CASE("uneven vocabulary shards (97 over tp 2 and 4) equal the 1-rank model", "[nn][gpt][tp][uneven]") {
   Collector ref;
   ModelRun base;
@@ -430,7 +485,8 @@ TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][para
 // ---- driven by pipe::execute on a pp x tp thread mesh ----------------------------------------
 // A make_mesh<pp, tp> over the thread world: the model gets mesh.comm<tp>(), pipe::execute
 // mesh.comm<pp>(). Every schedule must give the gradients of the unsplit 1-rank model.
-void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool sp, int microbatches, Collector& out) {
+void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool sp, int microbatches, Collector& out,
+                  float dropout = 0.0f) {
   const GptConfig cfg = tiny();
   const double token_count = count_targets(microbatches, cfg.vocab);
   const auto schedule = pipe::make_schedule(schedule_name, pp, microbatches, v);
@@ -443,6 +499,7 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
     Comm& pp_comm = mesh.comm<trellis::pp>();
     GptOptions opt;
     opt.sequence_parallel = sp;
+    opt.dropout = dropout;
     std::vector<std::unique_ptr<GptModel<Comm>>> models;
     std::vector<GptModel<Comm>*> chunks;
     for (int c = 0; c < schedule.chunks; ++c) {
@@ -460,7 +517,7 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
     }
     for (int mb = 0; mb < microbatches; ++mb) tok_ptr.push_back(tokens[mb].data()), tgt_ptr.push_back(targets[mb].data());
     GptPipelineStage<Comm> stage(chunks, TokenShape{kBatch, kSeq});
-    stage.set_batch(tok_ptr, tgt_ptr, token_count);
+    stage.set_batch(tok_ptr, tgt_ptr, token_count, kDropoutSeed);
     pipe::execute(pp_comm, schedule, stage);
     stage.all_reduce_tied_wte_grad(pp_comm);
     for (auto* m : chunks) {
@@ -474,26 +531,31 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
 }
 
 TEST_CASE("pipeline schedules driving GptPipelineStage equal the unsplit model", "[nn][gpt][pipe]") {
-  Collector ref;
+  Collector ref, ref_dropout;
   run_model({1, false, 1, false, 1, 4, false}, ref);
+  ModelRun with_dropout{1, false, 1, false, 1, 4, false};
+  with_dropout.dropout = 0.1f;
+  run_model(with_dropout, ref_dropout);
   struct Setup {
     const char* schedule;
     int pp, v, tp;
     bool sp;
+    float dropout = 0.0f;
   };
-  const Setup setups[] = {{"1f1b", 2, 1, 1, false}, {"zb_h1", 2, 1, 2, true}, {"interleaved_1f1b", 2, 2, 1, false},
-                          {"zb_v", 2, 2, 1, false}};
+  const Setup setups[] = {{"1f1b", 2, 1, 1, false},          {"zb_h1", 2, 1, 2, true}, {"interleaved_1f1b", 2, 2, 1, false},
+                          {"zb_v", 2, 2, 1, false},          {"zb_h1", 2, 1, 2, true, 0.1f}};
   for (const Setup& s : setups) {
     Collector got;
-    run_pipeline(s.schedule, s.pp, s.v, s.tp, s.sp, 4, got);
-    INFO(s.schedule << " pp=" << s.pp << " v=" << s.v << " tp=" << s.tp << " sp=" << s.sp);
-    CHECK(std::fabs(got.scalar - ref.scalar) <= 1e-5 * std::fabs(ref.scalar));
+    run_pipeline(s.schedule, s.pp, s.v, s.tp, s.sp, 4, got, s.dropout);
+    INFO(s.schedule << " pp=" << s.pp << " v=" << s.v << " tp=" << s.tp << " sp=" << s.sp << " dropout=" << s.dropout);
+    const Collector& want = s.dropout > 0 ? ref_dropout : ref;
+    CHECK(std::fabs(got.scalar - want.scalar) <= 1e-5 * std::fabs(want.scalar));
     CHECK(got.replica_diff() <= 1e-6f);
-    for (const std::string& key : ref.keys()) {
+    for (const std::string& key : want.keys()) {
       if (key.rfind("init:", 0) == 0) continue;
       INFO(key);
       REQUIRE(got.complete(key));
-      CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
+      CHECK(rel_error(got.get(key), want.get(key)) <= 2e-5);
     }
   }
 }

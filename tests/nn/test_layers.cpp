@@ -161,6 +161,15 @@ std::vector<Case> all_cases() {
     };
     cases.push_back(c);
   }
+  {
+    Case c{"transformer block with dropout 0.2 and recompute", {{2, 8, 99}, 32, 32, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      BlockConfig bc{32, 4, 0, 1e-5f, true, 0.2f};
+      auto l = std::make_shared<TransformerBlock<Comm>>("h.0", bc, tp);
+      return bind(l, identity_map(32), identity_map(32));
+    };
+    cases.push_back(c);
+  }
   return cases;
 }
 

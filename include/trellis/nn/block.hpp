@@ -1,4 +1,6 @@
 // Pre-norm transformer block (GPT-2):  x2 = x + attn(ln_1(x));  y = x2 + mlp(ln_2(x2)).
+// With `dropout` > 0 the attention and MLP outputs are dropped before the residual add (masks in
+// nn/dropout.hpp; TokenShape::seed picks the microbatch's mask).
 // Residual and norms run on the norm-region rows (with sequence parallelism, this rank's sequence
 // shard). Options: sequence parallelism and overlap come with the TensorParallel handle; with
 // `recompute` the forward keeps only the block input and backward_input runs the forward again.
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "trellis/nn/attention.hpp"
+#include "trellis/nn/dropout.hpp"
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/mlp.hpp"
 
@@ -19,6 +22,7 @@ struct BlockConfig {
   index_t hidden = 0;  // 0: 4 * width
   float ln_eps = 1e-5f;
   bool recompute = false;
+  float dropout = 0.0f;  // residual dropout after attn and mlp (GPT-2 resid_pdrop); 0: none
 };
 
 template <comm::Communicator C>
@@ -31,7 +35,9 @@ class TransformerBlock {
         ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps),
         attn_(name + ".attn", cfg.width, cfg.heads, tp),
         ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps),
-        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp) {}
+        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp),
+        drop_attn_(cfg.dropout, name + ".attn"),
+        drop_mlp_(cfg.dropout, name + ".mlp") {}
 
   LayerNorm<C>& ln_1() { return ln_1_; }
   CausalSelfAttention<C>& attn() { return attn_; }
@@ -67,10 +73,24 @@ class TransformerBlock {
       s.input = {};
     }
     std::vector<float> dh(static_cast<std::size_t>(n)), dx2(static_cast<std::size_t>(n));
-    mlp_.backward_input(mb, shape, dy, dh.data());
+    const index_t row0 = tp_.first_local_row(shape), rows = s.rows;
+    std::vector<float> dropped;  // gradient through a dropout mask
+    const float* dmlp = dy;
+    if (drop_mlp_.active()) {
+      dropped.assign(dy, dy + n);
+      drop_mlp_.apply(shape.seed, row0, rows, cfg_.width, dropped.data());
+      dmlp = dropped.data();
+    }
+    mlp_.backward_input(mb, shape, dmlp, dh.data());
     ln_2_.backward_input(mb, shape, dh.data(), dx2.data());
     for (index_t i = 0; i < n; ++i) dx2[i] += dy[i];
-    attn_.backward_input(mb, shape, dx2.data(), dh.data());
+    const float* dattn = dx2.data();
+    if (drop_attn_.active()) {
+      dropped.assign(dx2.begin(), dx2.end());
+      drop_attn_.apply(shape.seed, row0, rows, cfg_.width, dropped.data());
+      dattn = dropped.data();
+    }
+    attn_.backward_input(mb, shape, dattn, dh.data());
     ln_1_.backward_input(mb, shape, dh.data(), dx);
     for (index_t i = 0; i < n; ++i) dx[i] += dx2[i];
   }
@@ -101,13 +121,15 @@ class TransformerBlock {
   };
 
   void run_forward(int mb, const TokenShape& shape, const float* x, float* y) {
-    const index_t n = tp_.local_rows(shape) * cfg_.width;
+    const index_t rows = tp_.local_rows(shape), n = rows * cfg_.width, row0 = tp_.first_local_row(shape);
     std::vector<float> h(static_cast<std::size_t>(n)), x2(static_cast<std::size_t>(n));
     ln_1_.forward(mb, shape, x, h.data());
     attn_.forward(mb, shape, h.data(), x2.data());
+    drop_attn_.apply(shape.seed, row0, rows, cfg_.width, x2.data());
     for (index_t i = 0; i < n; ++i) x2[i] += x[i];
     ln_2_.forward(mb, shape, x2.data(), h.data());
     mlp_.forward(mb, shape, h.data(), y);
+    drop_mlp_.apply(shape.seed, row0, rows, cfg_.width, y);
     for (index_t i = 0; i < n; ++i) y[i] += x2[i];
   }
   void release_sublayers(int mb) {
@@ -123,6 +145,7 @@ class TransformerBlock {
   CausalSelfAttention<C> attn_;
   LayerNorm<C> ln_2_;
   Mlp<C> mlp_;
+  Dropout drop_attn_, drop_mlp_;
   MicrobatchStore<Saved> store_;
 };
 

@@ -23,6 +23,7 @@
 
 #include "trellis/nn/block.hpp"
 #include "trellis/nn/cross_entropy.hpp"
+#include "trellis/nn/dropout.hpp"
 #include "trellis/nn/embedding.hpp"
 #include "trellis/nn/layernorm.hpp"
 
@@ -41,6 +42,7 @@ struct GptOptions {
   bool sequence_parallel = false;
   int overlap_chunks = 1;    // > 1: Oases-style chunked overlap of tp collectives
   bool recompute = false;    // per-block activation recompute
+  float dropout = 0.0f;      // embedding + residual dropout (GPT-2 embd/resid_pdrop); masks from TokenShape::seed
   std::uint64_t seed = 1234;
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
 };
@@ -85,7 +87,8 @@ class GptModel {
     tp_.check();
     const auto vocab_rows = shard::chunk(cfg.vocab, tp_.size(), tp_.rank());
     if (stage_.embedding) embedding_ = std::make_unique<VocabParallelEmbedding<C>>(cfg.vocab, cfg.positions, cfg.width, tp_);
-    BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute};
+    BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute, opt.dropout};
+    drop_embedding_ = Dropout(opt.dropout, "wte+wpe");
     for (int i = stage_.first_layer; i < stage_.end_layer; ++i)
       blocks_.push_back(std::make_unique<TransformerBlock<C>>("h." + std::to_string(i), bc, tp_));
     if (stage_.head) {
@@ -147,6 +150,7 @@ class GptModel {
     if (embedding_) {
       TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
       embedding_->forward(mb, shape, in.tokens, x.data());
+      drop_embedding_.apply(shape.seed, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
     } else {
       TRELLIS_CHECK(in.activation != nullptr, "GptModel::forward: stage without embedding needs an input activation");
       std::copy(in.activation, in.activation + n, x.data());
@@ -182,6 +186,7 @@ class GptModel {
       std::swap(g, h);
     }
     if (embedding_) {
+      drop_embedding_.apply(shape.seed, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
       embedding_->backward_input(mb, shape, g.data());
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
@@ -239,6 +244,7 @@ class GptModel {
   GptStage stage_;
   TensorParallel<C> tp_;
   std::unique_ptr<VocabParallelEmbedding<C>> embedding_;
+  Dropout drop_embedding_;
   std::vector<std::unique_ptr<TransformerBlock<C>>> blocks_;
   std::unique_ptr<LayerNorm<C>> ln_f_;
   std::unique_ptr<Parameter> head_wte_;

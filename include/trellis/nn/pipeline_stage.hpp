@@ -30,7 +30,10 @@ class GptPipelineStage {
 
   // tokens[mb], targets[mb]: (batch, seq) ids of microbatch mb (only read by the chunks holding
   // the embedding / the head); token_count: the loss normaliser for the whole step.
-  void set_batch(std::vector<const std::int32_t*> tokens, std::vector<const std::int32_t*> targets, double token_count) {
+  // dropout_seed: the step's seed; microbatch mb uses a seed derived from (dropout_seed, mb).
+  void set_batch(std::vector<const std::int32_t*> tokens, std::vector<const std::int32_t*> targets, double token_count,
+                 std::uint64_t dropout_seed = 0) {
+    dropout_seed_ = dropout_seed;
     tokens_ = std::move(tokens);
     targets_ = std::move(targets);
     token_count_ = token_count;
@@ -54,10 +57,10 @@ class GptPipelineStage {
     si.targets = m->stage().head ? ids(targets_, mb, "targets") : nullptr;
     si.activation = in.empty() ? nullptr : in.data();
     si.token_count = token_count_;
-    loss_ += m->forward(mb, shape_, si, out.empty() ? nullptr : out.data());
+    loss_ += m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data());
   }
   void backward_input(int mb, int chunk, std::span<const float> grad_out, std::span<float> grad_in) {
-    model(chunk)->backward_input(mb, shape_, grad_out.empty() ? nullptr : grad_out.data(),
+    model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                                  grad_in.empty() ? nullptr : grad_in.data());
   }
   void backward_weight(int mb, int chunk) { model(chunk)->backward_weight(mb); }
@@ -86,6 +89,11 @@ class GptPipelineStage {
                   " of ", chunks_.size());
     return chunks_[static_cast<std::size_t>(chunk)];
   }
+  TokenShape shape_of(int mb) const {
+    TokenShape s = shape_;
+    s.seed = detail::splitmix64(dropout_seed_ + static_cast<std::uint64_t>(mb));
+    return s;
+  }
   std::size_t activation_size(GptModel<C>& m) const {
     return static_cast<std::size_t>(m.local_rows(shape_) * m.config().width);
   }
@@ -99,6 +107,7 @@ class GptPipelineStage {
   TokenShape shape_;
   std::vector<const std::int32_t*> tokens_, targets_;
   double token_count_ = 0;
+  std::uint64_t dropout_seed_ = 0;
   double loss_ = 0;
 };
 

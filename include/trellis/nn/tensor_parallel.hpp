@@ -29,6 +29,7 @@ namespace trellis::nn {
 struct TokenShape {
   index_t batch = 1;
   index_t seq = 1;
+  std::uint64_t seed = 0;  // this microbatch's randomness (dropout masks); fixed across F/B/recompute
   index_t rows() const { return batch * seq; }
 };
 
@@ -48,6 +49,8 @@ struct TensorParallel {
                   " is not divisible by the tensor-parallel size ", size());
     return s.rows() / size();
   }
+  // Global row index of this rank's first norm-region row.
+  index_t first_local_row(const TokenShape& s) const { return sequence_parallel ? rank() * local_rows(s) : 0; }
   void check() const {
     TRELLIS_CHECK(comm != nullptr, "tensor-parallel layer without a communicator");
     TRELLIS_CHECK(overlap_chunks >= 1, "overlap_chunks must be >= 1, got ", overlap_chunks);
