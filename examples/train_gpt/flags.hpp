@@ -31,9 +31,9 @@ struct Options {
   std::string data;  // empty: the shipped corpus; *.bin (comma separated): llm.c token shards
   double val_fraction = 0.1;
   // optimisation
-  int steps = 150;
+  int steps = 80;
   double lr = 3e-3, min_lr = 3e-4;
-  int warmup = 10;
+  int warmup = 8;
   double clip = 1.0;
   double weight_decay = 0.1;
   std::uint64_t seed = 1234;
@@ -42,7 +42,7 @@ struct Options {
   int ckpt_every = 0;  // 0: only at the end (when --ckpt-dir is given)
   bool resume = false;
   std::string log;     // metrics.jsonl; the loss curve goes next to it (.svg)
-  int eval_every = 25;
+  int eval_every = 20;
   int sample_tokens = 200;
   double temperature = 0.8;
   std::string prompt = "The ";
@@ -67,11 +67,11 @@ backend:   --backend host|cuda (host; cuda needs a CUDA build of the trainer, no
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
            --val-fraction F (0.1)
-optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --clip X (1.0, 0: off)
+optimiser: --steps N (80) --lr X (3e-3) --min-lr X (3e-4) --warmup N (8) --clip X (1.0, 0: off)
            --weight-decay X (0.1) --seed N (1234)
 output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --ckpt-dir DIR --ckpt-every N (0: only at the end) --resume (continue from DIR/latest)
-           --eval-every N (25) --sample-tokens N (200) --temperature X (0.8, 0: greedy)
+           --eval-every N (20) --sample-tokens N (200) --temperature X (0.8, 0: greedy)
            --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: measured sgemm speed)
            --help
 )";

@@ -1,0 +1,94 @@
+// Trainer checkpoints:
+//  - resume: 6 steps straight == 3 steps, save, a NEW world/trainer loads, 3 more steps: losses
+//    and final weights bitwise equal (tp2.pp2 zb_h1, and dp2 ZeRO-1);
+//  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
+//    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
+//    as the straight run (other layouts sum in another order, so not bitwise).
+#include <catch2/catch.hpp>
+
+#include "temp_dir.hpp"
+#include "test_trainer_support.hpp"
+#include "trellis/train/checkpoint.hpp"
+
+using namespace trainer_test;
+
+namespace {
+
+struct Straight {
+  nn_test::Collector weights;
+  RunResult run;
+};
+
+void straight(const Layout& l, Straight& s) { train(with_layout(tiny_config(), l), 6, s.run, s.weights); }
+
+}  // namespace
+
+TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
+  for (const Layout& l : {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
+    Straight s;
+    straight(l, s);
+    TempDir dir("trainer-resume");
+    nn_test::Collector w1, w2;
+    RunResult first, second;
+    train(with_layout(tiny_config(), l), 3, first, w1, {}, dir.path);
+    auto latest = trellis::train::latest_checkpoint(dir.path);
+    REQUIRE(latest.has_value());
+    CHECK(latest->filename() == "step-00000003");
+    train(with_layout(tiny_config(), l), 3, second, w2, *latest);
+    for (int i = 0; i < 3; ++i) {
+      CHECK(first.losses[i] == s.run.losses[i]);
+      CHECK(second.losses[i] == s.run.losses[3 + i]);
+    }
+    for (const auto& name : s.run.names) {
+      INFO("tensor " << name);
+      CHECK(w2.get(name) == s.weights.get(name));
+    }
+  }
+}
+
+TEST_CASE("a checkpoint loads into other layouts and training continues the same", "[train][trainer][reshard]") {
+  const Layout saved{.pp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 2};
+  Straight s;
+  straight(saved, s);
+  TempDir dir("trainer-reshard");
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
+  }
+  const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
+  for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
+                          Layout{.dp = 2, .zero1 = true}, Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2}}) {
+    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), l), 3, r, w, ckpt);
+    for (int i = 0; i < 3; ++i) {
+      INFO("step " << 3 + i << ": " << r.losses[i] << " vs " << s.run.losses[3 + i]);
+      CHECK(std::fabs(r.losses[i] - s.run.losses[3 + i]) <= 1e-5 * std::fabs(s.run.losses[3 + i]));
+    }
+    for (const auto& name : s.run.names) {
+      INFO("tensor " << name);
+      CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("a checkpoint of another model shape is refused naming the tensor", "[train][trainer][reshard][errors]") {
+  TempDir dir("trainer-shape");
+  nn_test::Collector w;
+  RunResult r;
+  train(tiny_config(), 1, r, w, {}, dir.path);
+  auto other = tiny_config();
+  other.model.width = 64;
+  nn_test::run_ranks(1, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, other);
+    try {
+      t.load(*trellis::train::latest_checkpoint(dir.path));
+      RANK_CHECK(false);
+    } catch (const trellis::Error& e) {
+      RANK_CHECK(std::string(e.what()).find("wte.weight") != std::string::npos);
+    }
+  });
+}

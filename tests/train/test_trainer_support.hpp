@@ -1,0 +1,126 @@
+// Shared by the trainer tests: a tiny GPT config, deterministic token data, and a driver that
+// trains a layout on thread ranks and returns the per-step losses and the final global weights
+// (assembled from every rank's shards; replicas must agree).
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "nn/support.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/train/data.hpp"
+#include "trellis/train/trainer.hpp"
+
+namespace trainer_test {
+
+using trellis::index_t;
+using trellis::comm::ThreadComm;
+using trellis::train::Trainer;
+using trellis::train::TrainerConfig;
+
+// 4 layers (so pp2 x v2 and pp4 work), 4 heads, width 32, vocab 64, T 16, global batch 8.
+inline TrainerConfig tiny_config() {
+  TrainerConfig c;
+  c.model.vocab = 64;
+  c.model.positions = 16;
+  c.model.layers = 4;
+  c.model.heads = 4;
+  c.model.width = 32;
+  c.batch = 8;
+  c.seq = 16;
+  c.microbatches = 1;
+  c.adamw.lr = 3e-3f;
+  c.adamw.eps = 1e-5f;  // keeps Adam's sign-like first steps off gradients that are pure rounding
+                        // noise (e.g. the key bias, whose true gradient is 0), so layouts compare
+  c.lr = {.max_lr = 3e-3, .min_lr = 3e-4, .warmup_steps = 2, .total_steps = 10};
+  c.clip = 0.5;  // small enough to clip in the first steps (the clip path is exercised)
+  return c;
+}
+
+// A token stream with structure (a noisy periodic pattern) so the loss moves.
+inline const std::vector<trellis::train::token_t>& tokens() {
+  static const std::vector<trellis::train::token_t> t = [] {
+    std::vector<trellis::train::token_t> v(4096);
+    std::uint64_t x = 7;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      x = trellis::nn::detail::splitmix64(x);
+      v[i] = static_cast<trellis::train::token_t>((i * 7 + (i / 13)) % 64 ^ ((x % 5 == 0) ? (x >> 20) % 64 : 0));
+    }
+    return v;
+  }();
+  return t;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<double> norms;
+  nn_test::Collector* weights = nullptr;
+  std::vector<std::string> names;
+  float replica_diff = 0;
+};
+
+struct Layout {
+  int pp = 1, dp = 1, tp = 1;
+  bool sp = false, zero1 = false;
+  std::string schedule = "1f1b";
+  int microbatches = 1;
+};
+
+inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
+  c.pp = l.pp;
+  c.dp = l.dp;
+  c.tp = l.tp;
+  c.options.sequence_parallel = l.sp;
+  c.zero1 = l.zero1;
+  c.schedule = l.schedule;
+  c.microbatches = l.microbatches;
+  return c;
+}
+
+// Runs `steps` steps of layout l (optionally loading `load_from` first, saving to `save_to` after).
+inline void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
+                  const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {}) {
+  const int ranks = cfg.pp * cfg.dp * cfg.tp;
+  std::mutex mutex;
+  std::vector<double> losses, norms;
+  trellis::comm::ThreadWorld world(ranks);
+  world.run([&](ThreadComm& comm) {
+    comm.set_timeout(std::chrono::milliseconds(30000));
+    Trainer<ThreadComm> t(comm, cfg);
+    const int dp_rank = t.mesh().template coord<trellis::dp>();
+    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp});
+    if (!load_from.empty()) loader.restore(t.load(load_from).data);
+    std::vector<double> my_losses, my_norms;
+    for (int s = 0; s < steps; ++s) {
+      auto r = t.step(loader.next());
+      my_losses.push_back(r.loss);
+      my_norms.push_back(r.grad_norm);
+    }
+    if (!save_to.empty()) t.save(save_to, loader.state());
+    for (auto* p : t.parameters())
+      for (index_t i = 0; i < p->numel(); ++i) weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+    for (auto& m : t.chunks())  // every wte copy must equal the primary one
+      for (auto* p : m->parameters())
+        if (p->name == "wte.weight")
+          for (index_t i = 0; i < p->numel(); ++i) weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (comm.rank() == 0) {
+      losses = my_losses;
+      norms = my_norms;
+    }
+  });
+  out.losses = losses;
+  out.norms = norms;
+  out.weights = &weights;
+  out.names = weights.keys();
+  out.replica_diff = weights.replica_diff();
+}
+
+}  // namespace trainer_test
