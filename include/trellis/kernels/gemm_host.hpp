@@ -111,7 +111,6 @@ struct CBlock {
 inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
                           const CBlock& blk) {
   const std::int64_t n = args.n, k = args.k;
-  const bool row_major = args.layout == Layout::row_major;
   // A row of op(A): element (i, p) of op(A).
   auto a_at = [&](std::int64_t i, std::int64_t p) {
     return args.op_a == Op::none ? a[args.offset(i, p, lda)] : a[args.offset(p, i, lda)];
@@ -133,42 +132,39 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
   float alpha = args.alpha, beta = args.beta;
   float* am = const_cast<float*>(a_block);
   float* bm = const_cast<float*>(b);
-  if (row_major) {
+  if (args.layout == Layout::row_major) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     sgemm_(&tb, &ta, &cols, &rows, &depth, &alpha, bm, &ld_b, am, &ld_a, &beta, blk.c, &ld_c);
   } else {
     sgemm_(&ta, &tb, &rows, &cols, &depth, &alpha, am, &ld_a, bm, &ld_b, &beta, blk.c, &ld_c);
   }
 #else
-  // b holds op(B) packed row-major (k x n), prepared by the caller; acc is one row of C.
-  const float* bp = b;
+  // b holds op(B) packed row-major (k x n), prepared by the caller. Four rows of C at a time share
+  // each streamed row of B; columns go in panels so the 4 x panel accumulators stay in L1.
   (void)ldb;
-  std::vector<float> acc(static_cast<std::size_t>(n));
-  constexpr std::int64_t k_block = 256;
-  for (std::int64_t r = 0; r < blk.rows; ++r) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const std::int64_t i = blk.row0 + r;
-    for (std::int64_t p0 = 0; p0 < k; p0 += k_block) {
-      const std::int64_t p1 = std::min(k, p0 + k_block);
-      for (std::int64_t p = p0; p < p1; ++p) {
-        const float av = a_at(i, p);
-        const float* TRELLIS_RESTRICT brow = bp + p * n;
-        float* TRELLIS_RESTRICT accp = acc.data();
-        for (std::int64_t j = 0; j < n; ++j) accp[j] += av * brow[j];
+  constexpr std::int64_t group = 4, panel = 256;
+  float acc[group][panel];
+  float a_vals[group];
+  for (std::int64_t r0 = 0; r0 < blk.rows; r0 += group) {
+    const std::int64_t g = std::min(group, blk.rows - r0);
+    for (std::int64_t j0 = 0; j0 < n; j0 += panel) {
+      const std::int64_t w = std::min(panel, n - j0);
+      for (std::int64_t i = 0; i < group; ++i)
+        for (std::int64_t j = 0; j < panel; ++j) acc[i][j] = 0.0f;
+      for (std::int64_t p = 0; p < k; ++p) {
+        for (std::int64_t i = 0; i < group; ++i) a_vals[i] = i < g ? a_at(blk.row0 + r0 + i, p) : 0.0f;
+        const float* TRELLIS_RESTRICT brow = b + p * n + j0;
+        for (std::int64_t i = 0; i < group; ++i) {
+          const float av = a_vals[i];
+          float* TRELLIS_RESTRICT arow = acc[i];
+          for (std::int64_t j = 0; j < w; ++j) arow[j] += av * brow[j];
+        }
       }
-    }
-    if (row_major) {
-      float* crow = blk.c + r * blk.ldc;
-      if (args.beta == 0.0f) {
-        for (std::int64_t j = 0; j < n; ++j) crow[j] = args.alpha * acc[j];
-      } else {
-        for (std::int64_t j = 0; j < n; ++j) crow[j] = args.alpha * acc[j] + args.beta * crow[j];
-      }
-    } else {
-      for (std::int64_t j = 0; j < n; ++j) {
-        float& cv = blk.c[j * blk.ldc + r];
-        cv = args.alpha * acc[j] + (args.beta == 0.0f ? 0.0f : args.beta * cv);
-      }
+      for (std::int64_t i = 0; i < g; ++i)
+        for (std::int64_t j = 0; j < w; ++j) {
+          float& cv = blk.c[args.offset(r0 + i, j0 + j, blk.ldc)];
+          cv = args.alpha * acc[i][j] + (args.beta == 0.0f ? 0.0f : args.beta * cv);
+        }
     }
   }
 #endif
