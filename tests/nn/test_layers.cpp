@@ -114,10 +114,26 @@ std::vector<Case> all_cases() {
     cases.push_back(c);
   }
   {
+    Case c{"column with an empty shard at tp=4 (3 outputs)", {{2, 8}, 6, 3, true, false}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<ColumnParallelLinear<Comm>>("narrow", LinearConfig{6, 3, true}, tp);
+      return bind(l, identity_map(6), column_output_map(*l));
+    };
+    cases.push_back(c);
+  }
+  {
     Case c{"row (uneven 18 over tp)", {{2, 8}, 18, 12, false, true}, {}};
     c.make = [](TensorParallel<Comm> tp) {
       auto l = std::make_shared<RowParallelLinear<Comm>>("row", LinearConfig{18, 12, true}, tp);
       return bind(l, row_input_map(*l), identity_map(12));
+    };
+    cases.push_back(c);
+  }
+  {
+    Case c{"row with an empty shard at tp=4 (3 inputs)", {{2, 8}, 3, 6, false, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<RowParallelLinear<Comm>>("narrow_row", LinearConfig{3, 6, true}, tp);
+      return bind(l, row_input_map(*l), identity_map(6));
     };
     cases.push_back(c);
   }

@@ -113,6 +113,7 @@ class ColumnParallelLinear {
     const index_t rows = s.rows, local = tp_.local_rows(shape), in = cfg_.in;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "ColumnParallelLinear::backward_input: token shape differs from forward");
     s.dz.assign(dy, dy + rows * out_local_);
+    s.backward_done = true;
     if (cfg_.activation == Activation::gelu_tanh)
       kernels::host::gelu_backward(rows * out_local_, s.pre.data(), s.dz.data(), s.dz.data());
     auto produce = [&](index_t row0, index_t n, float* dst) {
@@ -134,7 +135,7 @@ class ColumnParallelLinear {
   // dW += x^T dz, db += column sums of dz; frees the microbatch's state.
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "ColumnParallelLinear::backward_weight");
-    TRELLIS_CHECK(!s.dz.empty() || s.rows == 0, "ColumnParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
+    TRELLIS_CHECK(s.backward_done, "ColumnParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
     detail::matmul_at_acc(cfg_.in, out_local_, s.rows, s.x.data(), s.dz.data(), weight_.grad.data());
     if (cfg_.bias) detail::add_column_sums(s.rows, out_local_, s.dz.data(), bias_.grad.data());
     store_.erase(mb);
@@ -146,6 +147,7 @@ class ColumnParallelLinear {
  private:
   struct Saved {
     index_t rows = 0;
+    bool backward_done = false;
     std::vector<float> x;        // (rows, in): the (gathered) input, from backward_input on under sp
     std::vector<float> x_local;  // (local_rows, in): under sp, this rank's input rows until backward_input
     std::vector<float> pre;  // (rows, local_out): pre-activation, with GELU
@@ -205,6 +207,7 @@ class RowParallelLinear {
     const index_t rows = s.rows, local = tp_.local_rows(shape), out = cfg_.out;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "RowParallelLinear::backward_input: token shape differs from forward");
     s.dy.resize(static_cast<std::size_t>(rows * out));
+    s.backward_done = true;
     auto compute = [&](index_t row0, index_t n) {
       detail::matmul_bt(n, in_local_, out, s.dy.data() + row0 * out, weight_.value.data(), dx + row0 * in_local_);
     };
@@ -218,7 +221,7 @@ class RowParallelLinear {
 
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "RowParallelLinear::backward_weight");
-    TRELLIS_CHECK(!s.dy.empty() || s.rows == 0, "RowParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
+    TRELLIS_CHECK(s.backward_done, "RowParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
     detail::matmul_at_acc(in_local_, cfg_.out, s.rows, s.x.data(), s.dy.data(), weight_.grad.data());
     if (cfg_.bias) detail::add_column_sums(s.rows, cfg_.out, s.dy.data(), bias_.grad.data());
     store_.erase(mb);
@@ -229,6 +232,7 @@ class RowParallelLinear {
  private:
   struct Saved {
     index_t rows = 0;
+    bool backward_done = false;
     std::vector<float> x;   // (rows, local_in)
     std::vector<float> dy;  // (rows, out): the full (gathered) output gradient
   };
