@@ -3,7 +3,8 @@
 // matrix product on cblas_sgemm, the [batch, heads, T, T] probabilities kept from forward for the
 // backward pass, dP/dS as full T x T temporaries. Peak memory = the most bytes allocated at once
 // during the call (global operator new is counted; inputs/outputs allocated beforehand are not).
-//   attention_bench [--quick] [--json FILE]
+// --threads N sets both OpenBLAS' and the kernel pool's thread count.
+//   attention_bench [--quick] [--threads N] [--json FILE]
 #include <cblas.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -126,8 +128,15 @@ std::vector<float> filled(std::size_t n, std::uint32_t seed) {
 
 }  // namespace
 
+extern "C" void openblas_set_num_threads(int);
+
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--threads") == 0) {
+      openblas_set_num_threads(std::atoi(argv[i + 1]));
+      host::set_num_threads(std::atoi(argv[i + 1]));
+    }
   const std::int64_t heads = 4, d = 64;
   std::vector<std::int64_t> lengths = {512, 1024, 2048, 4096};
   if (quick) lengths = {512, 1024};
