@@ -154,6 +154,14 @@ std::vector<Case> all_cases() {
     cases.push_back(c);
   }
   {
+    Case c{"attention with uneven heads (6 of 8: 3+3 / 2+2+1+1)", {{1, 8}, 48, 48, true, true}, {}};
+    c.make = [](TensorParallel<Comm> tp) {
+      auto l = std::make_shared<CausalSelfAttention<Comm>>("h.1.attn", 48, 6, tp);
+      return bind(l, identity_map(48), identity_map(48));
+    };
+    cases.push_back(c);
+  }
+  {
     Case c{"mlp", {{2, 8}, 16, 16, true, true}, {}};
     c.make = [](TensorParallel<Comm> tp) {
       auto l = std::make_shared<Mlp<Comm>>("h.0.mlp", 16, 64, tp);
