@@ -8,4 +8,5 @@
 #include "trellis/kernels.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
+#include "trellis/nn.hpp"
 #include "trellis/train.hpp"
