@@ -2,6 +2,7 @@
 // on every rank involved, within the timeout -- never a hang.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -142,9 +143,11 @@ TEST_CASE("a rank that never joins: the others time out naming it", "[comm][erro
     CHECK(contains(out[r].what, "test_errors.cpp"));
     CHECK_FALSE(contains(out[r].what, "unexpected"));
     CHECK_FALSE(contains(out[r].what, "did not throw"));
-    CHECK(waited[r] >= 0.29);
     CHECK(waited[r] < 3.0);
   }
+  // The first rank to give up waited the whole timeout (the others may fail a little earlier,
+  // through the communicator it marked broken).
+  CHECK(*std::max_element(waited.begin(), waited.begin() + 3) >= 0.29);
 }
 
 TEST_CASE("a rank that returned without joining is named at once", "[comm][errors]") {
