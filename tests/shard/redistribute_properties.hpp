@@ -70,8 +70,12 @@ void model_box(const std::array<index_t, R>& global, const std::array<PlacementC
   for (int d = 0; d < R; ++d) {
     offset[d] = 0;
     shape[d] = global[d];
-    for (std::size_t a = 0; a < N; ++a) {  // earlier mesh axes split first
-      if (codes[a].kind != PlacementKind::shard || codes[a].dim != d) continue;
+    // Axes sharding d, outermost first: by level, then by mesh axis (a stable sort by level).
+    std::vector<std::size_t> nest;
+    for (int level = 0; level < 4; ++level)
+      for (std::size_t a = 0; a < N; ++a)
+        if (codes[a].kind == PlacementKind::shard && codes[a].dim == d && codes[a].order == level) nest.push_back(a);
+    for (std::size_t a : nest) {
       index_t o, s;
       model_part(shape[d], sizes[a], coords[a], o, s);
       offset[d] += o;
@@ -134,7 +138,7 @@ std::string layout_name(const std::array<PlacementCode, N>& codes) {
   for (std::size_t a = 0; a < N; ++a) {
     if (a) out << ",";
     const auto& c = codes[a];
-    if (c.is_shard()) out << "S" << c.dim;
+    if (c.is_shard()) out << "S" << c.dim << (c.order ? "'" : "");
     else if (c.is_replicate()) out << "R";
     else out << "P(" << trellis::comm::reduce_op_name(c.op) << ")";
   }

@@ -11,6 +11,8 @@ using namespace trellis;
 using namespace trellis::shard;
 
 namespace {
+constexpr Chunk operator+(Chunk a, Chunk b) { return {a.offset + b.offset, a.size + b.size}; }
+
 template <int Parts>
 std::array<index_t, Parts> sizes_of(index_t extent) {
   std::array<index_t, Parts> out{};
@@ -75,6 +77,18 @@ TEST_CASE("local shapes and offsets, nested in mesh-axis order", "[shard][layout
   }
   REQUIRE(covered == 10);
   REQUIRE(std::is_sorted(starts.begin(), starts.end()));  // axis 0 outermost, then axis 1
+
+  // The other nesting order: Shard<0, 1> on axis 0 puts it one level down, so axis 1 (3 parts:
+  // 4 3 3) splits first and axis 0 halves each part.
+  using O = Placements<Shard<0, 1>, Shard<0>>;
+  for (int c0 = 0; c0 < 2; ++c0) {
+    for (int c1 = 0; c1 < 3; ++c1) {
+      auto box = local_box<2>(global, O::codes, sizes, {c0, c1});
+      const index_t outer_offset = c1 == 0 ? 0 : c1 == 1 ? 4 : 7;
+      const index_t outer_size = c1 == 0 ? 4 : 3;
+      REQUIRE(box[0] == chunk(outer_size, 2, c0) + Chunk{outer_offset, 0});
+    }
+  }
 
   // Different dims on different axes; Partial and Replicate leave the shape alone.
   using M = Placements<Shard<1>, Partial<>, Shard<0>>;

@@ -3,7 +3,8 @@
 //    sharded by up to three axes (nesting order), even (8, 16) and uneven (5, 3) sizes, fp32;
 //  - bf16, every layout over {S0, R, P(max)} to and from the all-Replicate, all-Shard and
 //    all-Partial layouts;
-//  - rank-2 tensor, every pair among twelve layouts mixing S0, S1, R and P(sum), even and uneven.
+//  - rank-2 tensor, every pair among fourteen layouts mixing S0, S1, R and P(sum), two of them
+//    with reversed sharding orders, even and uneven.
 #include <catch2/catch.hpp>
 
 #include "redistribute_properties.hpp"
@@ -43,13 +44,14 @@ TEST_CASE("3-D mesh, rank-1 bf16: every layout to and from the uniform ones", "[
   run_3d<bfloat16, 1, U, L>({{8}, {7}}, 2 * 27 * 3);
 }
 
-TEST_CASE("3-D mesh, rank-2 fp32: mixed layouts", "[shard][redistribute]") {
+TEST_CASE("3-D mesh, rank-2 fp32: mixed layouts and sharding orders", "[shard][redistribute]") {
   using P = Partial<>;
   using L = list<Placements<Shard<0>, Shard<1>, Replicate>, Placements<Shard<1>, Shard<0>, P>,
                  Placements<Shard<0>, Shard<0>, Shard<1>>, Placements<Shard<1>, Shard<1>, Shard<1>>,
                  Placements<Replicate, Shard<0>, Shard<0>>, Placements<P, P, Shard<1>>,
                  Placements<Shard<0>, P, Shard<0>>, Placements<Replicate, Replicate, Replicate>,
                  Placements<P, Replicate, P>, Placements<Shard<1>, Replicate, Shard<0>>,
-                 Placements<Replicate, Shard<1>, P>, Placements<Shard<0>, Shard<1>, Shard<0>>>;
-  run_3d<float, 2, L, L>({{8, 8}, {5, 7}, {3, 1}}, 3 * 12 * 12);
+                 Placements<Replicate, Shard<1>, P>, Placements<Shard<0>, Shard<1>, Shard<0>>,
+                 Placements<Shard<0, 2>, Shard<0, 1>, Shard<0>>, Placements<Shard<1, 1>, P, Shard<1>>>;
+  run_3d<float, 2, L, L>({{8, 8}, {5, 7}, {3, 1}}, 3 * 14 * 14);
 }

@@ -13,8 +13,8 @@
 // Every user of uneven sizes — local shapes, offsets, the collectives' padding, distribute/gather,
 // checkpoints — calls chunk() below; nothing else divides extents.
 //
-// Nesting: when several mesh axes shard one dimension, the earliest mesh axis splits the global
-// extent and each later axis splits the piece chosen by the earlier ones (mesh-axis order).
+// Nesting: when several mesh axes shard one dimension, the outermost (smallest (level, axis), see
+// shard/placement.hpp) splits the global extent and each next one the piece chosen before it.
 #pragma once
 
 #include <array>
@@ -49,16 +49,24 @@ TRELLIS_HD constexpr index_t max_chunk(index_t extent, int parts) { return chunk
 TRELLIS_HD constexpr bool chunks_even(index_t extent, int parts) { return extent % parts == 0; }
 
 // The range of dimension `dim` held by a rank: nested chunking over the mesh axes that shard
-// `dim` among axes [0, axis_end), in mesh-axis order. `sizes`/`coords` are the mesh's per-axis
-// sizes and this rank's coordinates.
+// `dim`, outermost first (increasing nesting_key: Shard's level, then mesh axis). With
+// `stop_axis` >= 0, only the axes outside that one are applied: the piece it splits.
+// `sizes`/`coords` are the mesh's per-axis sizes and this rank's coordinates.
 template <std::size_t N>
 constexpr Chunk dim_range(index_t global_extent, int dim, const std::array<PlacementCode, N>& codes,
-                          const std::array<int, N>& sizes, const std::array<int, N>& coords,
-                          int axis_end = static_cast<int>(N)) {
+                          const std::array<int, N>& sizes, const std::array<int, N>& coords, int stop_axis = -1) {
   Chunk range{0, global_extent};
-  for (int a = 0; a < axis_end; ++a) {
-    if (!codes[a].is_shard(dim)) continue;
-    const Chunk part = chunk(range.size, sizes[a], coords[a]);
+  long last = -1;
+  for (std::size_t step = 0; step < N; ++step) {
+    int next = -1;  // the axis with the smallest key above `last`
+    for (int a = 0; a < static_cast<int>(N); ++a) {
+      if (!codes[a].is_shard(dim)) continue;
+      const long key = nesting_key(codes[a], a);
+      if (key > last && (next < 0 || key < nesting_key(codes[next], next))) next = a;
+    }
+    if (next < 0 || next == stop_axis) break;
+    last = nesting_key(codes[next], next);
+    const Chunk part = chunk(range.size, sizes[next], coords[next]);
     range = {range.offset + part.offset, part.size};
   }
   return range;

@@ -1,10 +1,14 @@
 // Placements: how a tensor is laid out along one mesh axis, as types.
 //   Shard<D>       tensor dimension D is split over the axis (uneven sizes: shard/layout.hpp)
+//   Shard<D, K>    the same, at nesting level K (below)
 //   Replicate      every coordinate of the axis holds the same values
 //   Partial<Op>    every coordinate holds a term; the value is Op over the axis (pending reduction)
 // A layout is one placement per mesh axis, in mesh-axis order: Placements<Shard<0>, Replicate>.
-// When several mesh axes shard the same tensor dimension, the earlier mesh axis splits first
-// (outermost) and each later one splits the piece it is given (see docs/shard.md).
+// Sharding order: when several mesh axes shard the same tensor dimension, they split it one
+// inside the other, in increasing (K, mesh axis) order: the first splits the whole extent, the
+// next the piece chosen by the first, and so on. K defaults to 0, so by default the earlier mesh
+// axis is outermost (DTensor's default); Placements<Shard<0, 1>, Shard<0, 0>> nests the other way
+// (axis 1 outermost). See docs/shard.md.
 // Every placement also has a constexpr value form (PlacementCode) so that the transition planner
 // (shard/plan.hpp) is an ordinary constexpr function.
 #pragma once
@@ -28,6 +32,7 @@ struct PlacementCode {
   PlacementKind kind = PlacementKind::replicate;
   int dim = -1;
   ReduceOp op = ReduceOp::sum;
+  int order = 0;  // shard: nesting level K
 
   constexpr bool operator==(const PlacementCode&) const = default;
   constexpr bool is_shard() const { return kind == PlacementKind::shard; }
@@ -36,9 +41,13 @@ struct PlacementCode {
   constexpr bool is_partial() const { return kind == PlacementKind::partial; }
 };
 
-constexpr PlacementCode replicate_code() { return {PlacementKind::replicate, -1, ReduceOp::sum}; }
-constexpr PlacementCode shard_code(int dim) { return {PlacementKind::shard, dim, ReduceOp::sum}; }
-constexpr PlacementCode partial_code(ReduceOp op) { return {PlacementKind::partial, -1, op}; }
+constexpr PlacementCode replicate_code() { return {PlacementKind::replicate, -1, ReduceOp::sum, 0}; }
+constexpr PlacementCode shard_code(int dim, int order = 0) { return {PlacementKind::shard, dim, ReduceOp::sum, order}; }
+constexpr PlacementCode partial_code(ReduceOp op) { return {PlacementKind::partial, -1, op, 0}; }
+
+// Where mesh axis `axis` with placement `c` sits in the nesting of its dimension: smaller is
+// outer. Compares (order, axis) lexicographically.
+constexpr long nesting_key(const PlacementCode& c, int axis) { return static_cast<long>(c.order) * 4096 + axis; }
 
 // Reductions a Partial placement may wait for (prod is not offered: it overflows/underflows too
 // easily to be a layout, and no training program needs it).
@@ -46,11 +55,12 @@ constexpr bool is_partial_reduce_op(ReduceOp op) {
   return op == ReduceOp::sum || op == ReduceOp::avg || op == ReduceOp::max || op == ReduceOp::min;
 }
 
-template <int D>
-  requires(D >= 0)
+template <int D, int K = 0>
+  requires(D >= 0 && K >= 0 && K < 1024)
 struct Shard {
   static constexpr int dim = D;
-  static constexpr PlacementCode code = shard_code(D);
+  static constexpr int order = K;
+  static constexpr PlacementCode code = shard_code(D, K);
 };
 
 struct Replicate {
@@ -65,7 +75,7 @@ struct Partial {
 };
 
 template <class P> struct is_placement : std::false_type {};
-template <int D> struct is_placement<Shard<D>> : std::true_type {};
+template <int D, int K> struct is_placement<Shard<D, K>> : std::true_type {};
 template <> struct is_placement<Replicate> : std::true_type {};
 template <ReduceOp Op> struct is_placement<Partial<Op>> : std::true_type {};
 

@@ -5,18 +5,22 @@
 //   P    -> S(e)  reduce_scatter    along e                   (reduce_scatter)
 //   R    -> S(e)  local slice, no communication                (slice)
 //   S(d) -> S(e)  all_to_all        d gathered, e scattered    (all_to_all)
+//   S(d,K)->S(d,K') through R (a new nesting level of the same dimension)
 //   R    -> P     keep on coordinate 0, zero elsewhere (sum); keep everywhere (avg/max/min)
 //   same          nothing: the plan is empty
 // Multi-axis transitions: a step on axis a that gathers, slices or scatters dimension d is only
-// correct when no later mesh axis (a' > a) shards d at that moment, because later axes split the
-// piece chosen by earlier ones (nesting, shard/layout.hpp). The planner picks, as long as the
-// layout differs from the target:
-//   1. a reducing/gathering step (S->R, S->S, P->R, P->S), innermost axis first, that is valid now
-//      and does not shard a dimension an earlier axis still has to change;
-//   2. else a slicing step (R->S, R->P), outermost axis first, under the same conditions;
-//   3. else, for the outermost axis blocked by a later axis sharding a dimension it touches, an
+// correct when no axis nested inside a's position on d (shard/placement.hpp: nesting_key) shards
+// d at that moment, because inner axes split the piece chosen by outer ones. The planner picks,
+// as long as the layout differs from the target:
+//   1. a reducing/gathering step (S->R, S->S, P->R, P->S), last mesh axis first, that is valid now
+//      and does not split a dimension where an outer axis still has to change;
+//   2. else a local step (R->S, R->P), first mesh axis first, under the same conditions;
+//   3. else, for the first axis blocked by an inner axis on a dimension it touches, an
 //      all_gather on the innermost axis sharding that dimension (always valid);
-//   4. else an all_reduce on the innermost axis still Partial (always valid).
+//   4. else an all_gather of a shard that still has to change (last mesh axis first) when nothing
+//      is nested inside it: two axes waiting for each other (each would split a dimension the
+//      other has to leave) are untangled through Replicate;
+//   5. else an all_reduce on the last axis still Partial (always valid).
 // The planner runs in constexpr evaluation only: the steps are template arguments of the executor.
 #pragma once
 
@@ -51,6 +55,7 @@ struct Step {
   int from_dim = -1;
   int to_dim = -1;
   ReduceOp op = ReduceOp::sum;
+  int to_order = 0;  // the nesting level of the new shard
   constexpr bool operator==(const Step&) const = default;
 };
 
@@ -74,31 +79,41 @@ struct Plan {
 
 namespace plan_detail {
 
-// True when a mesh axis after `axis` shards `dim` in `layout`.
+// True when an axis other than `axis` shards `dim` nested inside position `key` (a larger
+// nesting_key): a step on `axis` at that position would split or gather the wrong piece.
 template <std::size_t N>
-constexpr bool later_axis_shards(const std::array<PlacementCode, N>& layout, int axis, int dim) {
-  for (int b = axis + 1; b < static_cast<int>(N); ++b)
-    if (layout[b].is_shard(dim)) return true;
+constexpr bool inner_axis_shards(const std::array<PlacementCode, N>& layout, int axis, long key, int dim) {
+  for (int b = 0; b < static_cast<int>(N); ++b)
+    if (b != axis && layout[b].is_shard(dim) && nesting_key(layout[b], b) > key) return true;
   return false;
 }
 
-// True when an axis before `axis` still has to change and its change involves `dim` (sharding
-// `dim` on `axis` now would block it).
+// True when another axis that still has to change sits (now or in the target) outside position
+// `key` on `dim`: splitting `dim` at `key` now would block it.
 template <std::size_t N>
-constexpr bool earlier_pending_on(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt,
-                                  int axis, int dim) {
-  for (int b = 0; b < axis; ++b) {
-    if (cur[b] == tgt[b]) continue;
-    if (cur[b].is_shard(dim) || tgt[b].is_shard(dim)) return true;
+constexpr bool outer_pending_on(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt,
+                                int axis, long key, int dim) {
+  for (int b = 0; b < static_cast<int>(N); ++b) {
+    if (b == axis || cur[b] == tgt[b]) continue;
+    if (cur[b].is_shard(dim) && nesting_key(cur[b], b) < key) return true;
+    if (tgt[b].is_shard(dim) && nesting_key(tgt[b], b) < key) return true;
   }
   return false;
 }
 
-// Can `dim` be (re)split on `axis` now without breaking the nesting or blocking earlier axes?
+// Can `axis` split dimension `t.dim` at its target level now, without breaking the nesting or
+// blocking another axis?
 template <std::size_t N>
-constexpr bool can_split(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt,
-                         int axis, int dim) {
-  return !later_axis_shards(cur, axis, dim) && !earlier_pending_on(cur, tgt, axis, dim);
+constexpr bool can_split(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt, int axis,
+                         const PlacementCode& t) {
+  const long key = nesting_key(t, axis);
+  return !inner_axis_shards(cur, axis, key, t.dim) && !outer_pending_on(cur, tgt, axis, key, t.dim);
+}
+
+// Can `axis` gather its current shard now (nothing nested inside it)?
+template <std::size_t N>
+constexpr bool can_gather(const std::array<PlacementCode, N>& cur, int axis) {
+  return !inner_axis_shards(cur, axis, nesting_key(cur[axis], axis), cur[axis].dim);
 }
 
 // Step 1 of the rule: the reducing/gathering step for axis a, if valid now.
@@ -108,61 +123,63 @@ constexpr bool gathering_step(const std::array<PlacementCode, N>& cur, const std
   const PlacementCode c = cur[a], t = tgt[a];
   if (c == t) return false;
   if (c.is_shard()) {
-    if (later_axis_shards(cur, a, c.dim)) return false;
-    if (t.is_shard()) {
-      if (!can_split(cur, tgt, a, t.dim)) return false;
-      out = {StepKind::all_to_all, a, c.dim, t.dim, ReduceOp::sum};
+    if (!can_gather(cur, a)) return false;
+    if (t.is_shard() && t.dim != c.dim) {
+      if (!can_split(cur, tgt, a, t)) return false;
+      out = {StepKind::all_to_all, a, c.dim, t.dim, ReduceOp::sum, t.order};
       return true;
     }
-    out = {StepKind::all_gather, a, c.dim, -1, ReduceOp::sum};  // to R, or to P via R
+    out = {StepKind::all_gather, a, c.dim, -1, ReduceOp::sum, 0};  // to R; to P or a new level via R
     return true;
   }
   if (c.is_partial()) {
-    if (t.is_shard() && can_split(cur, tgt, a, t.dim)) {
-      out = {StepKind::reduce_scatter, a, -1, t.dim, c.op};
+    if (t.is_shard() && can_split(cur, tgt, a, t)) {
+      out = {StepKind::reduce_scatter, a, -1, t.dim, c.op, t.order};
       return true;
     }
     if (t.is_shard()) return false;  // blocked: an unblocking gather comes first
-    out = {StepKind::all_reduce, a, -1, -1, c.op};  // to R, or to another P via R
+    out = {StepKind::all_reduce, a, -1, -1, c.op, 0};  // to R, or to another P via R
     return true;
   }
   return false;
 }
 
-// Step 2 of the rule: the slicing step for axis a (from Replicate), if valid now.
+// Step 2 of the rule: the local step for axis a (from Replicate), if valid now.
 template <std::size_t N>
 constexpr bool slicing_step(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt,
                             int a, Step& out) {
   const PlacementCode c = cur[a], t = tgt[a];
   if (c == t || !c.is_replicate()) return false;
   if (t.is_shard()) {
-    if (!can_split(cur, tgt, a, t.dim)) return false;
-    out = {StepKind::slice, a, -1, t.dim, ReduceOp::sum};
+    if (!can_split(cur, tgt, a, t)) return false;
+    out = {StepKind::slice, a, -1, t.dim, ReduceOp::sum, t.order};
     return true;
   }
-  out = {StepKind::make_partial, a, -1, -1, t.op};
+  out = {StepKind::make_partial, a, -1, -1, t.op, 0};
   return true;
 }
 
-// Step 3 of the rule: the first axis (outermost) that still has to change and is blocked by a
-// later axis sharding a dimension it touches; gather the innermost axis sharding that dimension
-// (valid: nothing after it shards the dimension). It is not re-sliced while the blocked axis is
-// pending (can_split), so the planner does not cycle.
+// Step 3 of the rule: the first axis that still has to change and is blocked by an axis nested
+// inside it on a dimension it touches; gather the innermost axis sharding that dimension (valid:
+// nothing is nested inside it). It is not re-split while the blocked axis is pending
+// (outer_pending_on), so the planner does not cycle.
 template <std::size_t N>
 constexpr bool unblocking_gather(const std::array<PlacementCode, N>& cur, const std::array<PlacementCode, N>& tgt,
                                  Step& out) {
   const int axes = static_cast<int>(N);
   for (int a = 0; a < axes; ++a) {
     if (cur[a] == tgt[a]) continue;
-    const int dims[2] = {cur[a].is_shard() ? cur[a].dim : -1, tgt[a].is_shard() ? tgt[a].dim : -1};
-    for (int d : dims) {
-      if (d < 0 || !later_axis_shards(cur, a, d)) continue;
-      for (int b = axes - 1; b > a; --b) {
-        if (cur[b].is_shard(d)) {
-          out = {StepKind::all_gather, b, d, -1, ReduceOp::sum};
-          return true;
-        }
-      }
+    struct Touch { int dim; long key; };
+    const Touch touches[2] = {{cur[a].is_shard() ? cur[a].dim : -1, nesting_key(cur[a], a)},
+                              {tgt[a].is_shard() ? tgt[a].dim : -1, nesting_key(tgt[a], a)}};
+    for (const Touch& t : touches) {
+      if (t.dim < 0 || !inner_axis_shards(cur, a, t.key, t.dim)) continue;
+      int innermost = -1;
+      for (int b = 0; b < axes; ++b)
+        if (cur[b].is_shard(t.dim) && (innermost < 0 || nesting_key(cur[b], b) > nesting_key(cur[innermost], innermost)))
+          innermost = b;
+      out = {StepKind::all_gather, innermost, t.dim, -1, ReduceOp::sum, 0};
+      return true;
     }
   }
   return false;
@@ -175,7 +192,7 @@ constexpr std::array<PlacementCode, N> apply(std::array<PlacementCode, N> layout
     case StepKind::all_reduce: layout[s.axis] = replicate_code(); break;
     case StepKind::reduce_scatter:
     case StepKind::all_to_all:
-    case StepKind::slice: layout[s.axis] = shard_code(s.to_dim); break;
+    case StepKind::slice: layout[s.axis] = shard_code(s.to_dim, s.to_order); break;
     case StepKind::make_partial: layout[s.axis] = partial_code(s.op); break;
   }
   return layout;
@@ -200,8 +217,14 @@ constexpr Plan<N> make_plan(const std::array<PlacementCode, N>& from, const std:
     for (int a = 0; a < axes && !found; ++a) found = plan_detail::slicing_step(cur, to, a, step);
     if (!found) found = plan_detail::unblocking_gather(cur, to, step);
     for (int a = axes - 1; a >= 0 && !found; --a) {
+      if (cur[a] != to[a] && cur[a].is_shard() && plan_detail::can_gather(cur, a)) {
+        step = {StepKind::all_gather, a, cur[a].dim, -1, ReduceOp::sum, 0};
+        found = true;
+      }
+    }
+    for (int a = axes - 1; a >= 0 && !found; --a) {
       if (cur[a].is_partial() && cur[a] != to[a]) {
-        step = {StepKind::all_reduce, a, -1, -1, cur[a].op};
+        step = {StepKind::all_reduce, a, -1, -1, cur[a].op, 0};
         found = true;
       }
     }

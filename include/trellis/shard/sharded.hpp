@@ -99,7 +99,8 @@ void check_same_everywhere(Mesh& mesh, const std::array<index_t, R>& global_shap
   for (int d = 0; d < R; ++d) mine[d] = global_shape[d];
   for (std::size_t a = 0; a < N; ++a) {
     mine[R + a] = sizes[a];
-    mine[R + N + a] = static_cast<std::int64_t>(codes[a].kind) * 1000 + codes[a].dim * 10 + static_cast<int>(codes[a].op);
+    mine[R + N + a] = ((static_cast<std::int64_t>(codes[a].kind) * 4096 + codes[a].dim) * 16 + static_cast<int>(codes[a].op)) * 4096 +
+                      codes[a].order;
   }
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     (
