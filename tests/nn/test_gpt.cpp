@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <map>
+#include <mutex>
+#include <tuple>
 #include <stdexcept>
 
 #include "support.hpp"
@@ -403,6 +405,31 @@ TEST_CASE("a 2-stage pipeline split equals the unsplit model", "[nn][gpt][stages
       REQUIRE(split.complete(key));
       CHECK(rel_error(split.get(key), ref.get(key)) <= 1e-5);
     }
+  }
+}
+
+TEST_CASE("make_gpt_stage builds this rank's stage from a <pp, dp, tp> mesh", "[nn][gpt][mesh]") {
+  std::mutex mutex;
+  std::vector<std::tuple<int, int, int, int, index_t>> seen;  // pp, dp, tp, first layer, wte rows
+  nn_test::run_ranks(8, [&](Comm& world) {
+    auto mesh = make_mesh<trellis::pp, trellis::dp, trellis::tp>(world, {2, 2, 2});
+    GptConfig cfg = tiny();
+    cfg.layers = 4;
+    auto model = make_gpt_stage(cfg, mesh);
+    const auto& st = model.stage();
+    Parameter* wte = model.tied_wte();
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.emplace_back(mesh.coord<trellis::pp>(), mesh.coord<trellis::dp>(), mesh.coord<trellis::tp>(), st.first_layer,
+                      wte ? wte->shard_shape[0] : -1);
+    CHECK(st.end_layer - st.first_layer == 2);
+    CHECK(st.embedding == (mesh.coord<trellis::pp>() == 0));
+    CHECK(st.head == (mesh.coord<trellis::pp>() == 1));
+    CHECK(model.tp().size() == 2);
+  });
+  REQUIRE(seen.size() == 8);
+  for (auto [p, d, t, first, rows] : seen) {
+    CHECK(first == 2 * p);
+    CHECK(rows == 48);  // 96 / tp on both the first (embedding) and the last (head copy) stage
   }
 }
 

@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "trellis/comm/mesh.hpp"
 #include "trellis/nn/block.hpp"
 #include "trellis/nn/cross_entropy.hpp"
 #include "trellis/nn/dropout.hpp"
@@ -250,5 +252,18 @@ class GptModel {
   std::unique_ptr<Parameter> head_wte_;
   std::unique_ptr<VocabParallelLMHeadLoss<C>> head_;
 };
+
+// This rank's GPT-2 stage on a device mesh: tensor parallel over mesh.comm<tp>(); with a pp axis,
+// stage mesh.coord<pp>() of mesh.size<pp>() (one chunk per rank; build the models yourself with
+// GptStage::of for interleaved/V schedules). Data parallelism (a dp axis) does not change the
+// model: the trainer reduces gradients over mesh.comm<dp>().
+template <class C, class... Axes>
+GptModel<C> make_gpt_stage(const GptConfig& cfg, comm::Mesh<C, Axes...>& mesh, const GptOptions& opt = {}) {
+  static_assert((std::is_same_v<Axes, trellis::tp> || ...), "make_gpt_stage: the mesh needs a tp axis (size 1 is fine)");
+  GptStage stage;
+  if constexpr ((std::is_same_v<Axes, trellis::pp> || ...))
+    stage = GptStage::of(mesh.template coord<trellis::pp>(), mesh.template size<trellis::pp>(), cfg.layers);
+  return GptModel<C>(cfg, mesh.template comm<trellis::tp>(), opt, stage);
+}
 
 }  // namespace trellis::nn
