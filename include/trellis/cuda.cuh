@@ -5,4 +5,5 @@
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
 #include "trellis/kernels_cuda.cuh"
+#include "trellis/shard/cuda.cuh"
 #include "trellis/trellis.hpp"
