@@ -1,0 +1,158 @@
+// One training step of the GPT-2 124M shape (12 layers, 12 heads, width 768, vocab 50257,
+// T = 64, B = 4: 256 tokens) through train::Trainer on one host rank in fp32 (forward, backward,
+// global-norm clip, AdamW over all 124 M parameters), side by side with, in the same run:
+//  (a) the floor: the step's matrix products (c_attn, attn c_proj, c_fc, mlp c_proj per block
+//      and the tied LM head, each forward product with its two backward products) as bare
+//      cblas_sgemm calls of the same shapes; attention's T x T products (0.3 % of the FLOPs at
+//      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
+//  (b) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
+//      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so.
+//   bench_trainer [--quick] [--json FILE]      (--quick: 4 layers, vocab 8192)
+#include <cblas.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/train/trainer.hpp"
+
+using namespace trellis;
+
+namespace {
+
+double sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int iters) {
+  const int C = static_cast<int>(cfg.width), N = tokens, V = static_cast<int>(cfg.vocab);
+  struct Shape {
+    int n, k;  // y (N x n) = x (N x k) W (k x n)
+  };
+  std::vector<Shape> shapes;
+  for (index_t l = 0; l < cfg.layers; ++l) {
+    shapes.push_back({3 * C, C});
+    shapes.push_back({C, C});
+    shapes.push_back({4 * C, C});
+    shapes.push_back({C, 4 * C});
+  }
+  shapes.push_back({V, C});  // LM head
+  std::size_t big_w = 0, big_y = 0;
+  for (auto s : shapes) {
+    big_w = std::max(big_w, static_cast<std::size_t>(s.n) * s.k);
+    big_y = std::max(big_y, static_cast<std::size_t>(N) * std::max(s.n, s.k));
+  }
+  std::vector<float> x(big_y, 0.01f), y(big_y, 0.02f), dx(big_y), w(big_w, 0.03f), dw(big_w, 0.0f);
+  auto run = [&] {
+    for (auto s : shapes) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n, 0.0f,
+                  y.data(), s.n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n, 0.0f,
+                  dx.data(), s.k);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n, 1.0f,
+                  dw.data(), s.n);
+    }
+  };
+  return bench::time_min_median(run, warmup, iters).first;
+}
+
+double gemm_flops(const nn::GptConfig& cfg, double tokens) {
+  const double C = static_cast<double>(cfg.width), V = static_cast<double>(cfg.vocab);
+  const double per_token = static_cast<double>(cfg.layers) * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + V * C;
+  return 6.0 * per_token * tokens;  // 2 FLOPs per multiply-add, forward + 2 backward products
+}
+
+struct TorchResult {
+  bool ok = false;
+  double ms_min = 0, ms_median = 0;
+  std::string note;
+};
+
+TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch) {
+  const char* env = std::getenv("TRELLIS_PYTHON");
+  const std::string python = env ? env : "python3";
+  TorchResult r;
+  if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    r.note = "PyTorch not available (" + python + " cannot import torch; set TRELLIS_PYTHON)";
+    return r;
+  }
+  const std::string cmd = python + " " + TRELLIS_BENCH_TRAIN_DIR + "/torch_gpt2_step.py --layers " +
+                          std::to_string(cfg.layers) + " --heads " + std::to_string(cfg.heads) + " --width " +
+                          std::to_string(cfg.width) + " --vocab " + std::to_string(cfg.vocab) + " --seq " +
+                          std::to_string(seq) + " --batch " + std::to_string(batch) + " 2>/dev/null";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
+  std::string out;
+  char buf[512];
+  while (pipe && std::fgets(buf, sizeof buf, pipe.get())) out += buf;
+  if (std::sscanf(out.c_str(), "{\"ms_min\": %lf, \"ms_median\": %lf", &r.ms_min, &r.ms_median) == 2) {
+    r.ok = true;
+    auto t = out.find("\"torch\": \"");
+    r.note = t == std::string::npos ? "" : "torch " + out.substr(t + 10, out.find('"', t + 10) - t - 10);
+  } else {
+    r.note = "the PyTorch run failed: " + out;
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = bench::has_flag(argc, argv, "--quick");
+  train::TrainerConfig c;
+  c.model = {.vocab = quick ? 8192 : 50257, .positions = 1024, .layers = quick ? 4 : 12, .heads = 12, .width = 768};
+  c.seq = 64;
+  c.batch = 4;
+  c.microbatches = 1;
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  const int warmup = 1, iters = quick ? 2 : 3;
+  const double tokens = static_cast<double>(c.batch * c.seq);
+
+  const double floor_s = sgemm_floor_seconds(c.model, static_cast<int>(tokens), 1, iters);
+  double t_min = 0, t_med = 0;
+  comm::ThreadWorld world(1);
+  world.run([&](comm::ThreadComm& comm) {
+    train::Trainer<comm::ThreadComm> trainer(comm, c);
+    train::Batch b;
+    b.rows = c.batch;
+    b.seq_len = c.seq;
+    b.inputs.resize(static_cast<std::size_t>(tokens));
+    b.targets.resize(static_cast<std::size_t>(tokens));
+    for (std::size_t i = 0; i < b.inputs.size(); ++i) {
+      b.inputs[i] = static_cast<std::int32_t>((i * 7919) % c.model.vocab);
+      b.targets[i] = static_cast<std::int32_t>((i * 104729 + 3) % c.model.vocab);
+    }
+    std::tie(t_min, t_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
+  });
+  const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch));
+
+  const double gf = gemm_flops(c.model, tokens);
+  std::printf("# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, fp32, 1 host rank; Trainer step = "
+              "F + B + W + clip + AdamW\n",
+              quick ? "(quick, reduced)" : "124M", static_cast<long long>(c.model.layers),
+              static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab),
+              static_cast<long long>(c.seq), static_cast<long long>(c.batch));
+  std::printf("# floor (same run): the step's GEMMs as bare cblas_sgemm: %.1f ms = %.1f GFLOP/s over %.1f GFLOP\n",
+              floor_s * 1e3, gf / floor_s / 1e9, gf / 1e9);
+  std::printf("%-28s %12s %12s %12s %10s\n", "implementation", "ms min", "ms median", "tokens/s", "x floor");
+  std::printf("%-28s %12.1f %12s %12.0f %10.2f\n", "cblas_sgemm floor", floor_s * 1e3, "-", tokens / floor_s, 1.0);
+  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis Trainer", t_min * 1e3, t_med * 1e3, tokens / t_min,
+              t_min / floor_s);
+  if (torch.ok)
+    std::printf("%-28s %12.1f %12.1f %12.0f %10.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
+                tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.note.c_str());
+  else
+    std::printf("%-28s %s\n", "PyTorch CPU", torch.note.c_str());
+  if (torch.ok) std::printf("# trellis / PyTorch: %.2f\n", t_min * 1e3 / torch.ms_min);
+
+  bench::JsonReport report("bench_trainer");
+  bench::Row row;
+  row.add_text("model", quick ? "quick" : "gpt2-124M")
+      .add("floor_ms", floor_s * 1e3)
+      .add("trellis_ms_min", t_min * 1e3)
+      .add("trellis_ms_median", t_med * 1e3)
+      .add("trellis_over_floor", t_min / floor_s);
+  if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
+  report.add(row);
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
