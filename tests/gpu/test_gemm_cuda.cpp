@@ -5,6 +5,7 @@
 // Tolerances: fp32 inputs |err| <= 2e-4 + 1e-4|want| (k <= 96, values in [-1, 1]; cuBLASLt and the
 // host sum in different orders); 16-bit inputs with fp32 C: 2e-3 + 2e-3|want|; 16-bit C: one
 // rounding of the output differs at most by an ulp: 1e-2 + 1e-2|want| (bf16 ulp = 2^-8 relative).
+#include <string>
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -172,7 +173,21 @@ TEST_CASE("cuBLASLt BGRADA / BGRADB give the sums over k of op(A) / op(B)", "[gp
         k::cuda::LtEpilogueArgs lt;
         lt.kind = kind;
         lt.bias_grad = dgrad.data();
-        handle.run(args, trellis::DType::bf16, trellis::DType::bf16, da.data(), db.data(), dc.data(), lt, stream);
+        if (layout == k::Layout::col_major) {
+          // cuBLASLt (CUDA 13, H200) refuses BGRADA/BGRADB for this column-major problem; where it
+          // does, the library must say so clearly (and where a later version accepts it, the
+          // results are checked like the row-major ones).
+          try {
+            handle.run(args, trellis::DType::bf16, trellis::DType::bf16, da.data(), db.data(), dc.data(), lt, stream);
+          } catch (const trellis::Error& e) {
+            const std::string what = e.what();
+            REQUIRE(what.find("does not support epilogue") != std::string::npos);
+            REQUIRE(what.find(k::cuda::lt_epilogue_name(kind)) != std::string::npos);
+            continue;
+          }
+        } else {
+          handle.run(args, trellis::DType::bf16, trellis::DType::bf16, da.data(), db.data(), dc.data(), lt, stream);
+        }
         require_close(to_host(dc), want_c, 1e-2, 1e-2, "C");
         std::vector<float> want(on_a ? sum_a.begin() : sum_b.begin(), on_a ? sum_a.end() : sum_b.end());
         require_close(to_host(dgrad), want, 2e-2, 1e-2, "bias_grad");

@@ -118,7 +118,8 @@ class NcclDeviceScope {
 // The state of one NcclComm, shared with its requests.
 struct NcclCommState {
   ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr;        // where operations are enqueued now (set_stream may change it)
+  cudaStream_t owned_stream = nullptr;  // the stream this communicator created, destroyed with it
   bool owns_stream = false;
   int rank = 0;
   int size = 1;
@@ -147,7 +148,8 @@ struct NcclCommState {
       }
     }
     if (scratch) cudaFree(scratch);
-    if (owns_stream && stream) cudaStreamDestroy(stream);
+    // Destroy only the stream we created: a stream given by set_stream belongs to the caller.
+    if (owns_stream && owned_stream) cudaStreamDestroy(owned_stream);
     cudaSetDevice(previous);
   }
 
@@ -368,6 +370,7 @@ class NcclComm {
     } else {
       detail::NcclDeviceScope scope(device);
       TRELLIS_CHECK_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+      s.owned_stream = s.stream;
       s.owns_stream = true;
     }
     s.recorder.identify(std::move(label), s.rank, s.size);

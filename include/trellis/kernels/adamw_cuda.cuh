@@ -93,6 +93,8 @@ __global__ void __launch_bounds__(kOptimThreads) sum_squares_kernel(MultiTensorB
 }
 
 // One block: out = (accumulate ? *out : 0) + sum of partials, in a fixed order.
+// A template only so that the header can be included by several translation units (ODR).
+template <int Unused = 0>
 __global__ void __launch_bounds__(kOptimThreads) sum_partials_kernel(const double* __restrict__ partial,
                                                                      std::int64_t count, double* out,
                                                                      bool accumulate) {
@@ -190,7 +192,7 @@ void grad_norm_squared(std::span<const std::span<const G>> grads, double* out, v
     if (batch.count == kAdamWTensorsPerLaunch) flush();
   }
   flush();
-  device::sum_partials_kernel<<<1, kOptimThreads, 0, stream>>>(partial, written, out, false);
+  device::sum_partials_kernel<0><<<1, kOptimThreads, 0, stream>>>(partial, written, out, false);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -381,8 +381,16 @@ class GemmHandle {
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     ++heuristic_queries_;
-    TRELLIS_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->layout_a, plan->layout_b,
-                                                        plan->layout_c, plan->layout_c, pref, 1, &result, &found));
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->layout_a, plan->layout_b,
+                                                                 plan->layout_c, plan->layout_c, pref, 1, &result, &found);
+    // cuBLASLt supports some epilogues only for some layouts/transposes (seen on an H200 with CUDA
+    // 13: BGRADA/BGRADB on column-major problems). Say which combination it refused.
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+      TRELLIS_THROW("cuBLASLt does not support epilogue ", lt_epilogue_name(e.kind), " for this problem: m=", s.m,
+                    " n=", s.n, " k=", s.k, " layout=", row ? "row_major" : "col_major", " in=", dtype_name(in_type),
+                    " out=", dtype_name(out_type), " (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query)");
+    }
+    TRELLIS_CHECK_CUBLAS(status);
     TRELLIS_CHECK(found > 0, "cuBLASLt found no algorithm for m=", s.m, " n=", s.n, " k=", s.k, " in=",
                   dtype_name(in_type), " out=", dtype_name(out_type), " epilogue=", lt_epilogue_name(e.kind));
     plan->algo = result.algo;

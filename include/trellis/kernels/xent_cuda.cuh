@@ -153,6 +153,8 @@ __global__ void xent_partial_target_kernel(std::int64_t rows, std::int64_t vocab
   target_logit[r] = targets[r] >= 0 && t >= 0 && t < vocab_local ? to_float(logits[r * ld + t]) : 0.0f;
 }
 
+// A template only so that the header can be included by several translation units (ODR).
+template <int Unused = 0>
 __global__ void xent_finish_kernel(std::int64_t rows, const float* __restrict__ global_max,
                                    const float* __restrict__ global_sumexp, const float* __restrict__ target_logit,
                                    const std::int32_t* __restrict__ targets, float* __restrict__ loss,
@@ -259,7 +261,7 @@ inline void xent_finish(std::int64_t rows, const float* global_max, const float*
                         cudaStream_t stream) {
   TRELLIS_CHECK(rows >= 0, "xent_finish: negative rows ", rows);
   if (rows == 0) return;
-  device::xent_finish_kernel<<<detail::grid_for(rows, 256), 256, 0, stream>>>(rows, global_max, global_sumexp,
+  device::xent_finish_kernel<0><<<detail::grid_for(rows, 256), 256, 0, stream>>>(rows, global_max, global_sumexp,
                                                                              target_logit, targets, loss, lse);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
