@@ -12,8 +12,8 @@
 //     and the data-parallel reduction is a plain sum;
 //  2. pp > 1: pipe::execute runs the schedule over this rank's model chunks (GptStage::of over
 //     p * v virtual stages). pp = 1: the plain loop (per microbatch F through the chunks, then B
-//     and W per chunk in reverse); the 1-rank model is cut into one chunk per block so gradients
-//     become final block by block;
+//     and W per chunk in reverse); with dp buckets to overlap the model is cut into one chunk per
+//     block so gradients become final block by block (otherwise one chunk);
 //  3. data parallel (dp > 1, no ZeRO): the gradients go into buckets (<= bucket_elements, in
 //     reverse parameter order within a chunk); when a chunk's LAST W of the step is done its
 //     grads are final, and its buckets start at once as all_reduce_async on the dp communicator.
@@ -212,7 +212,9 @@ class Trainer {
       chunks = schedule_->chunks;
       stages = schedule_->virtual_stages();
     } else {
-      chunks = stages = static_cast<int>(cfg_.model.layers);  // one block per chunk: grads final block by block
+      // With buckets to overlap (dp > 1, no ZeRO): one block per chunk, so gradients become final
+      // block by block. Otherwise one chunk (no second wte copy, no tied sum).
+      chunks = stages = cfg_.dp > 1 && !cfg_.zero1 ? static_cast<int>(cfg_.model.layers) : 1;
     }
     std::vector<nn::GptModel<C>*> raw;
     for (int c = 0; c < chunks; ++c) {
