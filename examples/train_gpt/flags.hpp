@@ -31,9 +31,9 @@ struct Options {
   std::string data;  // empty: the shipped corpus; *.bin (comma separated): llm.c token shards
   double val_fraction = 0.1;
   // optimisation
-  int steps = 80;
+  int steps = 150;
   double lr = 3e-3, min_lr = 3e-4;
-  int warmup = 8;
+  int warmup = 10;
   double clip = 1.0;
   double weight_decay = 0.1;
   std::uint64_t seed = 1234;
@@ -67,7 +67,7 @@ backend:   --backend host|cuda (host; cuda needs a CUDA build of the trainer, no
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
            --val-fraction F (0.1)
-optimiser: --steps N (80) --lr X (3e-3) --min-lr X (3e-4) --warmup N (8) --clip X (1.0, 0: off)
+optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --clip X (1.0, 0: off)
            --weight-decay X (0.1) --seed N (1234)
 output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --ckpt-dir DIR --ckpt-every N (0: only at the end) --resume (continue from DIR/latest)

@@ -89,6 +89,10 @@ struct Outcome {
 template <class Comm>
 void run_rank(Comm& comm, const train_gpt::Options& o, const Data& data, double peak, Outcome& outcome) {
   const auto cfg = train_gpt::trainer_config(o);
+  if (peak <= 0) {  // measured by one rank while the others wait (they would share the cores)
+    if (comm.rank() == 0) peak = measured_peak_flops();
+    comm.broadcast(&peak, 1, 0);
+  }
   train::Trainer<Comm> trainer(comm, cfg);
   const bool lead = comm.rank() == 0;
   const int dp_rank = trainer.mesh().template coord<trellis::dp>();
@@ -241,7 +245,7 @@ int main(int argc, char** argv) {
       comm::MpiWorld world(argc, argv);
       train_gpt::validate(o, world.size());
       const Data data = load_data(o);
-      const double peak = o.peak_gflops > 0 ? o.peak_gflops * 1e9 : measured_peak_flops();
+      const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
       Outcome out;
       world.run([&](comm::MpiComm& comm) { run_rank(comm, o, data, peak, out); });
       if (world.rank() == 0) report(o, data, out);
@@ -258,7 +262,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     const Data data = load_data(o);
-    const double peak = o.peak_gflops > 0 ? o.peak_gflops * 1e9 : measured_peak_flops();
+    const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
     Outcome out;
     comm::ThreadWorld world(o.dp * o.tp * o.pp);
     world.run([&](comm::ThreadComm& comm) { run_rank(comm, o, data, peak, out); });
