@@ -45,12 +45,12 @@ double sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int
   std::vector<float> x(big_y, 0.01f), y(big_y, 0.02f), dx(big_y), w(big_w, 0.03f), dw(big_w, 0.0f);
   auto run = [&] {
     for (auto s : shapes) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n, 0.0f,
-                  y.data(), s.n);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n, 0.0f,
-                  dx.data(), s.k);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n, 1.0f,
-                  dw.data(), s.n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n,
+                  0.0f, y.data(), s.n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n,
+                  0.0f, dx.data(), s.k);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n,
+                  1.0f, dw.data(), s.n);
     }
   };
   return bench::time_min_median(run, warmup, iters).first;
@@ -58,7 +58,8 @@ double sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int
 
 double gemm_flops(const nn::GptConfig& cfg, double tokens) {
   const double C = static_cast<double>(cfg.width), V = static_cast<double>(cfg.vocab);
-  const double per_token = static_cast<double>(cfg.layers) * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + V * C;
+  const double per_token =
+      static_cast<double>(cfg.layers) * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + V * C;
   return 6.0 * per_token * tokens;  // 2 FLOPs per multiply-add, forward + 2 backward products
 }
 
@@ -99,7 +100,8 @@ TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch) {
 int main(int argc, char** argv) {
   const bool quick = bench::has_flag(argc, argv, "--quick");
   train::TrainerConfig c;
-  c.model = {.vocab = quick ? 8192 : 50257, .positions = 1024, .layers = quick ? 4 : 12, .heads = 12, .width = 768};
+  c.model = {
+      .vocab = quick ? 8192 : 50257, .positions = 1024, .layers = quick ? 4 : 12, .heads = 12, .width = 768};
   c.seq = 64;
   c.batch = 4;
   c.microbatches = 1;
@@ -126,17 +128,20 @@ int main(int argc, char** argv) {
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch));
 
   const double gf = gemm_flops(c.model, tokens);
-  std::printf("# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, fp32, 1 host rank; Trainer step = "
-              "F + B + W + clip + AdamW\n",
-              quick ? "(quick, reduced)" : "124M", static_cast<long long>(c.model.layers),
-              static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab),
-              static_cast<long long>(c.seq), static_cast<long long>(c.batch));
-  std::printf("# floor (same run): the step's GEMMs as bare cblas_sgemm: %.1f ms = %.1f GFLOP/s over %.1f GFLOP\n",
-              floor_s * 1e3, gf / floor_s / 1e9, gf / 1e9);
+  std::printf(
+      "# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, fp32, 1 host rank; Trainer step = "
+      "F + B + W + clip + AdamW\n",
+      quick ? "(quick, reduced)" : "124M", static_cast<long long>(c.model.layers),
+      static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab),
+      static_cast<long long>(c.seq), static_cast<long long>(c.batch));
+  std::printf(
+      "# floor (same run): the step's GEMMs as bare cblas_sgemm: %.1f ms = %.1f GFLOP/s over %.1f GFLOP\n",
+      floor_s * 1e3, gf / floor_s / 1e9, gf / 1e9);
   std::printf("%-28s %12s %12s %12s %10s\n", "implementation", "ms min", "ms median", "tokens/s", "x floor");
-  std::printf("%-28s %12.1f %12s %12.0f %10.2f\n", "cblas_sgemm floor", floor_s * 1e3, "-", tokens / floor_s, 1.0);
-  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis Trainer", t_min * 1e3, t_med * 1e3, tokens / t_min,
-              t_min / floor_s);
+  std::printf("%-28s %12.1f %12s %12.0f %10.2f\n", "cblas_sgemm floor", floor_s * 1e3, "-", tokens / floor_s,
+              1.0);
+  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis Trainer", t_min * 1e3, t_med * 1e3,
+              tokens / t_min, t_min / floor_s);
   if (torch.ok)
     std::printf("%-28s %12.1f %12.1f %12.0f %10.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
                 tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.note.c_str());

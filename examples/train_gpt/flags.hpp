@@ -41,7 +41,7 @@ struct Options {
   std::string ckpt_dir;
   int ckpt_every = 0;  // 0: only at the end (when --ckpt-dir is given)
   bool resume = false;
-  std::string log;     // metrics.jsonl; the loss curve goes next to it (.svg)
+  std::string log;  // metrics.jsonl; the loss curve goes next to it (.svg)
   int eval_every = 20;
   int sample_tokens = 200;
   double temperature = 0.8;
@@ -110,45 +110,80 @@ inline Options parse_flags(const std::vector<std::string>& args) {
     auto value = [&]() -> std::string { return has_inline ? inline_value : need(i); };
     auto int_flag = [&](int& dst) { dst = to_int(f, value()); };
     auto dbl_flag = [&](double& dst) { dst = to_double(f, value()); };
-    if (f == "--help" || f == "-h") o.help = true;
-    else if (f == "--layers") int_flag(o.layers);
-    else if (f == "--heads") int_flag(o.heads);
-    else if (f == "--width") int_flag(o.width);
-    else if (f == "--vocab") int_flag(o.vocab);
-    else if (f == "--context") int_flag(o.context);
-    else if (f == "--batch") int_flag(o.batch);
-    else if (f == "--microbatches") int_flag(o.microbatches);
-    else if (f == "--dp") int_flag(o.dp);
-    else if (f == "--tp") int_flag(o.tp);
-    else if (f == "--pp") int_flag(o.pp);
-    else if (f == "--sp") o.sp = true;
-    else if (f == "--zero1") o.zero1 = true;
-    else if (f == "--schedule") o.schedule = value();
-    else if (f == "--chunks") int_flag(o.chunks);
-    else if (f == "--backend") o.backend = value();
-    else if (f == "--mpi") o.mpi = true;
-    else if (f == "--data") o.data = value();
-    else if (f == "--val-fraction") dbl_flag(o.val_fraction);
-    else if (f == "--steps") int_flag(o.steps);
-    else if (f == "--lr") dbl_flag(o.lr);
-    else if (f == "--min-lr") dbl_flag(o.min_lr);
-    else if (f == "--warmup") int_flag(o.warmup);
-    else if (f == "--clip") dbl_flag(o.clip);
-    else if (f == "--weight-decay") dbl_flag(o.weight_decay);
+    if (f == "--help" || f == "-h")
+      o.help = true;
+    else if (f == "--layers")
+      int_flag(o.layers);
+    else if (f == "--heads")
+      int_flag(o.heads);
+    else if (f == "--width")
+      int_flag(o.width);
+    else if (f == "--vocab")
+      int_flag(o.vocab);
+    else if (f == "--context")
+      int_flag(o.context);
+    else if (f == "--batch")
+      int_flag(o.batch);
+    else if (f == "--microbatches")
+      int_flag(o.microbatches);
+    else if (f == "--dp")
+      int_flag(o.dp);
+    else if (f == "--tp")
+      int_flag(o.tp);
+    else if (f == "--pp")
+      int_flag(o.pp);
+    else if (f == "--sp")
+      o.sp = true;
+    else if (f == "--zero1")
+      o.zero1 = true;
+    else if (f == "--schedule")
+      o.schedule = value();
+    else if (f == "--chunks")
+      int_flag(o.chunks);
+    else if (f == "--backend")
+      o.backend = value();
+    else if (f == "--mpi")
+      o.mpi = true;
+    else if (f == "--data")
+      o.data = value();
+    else if (f == "--val-fraction")
+      dbl_flag(o.val_fraction);
+    else if (f == "--steps")
+      int_flag(o.steps);
+    else if (f == "--lr")
+      dbl_flag(o.lr);
+    else if (f == "--min-lr")
+      dbl_flag(o.min_lr);
+    else if (f == "--warmup")
+      int_flag(o.warmup);
+    else if (f == "--clip")
+      dbl_flag(o.clip);
+    else if (f == "--weight-decay")
+      dbl_flag(o.weight_decay);
     else if (f == "--seed") {
       const int s = to_int(f, value());
       if (s < 0) TRELLIS_THROW("flag --seed: must be >= 0");
       o.seed = static_cast<std::uint64_t>(s);
-    } else if (f == "--ckpt-dir") o.ckpt_dir = value();
-    else if (f == "--ckpt-every") int_flag(o.ckpt_every);
-    else if (f == "--resume") o.resume = true;
-    else if (f == "--log") o.log = value();
-    else if (f == "--eval-every") int_flag(o.eval_every);
-    else if (f == "--sample-tokens") int_flag(o.sample_tokens);
-    else if (f == "--temperature") dbl_flag(o.temperature);
-    else if (f == "--prompt") o.prompt = value();
-    else if (f == "--peak-gflops") dbl_flag(o.peak_gflops);
-    else TRELLIS_THROW("unknown flag '", args[i], "' (see --help)");
+    } else if (f == "--ckpt-dir")
+      o.ckpt_dir = value();
+    else if (f == "--ckpt-every")
+      int_flag(o.ckpt_every);
+    else if (f == "--resume")
+      o.resume = true;
+    else if (f == "--log")
+      o.log = value();
+    else if (f == "--eval-every")
+      int_flag(o.eval_every);
+    else if (f == "--sample-tokens")
+      int_flag(o.sample_tokens);
+    else if (f == "--temperature")
+      dbl_flag(o.temperature);
+    else if (f == "--prompt")
+      o.prompt = value();
+    else if (f == "--peak-gflops")
+      dbl_flag(o.peak_gflops);
+    else
+      TRELLIS_THROW("unknown flag '", args[i], "' (see --help)");
   }
   return o;
 }
@@ -186,10 +221,12 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
 // change; `world_size`: the ranks the run has (MPI) or nothing (threads: dp x tp x pp are made).
 inline std::vector<std::string> problems(const Options& o, std::optional<int> world_size = std::nullopt) {
   std::vector<std::string> out;
-  if (o.backend != "host" && o.backend != "cuda") out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
+  if (o.backend != "host" && o.backend != "cuda")
+    out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
   if (o.backend == "cuda")
-    out.push_back("--backend cuda: this train_gpt is built for the host only (the trainer has no CUDA path yet); "
-                  "use --backend host");
+    out.push_back(
+        "--backend cuda: this train_gpt is built for the host only (the trainer has no CUDA path yet); "
+        "use --backend host");
   if (o.steps < 1) out.push_back("--steps must be >= 1");
   if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");
   if (o.warmup < 0 || o.warmup >= o.steps) out.push_back("--warmup must be in [0, --steps)");

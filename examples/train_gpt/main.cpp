@@ -45,7 +45,8 @@ double measured_peak_flops() {
   double best = 1e30;
   for (int rep = 0; rep < 5; ++rep) {
     auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
+                c.data(), n);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return 2.0 * n * n * n / best;
@@ -70,7 +71,8 @@ Data load_data(const train_gpt::Options& o) {
     if (shards.size() > 1) all = train::load_llmc_shards(shards, o.vocab);
   } else {
     TRELLIS_CHECK(fs::exists(path), "--data: no file ", path);
-    TRELLIS_CHECK(o.vocab >= 256, "--data ", path, " is text (bytes as tokens, 0..255): it needs --vocab >= 256, got ", o.vocab);
+    TRELLIS_CHECK(o.vocab >= 256, "--data ", path,
+                  " is text (bytes as tokens, 0..255): it needs --vocab >= 256, got ", o.vocab);
     all = train::load_text_as_bytes(path);
   }
   Data d;
@@ -120,14 +122,17 @@ void run_rank(Comm& comm, const train_gpt::Options& o, const Data& data, double 
       metrics = std::make_unique<train::MetricsWriter>(o.log, o.resume);
     }
     bar = std::make_unique<train::ProgressBar>(std::cout);
-    std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers, o.heads,
-                o.width, o.vocab, o.context, n_params / 1e6);
-    std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n", o.dp, o.tp,
-                o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "", o.pp > 1 ? o.schedule.c_str() : "(none, pp=1)",
-                o.microbatches, static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), o.mpi ? "MPI" : "thread");
-    std::printf("data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f GFLOP/s%s\n",
-                data.train.tokens.size(), data.val.tokens.size(), data.unigram, peak / 1e9,
-                o.peak_gflops > 0 ? " (given)" : " (measured sgemm, whole machine)");
+    std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
+                o.heads, o.width, o.vocab, o.context, n_params / 1e6);
+    std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n",
+                o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "",
+                o.pp > 1 ? o.schedule.c_str() : "(none, pp=1)", o.microbatches,
+                static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), o.mpi ? "MPI" : "thread");
+    std::printf(
+        "data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f "
+        "GFLOP/s%s\n",
+        data.train.tokens.size(), data.val.tokens.size(), data.unigram, peak / 1e9,
+        o.peak_gflops > 0 ? " (given)" : " (measured sgemm, whole machine)");
     std::fflush(stdout);
   }
   auto validate_now = [&]() {
@@ -149,9 +154,11 @@ void run_rank(Comm& comm, const train_gpt::Options& o, const Data& data, double 
     const bool eval = (r.step % o.eval_every == 0) || r.step == o.steps;
     std::optional<double> val_now;
     if (eval) val = *(val_now = validate_now());
-    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps) trainer.save(ckpt_root, loader.state());
+    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps)
+      trainer.save(ckpt_root, loader.state());
     if (lead) {
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       train::StepMetrics m;
       m.step = r.step;
       m.loss = r.loss;
@@ -193,15 +200,18 @@ void run_rank(Comm& comm, const train_gpt::Options& o, const Data& data, double 
 
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.
 void report(const train_gpt::Options& o, const Data& data, const Outcome& out) {
-  std::printf("\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f (%s)\n",
-              out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram,
-              out.val_loss < data.unigram ? "below: the model uses context" : "NOT below the baseline");
+  std::printf(
+      "\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f "
+      "(%s)\n",
+      out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram,
+      out.val_loss < data.unigram ? "below: the model uses context" : "NOT below the baseline");
   if (!o.log.empty()) {
     fs::path svg = fs::path(o.log).replace_extension(".svg");
     auto curves = train::loss_curves_from_metrics(o.log);
     train::LossCurveOptions lo;
     std::ostringstream title;
-    title << "train_gpt: " << o.layers << " layers, width " << o.width << ", dp" << o.dp << " tp" << o.tp << " pp" << o.pp;
+    title << "train_gpt: " << o.layers << " layers, width " << o.width << ", dp" << o.dp << " tp" << o.tp
+          << " pp" << o.pp;
     lo.title = title.str();
     lo.baseline = data.unigram;
     train::write_loss_curve_svg(svg, curves.train, curves.val, lo);
@@ -251,7 +261,8 @@ int main(int argc, char** argv) {
       if (world.rank() == 0) report(o, data, out);
       return 0;
 #else
-      std::fprintf(stderr, "train_gpt: --mpi: this build has no MPI (configure with MPI found); run without --mpi\n");
+      std::fprintf(stderr,
+                   "train_gpt: --mpi: this build has no MPI (configure with MPI found); run without --mpi\n");
       return 2;
 #endif
     }

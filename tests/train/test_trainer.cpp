@@ -72,8 +72,9 @@ TEST_CASE("pp2 with every schedule equals one rank", "[train][trainer][parity][p
 TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]") {
   check_against_reference({.pp = 2, .dp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 2}, "dp2.tp2.pp2");
   check_against_reference({.dp = 2, .zero1 = true}, "dp2 zero1");
-  check_against_reference({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
-                          "dp2.tp2+sp.pp2 zero1 zb_v");
+  check_against_reference(
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
+      "dp2.tp2+sp.pp2 zero1 zb_v");
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

@@ -1,7 +1,6 @@
 // train_gpt's command line (examples/train_gpt/flags.hpp) and the trainer's layout checks: every
 // bad flag or inconsistent layout is refused with a message naming what to change.
 #include <catch2/catch.hpp>
-
 #include <string>
 #include <vector>
 
@@ -23,8 +22,8 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 }  // namespace
 
 TEST_CASE("flags parse into options", "[train][flags]") {
-  auto o = parse_flags({"--dp", "2", "--tp=2", "--pp", "2", "--sp", "--zero1", "--schedule", "zb_v", "--lr", "1e-3",
-                        "--layers", "6", "--log", "out/m.jsonl", "--seed", "7"});
+  auto o = parse_flags({"--dp", "2", "--tp=2", "--pp", "2", "--sp", "--zero1", "--schedule", "zb_v", "--lr",
+                        "1e-3", "--layers", "6", "--log", "out/m.jsonl", "--seed", "7"});
   CHECK(o.dp == 2);
   CHECK(o.tp == 2);
   CHECK(o.pp == 2);
@@ -51,10 +50,12 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--tp", "3"}), "--tp 3 does not divide --heads 4"));
   CHECK(contains(error_of({"--width", "130"}), "--width 130 is not divisible by --heads 4"));
   CHECK(contains(error_of({"--dp", "2", "--tp", "2"}, 8), "mpirun started 8 ranks but dp x tp x pp = 4"));
-  CHECK(contains(error_of({"--batch", "10", "--dp", "2", "--microbatches", "2"}), "--batch 10 must be a multiple of dp x microbatches"));
+  CHECK(contains(error_of({"--batch", "10", "--dp", "2", "--microbatches", "2"}),
+                 "--batch 10 must be a multiple of dp x microbatches"));
   CHECK(contains(error_of({"--pp", "2", "--schedule", "magic"}), "unknown --schedule 'magic'"));
   CHECK(contains(error_of({"--pp", "2", "--schedule", "local_learning"}), "auxiliary loss"));
-  CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}), "fewer than the 8 virtual pipeline stages"));
+  CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}),
+                 "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));
   CHECK(contains(error_of({"--zero1"}), "--zero1 shards the optimizer over dp ranks"));
   CHECK(contains(error_of({"--backend", "cuda"}), "use --backend host"));
@@ -72,5 +73,6 @@ TEST_CASE("check_config counts the ranks", "[train][flags][errors]") {
   c.dp = 2;
   c.batch = 8;
   CHECK_NOTHROW(trellis::train::check_config(c, 2));
-  CHECK_THROWS_WITH(trellis::train::check_config(c, 3), Catch::Contains("start 2 ranks or change the layout"));
+  CHECK_THROWS_WITH(trellis::train::check_config(c, 3),
+                    Catch::Contains("start 2 ranks or change the layout"));
 }

@@ -4,15 +4,16 @@
 // without context): val <= baseline - 0.15 nats/token. The baseline is computed independently
 // from token counts (train::unigram_cross_entropy); at the start the loss is ~log(256) = 5.5.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 
 #include "test_trainer_support.hpp"
 
 using namespace trainer_test;
 
-TEST_CASE("dp2 x tp2 x pp2 learns the shipped corpus below the unigram baseline", "[train][trainer][learning]") {
-  const auto all = trellis::train::load_text_as_bytes(std::string(TRELLIS_SOURCE_DIR) + "/data/tiny_corpus.txt");
+TEST_CASE("dp2 x tp2 x pp2 learns the shipped corpus below the unigram baseline",
+          "[train][trainer][learning]") {
+  const auto all =
+      trellis::train::load_text_as_bytes(std::string(TRELLIS_SOURCE_DIR) + "/data/tiny_corpus.txt");
   const auto [train_data, val_data] = trellis::train::train_val_split(all, 0.1);
   const double baseline = trellis::train::unigram_cross_entropy(train_data.tokens, val_data.tokens, 256);
   TrainerConfig c;
@@ -47,7 +48,8 @@ TEST_CASE("dp2 x tp2 x pp2 learns the shipped corpus below the unigram baseline"
       val = v / static_cast<double>(nb);
     }
   });
-  INFO("first loss " << first << ", last " << last << ", validation " << val << ", unigram baseline " << baseline);
+  INFO("first loss " << first << ", last " << last << ", validation " << val << ", unigram baseline "
+                     << baseline);
   CHECK(std::fabs(first - std::log(256.0)) < 0.3);
   CHECK(val <= baseline - 0.15);
 }

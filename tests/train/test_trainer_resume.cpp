@@ -24,7 +24,8 @@ void straight(const Layout& l, Straight& s) { train(with_layout(tiny_config(), l
 }  // namespace
 
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
-  for (const Layout& l : {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true}}) {
+  for (const Layout& l :
+       {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
     Straight s;
     straight(l, s);
@@ -47,7 +48,8 @@ TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   }
 }
 
-TEST_CASE("a checkpoint loads into other layouts and training continues the same", "[train][trainer][reshard]") {
+TEST_CASE("a checkpoint loads into other layouts and training continues the same",
+          "[train][trainer][reshard]") {
   const Layout saved{.pp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 2};
   Straight s;
   straight(saved, s);
@@ -59,7 +61,8 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   }
   const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
   for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
-                          Layout{.dp = 2, .zero1 = true}, Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2}}) {
+                          Layout{.dp = 2, .zero1 = true},
+                          Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2}}) {
     INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
     nn_test::Collector w;
     RunResult r;
@@ -75,7 +78,8 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   }
 }
 
-TEST_CASE("a checkpoint of another model shape is refused naming the tensor", "[train][trainer][reshard][errors]") {
+TEST_CASE("a checkpoint of another model shape is refused naming the tensor",
+          "[train][trainer][reshard][errors]") {
   TempDir dir("trainer-shape");
   nn_test::Collector w;
   RunResult r;

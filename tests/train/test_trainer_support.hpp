@@ -4,7 +4,6 @@
 #pragma once
 
 #include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -51,7 +50,8 @@ inline const std::vector<trellis::train::token_t>& tokens() {
     std::uint64_t x = 7;
     for (std::size_t i = 0; i < v.size(); ++i) {
       x = trellis::nn::detail::splitmix64(x);
-      v[i] = static_cast<trellis::train::token_t>((i * 7 + (i / 13)) % 64 ^ ((x % 5 == 0) ? (x >> 20) % 64 : 0));
+      v[i] =
+          static_cast<trellis::train::token_t>((i * 7 + (i / 13)) % 64 ^ ((x % 5 == 0) ? (x >> 20) % 64 : 0));
     }
     return v;
   }();
@@ -105,11 +105,13 @@ inline void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::
     }
     if (!save_to.empty()) t.save(save_to, loader.state());
     for (auto* p : t.parameters())
-      for (index_t i = 0; i < p->numel(); ++i) weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+      for (index_t i = 0; i < p->numel(); ++i)
+        weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
     for (auto& m : t.chunks())  // every wte copy must equal the primary one
       for (auto* p : m->parameters())
         if (p->name == "wte.weight")
-          for (index_t i = 0; i < p->numel(); ++i) weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+          for (index_t i = 0; i < p->numel(); ++i)
+            weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
     std::lock_guard<std::mutex> lock(mutex);
     if (comm.rank() == 0) {
       losses = my_losses;

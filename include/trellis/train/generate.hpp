@@ -21,8 +21,10 @@ class Generator {
  public:
   // one_rank: a communicator of size 1 (the model is whole here).
   Generator(const Checkpoint& ck, const nn::GptConfig& cfg, C& one_rank)
-      : cfg_(cfg), model_(cfg, one_rank, nn::GptOptions{}, nn::GptStage{0, static_cast<int>(cfg.layers), true, false}) {
-    TRELLIS_CHECK(one_rank.size() == 1, "Generator: needs a 1-rank communicator, got ", one_rank.size(), " ranks");
+      : cfg_(cfg),
+        model_(cfg, one_rank, nn::GptOptions{}, nn::GptStage{0, static_cast<int>(cfg.layers), true, false}) {
+    TRELLIS_CHECK(one_rank.size() == 1, "Generator: needs a 1-rank communicator, got ", one_rank.size(),
+                  " ranks");
     for (nn::Parameter* p : model_.parameters()) read_parameter_shaped(ck, p->name, *p, p->value);
     wte_ = ck.read_whole<float>("wte.weight");
     ln_w_ = ck.read_whole<float>("ln_f.weight");
@@ -65,7 +67,8 @@ class Generator {
     if (temperature <= 0) return static_cast<std::int32_t>(best);
     std::vector<double> p(logits.size());
     double z = 0;
-    for (std::size_t i = 0; i < p.size(); ++i) z += (p[i] = std::exp((logits[i] - logits[best]) / temperature));
+    for (std::size_t i = 0; i < p.size(); ++i)
+      z += (p[i] = std::exp((logits[i] - logits[best]) / temperature));
     double u = rng.uniform() * z;
     for (std::size_t i = 0; i < p.size(); ++i)
       if ((u -= p[i]) <= 0) return static_cast<std::int32_t>(i);

@@ -76,14 +76,14 @@ struct TrainerConfig {
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   int virtual_chunks = 2;         // v of interleaved_1f1b (vee schedules always hold 2)
   int microbatches = 1;
-  index_t batch = 8;              // rows of the GLOBAL batch
-  index_t seq = 64;               // T
+  index_t batch = 8;  // rows of the GLOBAL batch
+  index_t seq = 64;   // T
   bool zero1 = false;
   optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
-  double clip = 1.0;              // max global grad norm (<= 0: no clipping)
+  double clip = 1.0;  // max global grad norm (<= 0: no clipping)
   std::size_t bucket_elements = std::size_t{1} << 18;
-  std::uint64_t seed = 1234;      // Rng streams (one per rank); the model's init seed is options.seed
+  std::uint64_t seed = 1234;  // Rng streams (one per rank); the model's init seed is options.seed
 };
 
 // Every problem with a layout, each saying what to change; empty when the config is usable.
@@ -95,17 +95,21 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     out.push_back(s.str());
   };
   const auto& m = c.model;
-  if (c.pp < 1 || c.dp < 1 || c.tp < 1) add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
+  if (c.pp < 1 || c.dp < 1 || c.tp < 1)
+    add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
-  if (m.heads >= 1 && m.width % m.heads != 0) add("--width ", m.width, " is not divisible by --heads ", m.heads, ": change one of them");
+  if (m.heads >= 1 && m.width % m.heads != 0)
+    add("--width ", m.width, " is not divisible by --heads ", m.heads, ": change one of them");
   if (c.tp >= 1 && m.heads >= 1 && m.heads % c.tp != 0)
     add("--tp ", c.tp, " does not divide --heads ", m.heads, ": use a tp that divides the head count");
   if (c.tp >= 1 && m.vocab < c.tp) add("--vocab ", m.vocab, " is smaller than --tp ", c.tp);
-  if (c.seq < 1 || c.seq > m.positions) add("sequence length ", c.seq, " must be in 1..--context (", m.positions, ")");
+  if (c.seq < 1 || c.seq > m.positions)
+    add("sequence length ", c.seq, " must be in 1..--context (", m.positions, ")");
   if (c.microbatches < 1) add("--microbatches must be >= 1 (got ", c.microbatches, ")");
   if (c.batch < 1) add("--batch must be >= 1 (got ", c.batch, ")");
-  if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 && c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
+  if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 &&
+      c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
     add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
         " (each dp rank cuts its rows into equal microbatches)");
   if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
@@ -117,15 +121,18 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       for (auto& n : names) known += (known.empty() ? "" : ", ") + n;
       add("unknown --schedule '", c.schedule, "' (known: ", known, ")");
     } else if (c.schedule == "local_learning") {
-      add("--schedule local_learning trains every stage on its own auxiliary loss, which the GPT model does not "
+      add("--schedule local_learning trains every stage on its own auxiliary loss, which the GPT model does "
+          "not "
           "have: pick another schedule");
     } else {
-      const int v = c.schedule == "interleaved_1f1b" ? c.virtual_chunks
-                    : (c.schedule == "zb_v" || c.schedule == "dualpipe_v") ? 2 : 1;
-      if (v < 1) add("--chunks must be >= 1");
+      const int v = c.schedule == "interleaved_1f1b"                       ? c.virtual_chunks
+                    : (c.schedule == "zb_v" || c.schedule == "dualpipe_v") ? 2
+                                                                           : 1;
+      if (v < 1)
+        add("--chunks must be >= 1");
       else if (m.layers < static_cast<index_t>(c.pp) * v)
-        add("--layers ", m.layers, " is fewer than the ", c.pp * v, " virtual pipeline stages of '", c.schedule,
-            "' with pp ", c.pp, ": use more layers or a smaller --pp");
+        add("--layers ", m.layers, " is fewer than the ", c.pp * v, " virtual pipeline stages of '",
+            c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
     }
   }
   if (c.clip < 0) add("--clip must be >= 0");
@@ -138,8 +145,9 @@ inline void check_config(const TrainerConfig& c, std::optional<int> world_size =
   auto problems = config_problems(c);
   if (world_size && *world_size != c.dp * c.tp * c.pp) {
     std::ostringstream s;
-    s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x " << c.pp
-      << " = " << c.dp * c.tp * c.pp << ": start " << c.dp * c.tp * c.pp << " ranks or change the layout";
+    s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x "
+      << c.pp << " = " << c.dp * c.tp * c.pp << ": start " << c.dp * c.tp * c.pp
+      << " ranks or change the layout";
     problems.push_back(s.str());
   }
   if (problems.empty()) return;
@@ -166,8 +174,10 @@ inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const
     for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
     out[k] = local[static_cast<std::size_t>(off)];
     for (std::size_t d = r; d-- > 0;)
-      if (++idx[d] < pc.shape[d]) break;
-      else idx[d] = 0;
+      if (++idx[d] < pc.shape[d])
+        break;
+      else
+        idx[d] = 0;
   }
   return out;
 }
@@ -179,8 +189,10 @@ inline void scatter_piece(const nn::ShardPiece& pc, std::span<const float> piece
     for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
     local[static_cast<std::size_t>(off)] = piece[k];
     for (std::size_t d = r; d-- > 0;)
-      if (++idx[d] < pc.shape[d]) break;
-      else idx[d] = 0;
+      if (++idx[d] < pc.shape[d])
+        break;
+      else
+        idx[d] = 0;
   }
 }
 // Reads tensor `name` (the parameter's GPT-2 global shape) into a local array shaped like `p`.
@@ -200,8 +212,11 @@ class Trainer {
   using Mesh = comm::Mesh<C, trellis::pp, trellis::dp, trellis::tp>;
 
   Trainer(C& world, const TrainerConfig& cfg)
-      : cfg_(cfg), mesh_(make_checked_mesh(world, cfg)), pp_comm_(&mesh_.template comm<trellis::pp>()),
-        dp_comm_(&mesh_.template comm<trellis::dp>()), tp_comm_(&mesh_.template comm<trellis::tp>()),
+      : cfg_(cfg),
+        mesh_(make_checked_mesh(world, cfg)),
+        pp_comm_(&mesh_.template comm<trellis::pp>()),
+        dp_comm_(&mesh_.template comm<trellis::dp>()),
+        tp_comm_(&mesh_.template comm<trellis::tp>()),
         pp_dp_comm_(&mesh_.template comm<trellis::pp, trellis::dp>()),
         pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
         rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())) {
@@ -247,7 +262,8 @@ class Trainer {
       norm_weight_.push_back((p->replicated() && !tp0) || dup_wte ? 0.0f : 1.0f);
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
-    if (cfg_.zero1) setup_zero1();
+    if (cfg_.zero1)
+      setup_zero1();
     else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
@@ -270,7 +286,8 @@ class Trainer {
   // Parameters counted once over the whole model (for MFU): a collective over (pp, tp).
   double global_parameter_count() {
     double n = 0;
-    for (std::size_t i = 0; i < params_.size(); ++i) n += norm_weight_[i] * static_cast<double>(params_[i]->numel());
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      n += norm_weight_[i] * static_cast<double>(params_[i]->numel());
     double total = 0;
     pp_tp_comm_->all_reduce(&n, &total, 1, comm::ReduceOp::sum);
     return total;
@@ -294,7 +311,8 @@ class Trainer {
     StepResult r;
     double loss = stage_->loss();
     pp_dp_comm_->all_reduce(&loss, &r.loss, 1, comm::ReduceOp::sum);
-    if (cfg_.zero1) zero1_update(r);
+    if (cfg_.zero1)
+      zero1_update(r);
     else {
       finish_dp_reduction();
       plain_update(r);
@@ -328,11 +346,13 @@ class Trainer {
         }
         std::vector<float> next(stage_->output_size(chunk));
         const double before = stage_->loss();
-        stage_->forward(mb, chunk, std::span<const float>(act.data(), vs == 0 ? 0 : act.size()), std::span<float>(next));
+        stage_->forward(mb, chunk, std::span<const float>(act.data(), vs == 0 ? 0 : act.size()),
+                        std::span<float>(next));
         loss += stage_->loss() - before;
         models_[static_cast<std::size_t>(chunk)]->release(mb);
         act = std::move(next);
-        if (vs + 1 < stages && holder(vs + 1).first != pp_rank) pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
+        if (vs + 1 < stages && holder(vs + 1).first != pp_rank)
+          pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
       }
     }
     double total = 0;
@@ -377,7 +397,8 @@ class Trainer {
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck(step_dir);
     TrainState s = load_train_state(ck, mesh_.world().rank());
-    if (mesh_.world().rank() >= ck.world_size()) s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
+    if (mesh_.world().rank() >= ck.world_size())
+      s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
     std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
@@ -414,7 +435,9 @@ class Trainer {
     Trainer* t;
     std::size_t input_size(int c) const { return t->stage_->input_size(c); }
     std::size_t output_size(int c) const { return t->stage_->output_size(c); }
-    void forward(int mb, int c, std::span<const float> in, std::span<float> out) { t->stage_->forward(mb, c, in, out); }
+    void forward(int mb, int c, std::span<const float> in, std::span<float> out) {
+      t->stage_->forward(mb, c, in, out);
+    }
     void backward_input(int mb, int c, std::span<const float> g, std::span<float> gi) {
       t->stage_->backward_input(mb, c, g, gi);
     }
@@ -438,8 +461,8 @@ class Trainer {
 
   void check_batch(const Batch& b) const {
     TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == cfg_.batch / cfg_.dp, "Trainer (rank ", mesh_.rank(),
-                  "): batch of ", b.rows, " x ", b.seq_len, " rows, expected ", cfg_.batch / cfg_.dp, " x ", cfg_.seq,
-                  " (global batch / dp x sequence length)");
+                  "): batch of ", b.rows, " x ", b.seq_len, " rows, expected ", cfg_.batch / cfg_.dp, " x ",
+                  cfg_.seq, " (global batch / dp x sequence length)");
   }
   double global_token_count(const Batch& b) {
     double local = 0, total = 0;
@@ -517,7 +540,8 @@ class Trainer {
   void start_bucket(Bucket& b) {
     float* dst = b.buffer.data();
     for (std::size_t i : b.params) dst = std::copy(params_[i]->grad.begin(), params_[i]->grad.end(), dst);
-    b.request.emplace(dp_comm_->all_reduce_async(b.buffer.data(), b.buffer.data(), b.buffer.size(), comm::ReduceOp::sum));
+    b.request.emplace(
+        dp_comm_->all_reduce_async(b.buffer.data(), b.buffer.data(), b.buffer.size(), comm::ReduceOp::sum));
   }
   void start_chunk_reduction(int chunk) {
     if (cfg_.zero1 || cfg_.dp == 1) return;
@@ -530,8 +554,8 @@ class Trainer {
     for (auto& b : buckets_)
       if (b.chunk < 0) start_bucket(b);
     for (auto& b : buckets_) {
-      TRELLIS_CHECK(b.request.has_value(), "Trainer (rank ", mesh_.rank(), "): a gradient bucket of chunk ", b.chunk,
-                    " was never started (a chunk saw fewer W than microbatches)");
+      TRELLIS_CHECK(b.request.has_value(), "Trainer (rank ", mesh_.rank(), "): a gradient bucket of chunk ",
+                    b.chunk, " was never started (a chunk saw fewer W than microbatches)");
       b.request->wait();
       b.request.reset();
       const float* src = b.buffer.data();
@@ -618,7 +642,8 @@ class Trainer {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (auto& pc : zpieces_) {
-        values.emplace_back(params_[pc.tensor]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
+        values.emplace_back(params_[pc.tensor]->value.data() + pc.tensor_begin,
+                            static_cast<std::size_t>(pc.size));
         grads.emplace_back(part.data() + pc.partition_begin, static_cast<std::size_t>(pc.size));
       }
       state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
@@ -626,7 +651,8 @@ class Trainer {
     // all-gather of the updated partitions
     std::vector<float> mine(static_cast<std::size_t>(part_max_), 0.0f);
     for (auto& pc : zpieces_)
-      std::copy_n(params_[pc.tensor]->value.begin() + pc.tensor_begin, pc.size, mine.begin() + pc.partition_begin);
+      std::copy_n(params_[pc.tensor]->value.begin() + pc.tensor_begin, pc.size,
+                  mine.begin() + pc.partition_begin);
     std::vector<float> all(static_cast<std::size_t>(cfg_.dp * part_max_));
     dp_comm_->all_gather(mine.data(), all.data(), mine.size());
     for (int j = 0; j < cfg_.dp; ++j)
@@ -661,7 +687,8 @@ class Trainer {
       dp_comm_->all_gather(mine.data(), all.data(), mine.size());
       for (int j = 0; j < cfg_.dp; ++j)
         for (auto& pc : optim::pieces_in(layout_, optim::zero1_partition(layout_.total, cfg_.dp, j)))
-          std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size, out[pc.tensor].begin() + pc.tensor_begin);
+          std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size,
+                      out[pc.tensor].begin() + pc.tensor_begin);
     }
   }
 
