@@ -88,3 +88,34 @@ TEST_CASE("a layout the world cannot hold is refused before any work", "[train][
     }
   });
 }
+
+// Which dp all-reduces start while backward compute remains on the rank (StepResult counters):
+// pp = 1 (one chunk per block): every block's buckets but the first block's; interleaved pp2:
+// the buckets of the chunk that finishes first; 1f1b pp2 (one chunk): none; wte never (it waits
+// for the tied sum). Counted by the trainer, checked against these per-layout expectations.
+TEST_CASE("data-parallel buckets start while backward compute remains", "[train][trainer][overlap]") {
+  struct Case {
+    Layout layout;
+    bool expect_overlap;
+  };
+  for (const Case& k : {Case{{.dp = 2, .microbatches = 2}, true},
+                        Case{{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2}, true},
+                        Case{{.pp = 2, .dp = 2, .schedule = "1f1b", .microbatches = 2}, false}}) {
+    auto cfg = with_layout(tiny_config(), k.layout);
+    cfg.bucket_elements = 4096;
+    INFO("pp " << k.layout.pp << " schedule " << k.layout.schedule);
+    nn_test::run_ranks(cfg.pp * cfg.dp, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, cfg);
+      trellis::train::DataLoader loader(
+          tokens(), {cfg.batch, cfg.seq, 99, true, t.mesh().coord<trellis::dp>(), cfg.dp});
+      auto r = t.step(loader.next());
+      RANK_CHECK(r.buckets > 1);
+      if (k.expect_overlap) {
+        RANK_CHECK(r.buckets_overlapped > 0);
+        RANK_CHECK(r.buckets_overlapped < r.buckets);  // the last chunk's and wte's are not hidden
+      } else {
+        RANK_CHECK(r.buckets_overlapped == 0);
+      }
+    });
+  }
+}

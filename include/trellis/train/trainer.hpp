@@ -162,6 +162,10 @@ struct StepResult {
   double lr = 0;
   float clip_scale = 1;
   std::int64_t step = 0;  // optimizer steps done after this one
+  // dp buckets (no ZeRO) of this rank: how many there are, and how many were started while this
+  // rank still had W passes of the step to run (their all-reduce overlaps that compute).
+  int buckets = 0;
+  int buckets_overlapped = 0;
 };
 
 // Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
@@ -300,6 +304,7 @@ class Trainer {
     const double token_count = global_token_count(batch);
     set_microbatches(batch, token_count);
     w_done_.assign(models_.size(), 0);
+    overlapped_ = 0;
     if (cfg_.pp > 1) {
       Counting counting{this};
       pipe::execute(*pp_comm_, *schedule_, counting);
@@ -319,6 +324,8 @@ class Trainer {
     }
     for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
     r.step = state_.step();
+    r.buckets = static_cast<int>(buckets_.size());
+    r.buckets_overlapped = overlapped_;
     return r;
   }
 
@@ -545,8 +552,14 @@ class Trainer {
   }
   void start_chunk_reduction(int chunk) {
     if (cfg_.zero1 || cfg_.dp == 1) return;
+    int w_total = 0;
+    for (int w : w_done_) w_total += w;
+    const bool compute_left = w_total < cfg_.microbatches * static_cast<int>(models_.size());
     for (auto& b : buckets_)
-      if (b.chunk == chunk) start_bucket(b);
+      if (b.chunk == chunk) {
+        start_bucket(b);
+        overlapped_ += compute_left ? 1 : 0;
+      }
   }
   void finish_dp_reduction() {
     if (cfg_.dp == 1) return;
@@ -713,6 +726,7 @@ class Trainer {
   optim::AdamWState state_;
   std::vector<Bucket> buckets_;
   std::vector<int> w_done_;
+  int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
   // ZeRO-1
   optim::FlatLayout layout_;
