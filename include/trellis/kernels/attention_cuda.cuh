@@ -215,6 +215,24 @@ __device__ __forceinline__ void load_b_rows_x2(std::uint32_t (&b)[4], const std:
 #endif
 }
 
+// A fragment (m x k = 16 x 16) where A(m, k) = tile[k0 + k][m0 + m] (m contiguous, e.g. dS from a
+// stored dS^T), one ldmatrix.x4.trans: matrices (k0.., m0..), (k0.., m0+8..), (k0+8.., m0..),
+// (k0+8.., m0+8..) give a0..a3. Rows must be 16-byte aligned.
+__device__ __forceinline__ void load_a_transposed_x4(std::uint32_t (&a)[4], const std::uint16_t* tile, int ld, int k0,
+                                                     int m0, int lane) {
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
+  const int group = lane / 4, quad = lane % 4;
+  const std::uint16_t* p = tile + (k0 + 2 * quad) * ld + m0 + group;
+  a[0] = pack_bits(p[0], p[ld]);
+  a[1] = pack_bits(p[8], p[ld + 8]);
+  a[2] = pack_bits(p[8 * ld], p[9 * ld]);
+  a[3] = pack_bits(p[8 * ld + 8], p[9 * ld + 8]);
+#else
+  const int matrix = lane / 8, row = lane % 8;
+  ldmatrix_x4<true>(a, tile + (k0 + row + 8 * (matrix >> 1)) * ld + m0 + 8 * (matrix & 1));
+#endif
+}
+
 // Copies rows [row0, row0 + 64) of a [T, D] matrix into a padded smem tile; rows >= T become 0.
 template <int D, int TileRows = kBlockRows>
 __device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16_t* src, std::int64_t row0,
@@ -633,7 +651,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
           std::int64_t query = q0 + qi;
           std::int64_t key = my_key[e / 2];
           bool valid = query < q_len && key < kv_len && (!Causal || key <= query + causal_offset);
-          float p = valid ? exp2f(st[j][e] * scale_log2 - lse_tile[qi] * kLog2e) : 0.0f;
+          float p = valid ? fast_exp2(st[j][e] * scale_log2 - lse_tile[qi] * kLog2e) : 0.0f;
           st[j][e] = p;
           dpt[j][e] = p * (dpt[j][e] - delta_tile[qi]);
         }
@@ -667,16 +685,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
       __syncthreads();
 
       // dQ (64 queries, D) += scale * dS (64 q x 64 keys) K (64 keys x D); warp w: queries 16w..16w+15.
-      // A(m = query, k = key) = ds_tile[key][query]: gathered 16 bits at a time.
+      // A(m = query, k = key) = ds_tile[key][query].
       std::uint32_t a_frag[kBlockRows / 16][4];
 #pragma unroll
-      for (int kk = 0; kk < kBlockRows / 16; ++kk) {
-        const std::uint16_t* p = ds_tile + (kk * 16 + 2 * quad) * kLdS + warp * 16 + group;
-        a_frag[kk][0] = pack_bits(p[0], p[kLdS]);
-        a_frag[kk][1] = pack_bits(p[8], p[kLdS + 8]);
-        a_frag[kk][2] = pack_bits(p[8 * kLdS], p[9 * kLdS]);
-        a_frag[kk][3] = pack_bits(p[8 * kLdS + 8], p[9 * kLdS + 8]);
-      }
+      for (int kk = 0; kk < kBlockRows / 16; ++kk) load_a_transposed_x4(a_frag[kk], ds_tile, kLdS, kk * 16, warp * 16, lane);
       float* dq_head = dq_accum + bh * q_len * D;
       const std::int64_t my_query[2] = {q0 + warp * 16 + group, q0 + warp * 16 + group + 8};
 #pragma unroll
@@ -694,9 +706,13 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             if (my_query[r] < q_len) {
-              float* dst = dq_head + my_query[r] * D + (n + half_tile) * 8 + 2 * quad;
+              float* dst = dq_head + my_query[r] * D + (n + half_tile) * 8 + 2 * quad;  // 8-byte aligned
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+              atomicAdd(reinterpret_cast<float2*>(dst), make_float2(c[half_tile][2 * r] * scale, c[half_tile][2 * r + 1] * scale));
+#else
               atomicAdd(dst, c[half_tile][2 * r] * scale);
               atomicAdd(dst + 1, c[half_tile][2 * r + 1] * scale);
+#endif
             }
           }
         }
@@ -747,6 +763,10 @@ void set_smem(Kernel kernel, std::size_t bytes) {
   if (bytes > 48 * 1024)
     TRELLIS_CHECK_CUDA(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  // Ask for the largest shared-memory carveout: two ~100 KiB blocks per SM on sm_90 (the driver
+  // otherwise may pick a smaller one and run a single block per SM).
+  TRELLIS_CHECK_CUDA(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
 }
 
 template <class T, int D, bool Causal>
