@@ -296,10 +296,11 @@ constexpr std::size_t backward_smem_bytes() {
 
 // ---- kernels -----------------------------------------------------------------------------------
 
-// grid (ceil(Tq/128), B*H), or (ceil(Tq/128) * B*H) when causal; 128 threads. Each warp owns 32 query rows (two m-tiles of 16), so every
-// K or V fragment read from shared memory feeds four mma instead of two: the ldmatrix traffic per
-// mma halves, which is what bounds mma.sync on sm_80/sm_90. Q fragments are re-read from shared
-// memory per k-step (keeping them in registers beside the 32 x D accumulators would spill).
+// grid (ceil(Tq/128), B*H), or (ceil(Tq/128) * B*H) when causal; 128 threads. Each warp owns 32
+// query rows (two m-tiles of 16), so every K or V fragment read from shared memory feeds four mma
+// instead of two: the ldmatrix traffic per mma halves, which is what bounds mma.sync here. Q
+// fragments are re-read from shared memory per k-step (keeping them in registers beside the
+// 32 x D accumulators would spill).
 template <class T, int D, bool Causal>
 __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
@@ -531,7 +532,7 @@ __global__ void attention_convert_kernel(const float* __restrict__ src, std::uin
   }
 }
 
-// grid (ceil(T/64), B*Hkv), 128 threads.
+// grid (ceil(Tkv/64), B*Hkv), or (ceil(Tkv/64) * B*Hkv) when causal; 128 threads.
 template <class T, int D, bool Causal>
 __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
@@ -554,8 +555,13 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int kv_heads = heads / group_size;
-  const int kb = blockIdx.x;
-  const int kv_bh = blockIdx.y, batch = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
+  // Causal grids are 1-D, heaviest first over the whole grid (key block 0 meets every query):
+  // every kv head's first key block, then every head's second, ...
+  const int key_blocks = static_cast<int>((kv_len + kBlockRows - 1) / kBlockRows);
+  const int head_count = Causal ? static_cast<int>(gridDim.x) / key_blocks : 0;
+  const int kb = Causal ? static_cast<int>(blockIdx.x) / head_count : static_cast<int>(blockIdx.x);
+  const int kv_bh = Causal ? static_cast<int>(blockIdx.x) % head_count : static_cast<int>(blockIdx.y);
+  const int batch = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
   const std::int64_t key0 = static_cast<std::int64_t>(kb) * kBlockRows;
   const float scale_log2 = scale * kLog2e;
   const std::int64_t causal_offset = kv_len - q_len;  // query i sees keys j <= i + offset
@@ -586,20 +592,33 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   auto item_q0 = [&](int item) {
     return static_cast<std::int64_t>(first_query_block + item % blocks_per_head) * kBlockCols;
   };
-  // Starts the loads of work item `item` into `stage`: Q and dO through cp.async (one group), lse
-  // and delta with plain stores. The stage was last read before the mid-iteration barrier of the
-  // previous item, which every thread has passed.
+  // Starts the loads of work item `item` into `stage`: Q, dO, lse and delta through cp.async (one
+  // group). The stage was last read before the mid-iteration barrier of the previous item, which
+  // every thread has passed.
   auto issue = [&](int item, int stage) {
     const std::int64_t bh = item_head(item), q0 = item_q0(item);
     load_tile_async<D>(q_stage(stage), q + bh * q_len * D, q0, q_len);
     load_tile_async<D>(do_stage(stage), dout + bh * q_len * D, q0, q_len);
-    cp_async_commit();
     float* lse_rows = lse_stage(stage);
     for (int i = threadIdx.x; i < kBlockCols; i += kThreads) {
       const bool valid = q0 + i < q_len;
+#if defined(TRELLIS_ATTENTION_SCALAR_LOADS)
       lse_rows[i] = valid ? lse[bh * q_len + q0 + i] : 0.0f;
       lse_rows[kBlockCols + i] = valid ? delta[bh * q_len + q0 + i] : 0.0f;
+#else
+      // In the same cp.async group as Q and dO: a plain load here would stall these threads on
+      // global memory latency once per item. Rows past q_len are zero-filled.
+      const std::int64_t offset = valid ? bh * q_len + q0 + i : 0;
+      const int bytes = valid ? 4 : 0;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                       static_cast<std::uint32_t>(__cvta_generic_to_shared(lse_rows + i))),
+                   "l"(lse + offset), "r"(bytes));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                       static_cast<std::uint32_t>(__cvta_generic_to_shared(lse_rows + kBlockCols + i))),
+                   "l"(delta + offset), "r"(bytes));
+#endif
     }
+    cp_async_commit();
   };
   if (items > 0) issue(0, 0);
 
@@ -794,7 +813,11 @@ void launch_backward(const AttentionArgs& a, const T* q, const T* k, const T* v,
   auto kernel = attention_backward_kernel<T, D, Causal>;
   constexpr std::size_t smem = backward_smem_bytes<D>();
   set_smem(kernel, smem);
-  dim3 grid(static_cast<unsigned>((a.kv_len + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(a.batch * a.kv_heads));
+  const auto key_blocks = static_cast<unsigned>((a.kv_len + kBlockRows - 1) / kBlockRows);
+  const auto heads = static_cast<unsigned>(a.batch * a.kv_heads);
+  TRELLIS_CHECK(!Causal || static_cast<double>(key_blocks) * heads < 2147483648.0, "attention_backward (CUDA): ",
+                key_blocks, " key blocks x ", heads, " kv heads exceed the causal grid's limit 2^31");
+  dim3 grid = Causal ? dim3(key_blocks * heads, 1) : dim3(key_blocks, heads);
   kernel<<<grid, kThreads, smem, stream>>>(
       reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
       reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<const std::uint16_t*>(dout), lse, delta, dq_accum,
