@@ -7,7 +7,7 @@
 //      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
 //  (b) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
 //      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so.
-//   bench_trainer [--quick] [--json FILE]      (--quick: 4 layers, vocab 8192)
+//   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
 #include <cblas.h>
 
 #include <cstdio>
@@ -69,7 +69,15 @@ struct TorchResult {
   std::string note;
 };
 
-TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch) {
+// --iters N (default 5): timed repetitions of each side; the minimum is reported (the least
+// disturbed run on a shared machine), the median beside it.
+int iters_flag(int argc, char** argv) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--iters") return std::max(1, std::atoi(argv[i + 1]));
+  return 5;
+}
+
+TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
   const char* env = std::getenv("TRELLIS_PYTHON");
   const std::string python = env ? env : "python3";
   TorchResult r;
@@ -80,7 +88,8 @@ TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch) {
   const std::string cmd = python + " " + TRELLIS_BENCH_TRAIN_DIR + "/torch_gpt2_step.py --layers " +
                           std::to_string(cfg.layers) + " --heads " + std::to_string(cfg.heads) + " --width " +
                           std::to_string(cfg.width) + " --vocab " + std::to_string(cfg.vocab) + " --seq " +
-                          std::to_string(seq) + " --batch " + std::to_string(batch) + " 2>/dev/null";
+                          std::to_string(seq) + " --batch " + std::to_string(batch) + " --iters " +
+                          std::to_string(iters) + " 2>/dev/null";
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
   std::string out;
   char buf[512];
@@ -106,10 +115,10 @@ int main(int argc, char** argv) {
   c.batch = 4;
   c.microbatches = 1;
   c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
-  const int warmup = 1, iters = quick ? 2 : 3;
+  const int warmup = 1, iters = quick ? 2 : iters_flag(argc, argv);
   const double tokens = static_cast<double>(c.batch * c.seq);
 
-  const double floor_s = sgemm_floor_seconds(c.model, static_cast<int>(tokens), 1, iters);
+  const double floor_s = sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
   double t_min = 0, t_med = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
@@ -125,7 +134,7 @@ int main(int argc, char** argv) {
     }
     std::tie(t_min, t_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
   });
-  const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch));
+  const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
   const double gf = gemm_flops(c.model, tokens);
   std::printf(
