@@ -18,6 +18,7 @@
 //   bench_pipe [--p 4] [--m 8] [--t-ms 5] [--iters 5] [--busy] [--svg-dir DIR] [--json FILE]
 // Writes DIR/pipe_<schedule>.svg (simulated, unit costs), DIR/pipe_<schedule>_measured.svg and
 // DIR/pipe_<schedule>_trace.json (Chrome trace of the kept run; open in ui.perfetto.dev).
+#include <filesystem>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -142,6 +143,7 @@ int main(int argc, char** argv) {
   const double t = double_arg(argc, argv, "--t-ms", 5.0) * 1e-3;
   const bool busy = bench::has_flag(argc, argv, "--busy");
   const std::string svg_dir = string_arg(argc, argv, "--svg-dir", ".");
+  std::filesystem::create_directories(svg_dir);  // the pictures go there; make it if missing
   const pipe::Costs costs{t, t, t, 0};
 
   std::printf("# pipeline schedules on %d thread ranks, m=%d, t_F=t_B=t_W=%.2f ms per rank share (%s)\n", p,
