@@ -115,19 +115,8 @@ inline int chunks_of(std::int64_t n) { return static_cast<int>((n + kOptimChunk 
 template <class G>
 void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
                 float grad_scale, cudaStream_t stream) {
-  TRELLIS_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
-  TRELLIS_CHECK(config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
-                "adamw_step: betas must be in [0, 1), got ", config.beta1, ", ", config.beta2);
-  for (std::size_t t = 0; t < tensors.size(); ++t) {
-    const auto& x = tensors[t];
-    TRELLIS_CHECK(x.grad.size() == x.param.size() && x.m.size() == x.param.size() && x.v.size() == x.param.size(),
-                  "adamw_step: tensor ", t, " has param/grad/m/v of sizes ", x.param.size(), "/", x.grad.size(), "/",
-                  x.m.size(), "/", x.v.size());
-  }
-  const double bc1 = 1.0 - std::pow(static_cast<double>(config.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(config.beta2), static_cast<double>(step));
-  const float step_size = static_cast<float>(config.lr / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const host::detail::AdamWScalars scalars = host::detail::adamw_prepare(tensors, config, step);
+  const float step_size = scalars.step_size, inv_sqrt_bc2 = scalars.inv_sqrt_bc2;
   device::MultiTensorBatch<G> batch;
   auto flush = [&] {
     if (batch.count == 0) return;

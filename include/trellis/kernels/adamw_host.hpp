@@ -55,11 +55,15 @@ std::vector<std::pair<std::int64_t, std::int64_t>> tensor_chunks(std::span<const
     for (std::int64_t e = 0; e < size_of(tensors[t]); e += optim_chunk) chunks.emplace_back(t, e);
   return chunks;
 }
-}  // namespace detail
 
+// Checks an AdamW call and returns its bias-corrected scalars; shared by the host and CUDA steps so
+// both validate alike and use the very same step_size / inv_sqrt_bc2 (computed in fp64).
+struct AdamWScalars {
+  float step_size;     // lr / (1 - beta1^t)
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^t)
+};
 template <class G>
-void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
-                float grad_scale = 1.0f) {
+AdamWScalars adamw_prepare(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step) {
   TRELLIS_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
   TRELLIS_CHECK(config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
                 "adamw_step: betas must be in [0, 1), got ", config.beta1, ", ", config.beta2);
@@ -71,8 +75,15 @@ void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& conf
   }
   const double bc1 = 1.0 - std::pow(static_cast<double>(config.beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(config.beta2), static_cast<double>(step));
-  const float step_size = static_cast<float>(config.lr / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  return {static_cast<float>(config.lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2))};
+}
+}  // namespace detail
+
+template <class G>
+void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
+                float grad_scale = 1.0f) {
+  const detail::AdamWScalars scalars = detail::adamw_prepare(tensors, config, step);
+  const float step_size = scalars.step_size, inv_sqrt_bc2 = scalars.inv_sqrt_bc2;
   const float b1 = config.beta1, b2 = config.beta2, eps = config.eps;
   auto chunks = detail::tensor_chunks<AdamWTensor<G>>(
       tensors, +[](const AdamWTensor<G>& x) { return static_cast<std::int64_t>(x.param.size()); });
