@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/nn/gpt.hpp"
@@ -26,36 +27,6 @@ struct Layout {
   int chunks;
   bool recompute;
 };
-
-// The step's GEMMs as bare sgemm: per block c_attn, c_proj, c_fc, mlp c_proj, plus the LM head;
-// each forward product m x n x k comes with its two backward products (dX and dW).
-double sgemm_floor_seconds(const GptConfig& cfg, index_t tokens, int warmup, int iters) {
-  const int C = static_cast<int>(cfg.width), N = static_cast<int>(tokens), V = static_cast<int>(cfg.vocab);
-  struct Shape {
-    int n, k;  // y (N x n) = x (N x k) W (k x n)
-  };
-  std::vector<Shape> shapes;
-  for (index_t l = 0; l < cfg.layers; ++l) {
-    shapes.push_back({3 * C, C});
-    shapes.push_back({C, C});
-    shapes.push_back({4 * C, C});
-    shapes.push_back({C, 4 * C});
-  }
-  shapes.push_back({V, C});
-  std::vector<float> x(static_cast<std::size_t>(N) * 4 * C, 0.01f), w(static_cast<std::size_t>(4) * C * std::max(V, 4 * C), 0.01f),
-      y(static_cast<std::size_t>(N) * std::max(V, 4 * C)), dw(w.size());
-  auto step = [&] {
-    for (const Shape& s : shapes) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n, 0.0f,
-                  y.data(), s.n);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n, 0.0f,
-                  x.data(), s.k);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n, 1.0f,
-                  dw.data(), s.n);
-    }
-  };
-  return bench::time_min_median(step, warmup, iters).first;
-}
 
 std::pair<double, double> step_seconds(const GptConfig& cfg, const Layout& lay, index_t batch, index_t seq,
                                        int microbatches, int warmup, int iters) {
@@ -102,7 +73,7 @@ int main(int argc, char** argv) {
   const int microbatches = 2, warmup = 1, iters = quick ? 2 : 5;
   const index_t tokens = batch * seq;
 
-  const double floor = sgemm_floor_seconds(cfg, tokens, warmup, iters) * microbatches;
+  const double floor = bench::gpt_sgemm_floor_seconds(cfg, static_cast<int>(tokens), warmup, iters) * microbatches;
   std::printf("# GPT-2 step: layers %lld width %lld heads %lld vocab %lld, %d microbatches of %lld x %lld tokens\n",
               static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width), static_cast<long long>(cfg.heads),
               static_cast<long long>(cfg.vocab), microbatches, static_cast<long long>(batch), static_cast<long long>(seq));

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/train/trainer.hpp"
@@ -23,45 +24,6 @@
 using namespace trellis;
 
 namespace {
-
-double sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int iters) {
-  const int C = static_cast<int>(cfg.width), N = tokens, V = static_cast<int>(cfg.vocab);
-  struct Shape {
-    int n, k;  // y (N x n) = x (N x k) W (k x n)
-  };
-  std::vector<Shape> shapes;
-  for (index_t l = 0; l < cfg.layers; ++l) {
-    shapes.push_back({3 * C, C});
-    shapes.push_back({C, C});
-    shapes.push_back({4 * C, C});
-    shapes.push_back({C, 4 * C});
-  }
-  shapes.push_back({V, C});  // LM head
-  std::size_t big_w = 0, big_y = 0;
-  for (auto s : shapes) {
-    big_w = std::max(big_w, static_cast<std::size_t>(s.n) * s.k);
-    big_y = std::max(big_y, static_cast<std::size_t>(N) * std::max(s.n, s.k));
-  }
-  std::vector<float> x(big_y, 0.01f), y(big_y, 0.02f), dx(big_y), w(big_w, 0.03f), dw(big_w, 0.0f);
-  auto run = [&] {
-    for (auto s : shapes) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n,
-                  0.0f, y.data(), s.n);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n,
-                  0.0f, dx.data(), s.k);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n,
-                  1.0f, dw.data(), s.n);
-    }
-  };
-  return bench::time_min_median(run, warmup, iters).first;
-}
-
-double gemm_flops(const nn::GptConfig& cfg, double tokens) {
-  const double C = static_cast<double>(cfg.width), V = static_cast<double>(cfg.vocab);
-  const double per_token =
-      static_cast<double>(cfg.layers) * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + V * C;
-  return 6.0 * per_token * tokens;  // 2 FLOPs per multiply-add, forward + 2 backward products
-}
 
 struct TorchResult {
   bool ok = false;
@@ -118,7 +80,7 @@ int main(int argc, char** argv) {
   const int warmup = 1, iters = quick ? 2 : iters_flag(argc, argv);
   const double tokens = static_cast<double>(c.batch * c.seq);
 
-  const double floor_s = sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
+  const double floor_s = bench::gpt_sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
   double t_min = 0, t_med = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
@@ -136,7 +98,7 @@ int main(int argc, char** argv) {
   });
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
-  const double gf = gemm_flops(c.model, tokens);
+  const double gf = bench::gpt_gemm_flops(c.model, tokens);
   std::printf(
       "# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, fp32, 1 host rank; Trainer step = "
       "F + B + W + clip + AdamW\n",

@@ -1,0 +1,58 @@
+// The compute floor of a GPT-2 training step, shared by bench/nn and bench/train: the step's GEMMs
+// (per block c_attn, attn c_proj, c_fc, mlp c_proj, plus the LM head; each forward product with
+// its two backward products dX and dW) run as bare cblas_sgemm calls, timed in the same run as
+// the thing compared with it.
+#pragma once
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "support/report.hpp"
+#include "trellis/nn/gpt.hpp"
+
+namespace trellis::bench {
+
+// Seconds (minimum over `iters` timed repetitions) for the GEMMs of one step over `tokens` rows.
+inline double gpt_sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int iters) {
+  const int C = static_cast<int>(cfg.width), N = tokens, V = static_cast<int>(cfg.vocab);
+  struct Shape {
+    int n, k;  // y (N x n) = x (N x k) W (k x n)
+  };
+  std::vector<Shape> shapes;
+  for (index_t l = 0; l < cfg.layers; ++l) {
+    shapes.push_back({3 * C, C});
+    shapes.push_back({C, C});
+    shapes.push_back({4 * C, C});
+    shapes.push_back({C, 4 * C});
+  }
+  shapes.push_back({V, C});  // LM head
+  std::size_t big_w = 0, big_y = 0;
+  for (auto s : shapes) {
+    big_w = std::max(big_w, static_cast<std::size_t>(s.n) * s.k);
+    big_y = std::max(big_y, static_cast<std::size_t>(N) * std::max(s.n, s.k));
+  }
+  std::vector<float> x(big_y, 0.01f), y(big_y, 0.02f), dx(big_y), w(big_w, 0.03f), dw(big_w, 0.0f);
+  auto run = [&] {
+    for (auto s : shapes) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n,
+                  0.0f, y.data(), s.n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, s.k, s.n, 1.0f, y.data(), s.n, w.data(), s.n,
+                  0.0f, dx.data(), s.k);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.k, s.n, N, 1.0f, x.data(), s.k, y.data(), s.n,
+                  1.0f, dw.data(), s.n);
+    }
+  };
+  return time_min_median(run, warmup, iters).first;
+}
+
+// FLOPs of those GEMMs: 2 per multiply-add, forward + 2 backward products.
+inline double gpt_gemm_flops(const nn::GptConfig& cfg, double tokens) {
+  const double C = static_cast<double>(cfg.width), V = static_cast<double>(cfg.vocab);
+  const double per_token = static_cast<double>(cfg.layers) * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + V * C;
+  return 6.0 * per_token * tokens;
+}
+
+}  // namespace trellis::bench
