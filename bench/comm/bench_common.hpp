@@ -131,4 +131,23 @@ inline std::pair<double, double> memcpy_bandwidth(std::size_t bytes, int iters, 
   return {static_cast<double>(bytes) / best / 1e9, static_cast<double>(bytes) / (total / trials) / 1e9};
 }
 
+// Elements of `out` (out_count of them, on rank r of n) that differ from the closed form the
+// benchmarks' inputs produce (rank q sends q + 1 + (global index % 7); reductions are sums).
+inline long long count_wrong(const std::string& op, const float* out, std::size_t out_count, std::size_t count,
+                             int r, int n) {
+  const float rank_sum = static_cast<float>(n * (n + 1) / 2);
+  if (op == "broadcast" && r == 0) return 0;  // the root's own buffer is the source
+  long long bad = 0;
+  for (std::size_t i = 0; i < out_count; ++i) {
+    float expected;
+    if (op == "all_reduce") expected = rank_sum + static_cast<float>(n * static_cast<int>(i % 7));
+    else if (op == "reduce_scatter") expected = rank_sum + static_cast<float>(n * static_cast<int>((r * count + i) % 7));
+    else if (op == "all_gather") expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((i % count) % 7));
+    else if (op == "all_to_all") expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((r * count + i % count) % 7));
+    else expected = static_cast<float>(1 + static_cast<int>(i % 7));
+    bad += out[i] != expected;
+  }
+  return bad;
+}
+
 }  // namespace trellis::bench::comm

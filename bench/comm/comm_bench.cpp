@@ -71,17 +71,7 @@ int main(int argc, char** argv) {
           mean_seconds = sum / settings.trials;
         }
         // Check against the closed form.
-        long long bad = 0;
-        const float rank_sum = static_cast<float>(n * (n + 1) / 2);
-        for (std::size_t i = 0; i < out_count; ++i) {
-          float expected;
-          if (is_reduce) expected = rank_sum + static_cast<float>(n * static_cast<int>(i % 7));
-          else if (is_scatter) expected = rank_sum + static_cast<float>(n * static_cast<int>((r * count + i) % 7));
-          else if (is_gather) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((i % count) % 7));
-          else if (is_a2a) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((r * count + i % count) % 7));
-          else expected = static_cast<float>(1 + static_cast<int>(i % 7));
-          if (!(op_name == "broadcast" && r == 0)) bad += out.data()[i] != expected;
-        }
+        const long long bad = cb::count_wrong(op_name, out.data(), out_count, count, r, n);
         wrong += bad;
       });
       json.add(cb::print_row("threads", op_name.c_str(), ranks, bytes, count, "float", is_reduction(op_name) ? "sum" : "none",

@@ -104,17 +104,7 @@ int main(int argc, char** argv) {
             sum += block;
           }
           const double mean_seconds = sum / settings.trials;
-          long long bad = 0, all_bad = 0;
-          const float rank_sum = static_cast<float>(n * (n + 1) / 2);
-          for (std::size_t i = 0; i < out_count; ++i) {
-            float expected;
-            if (is_reduce) expected = rank_sum + static_cast<float>(n * static_cast<int>(i % 7));
-            else if (is_scatter) expected = rank_sum + static_cast<float>(n * static_cast<int>((r * count + i) % 7));
-            else if (is_gather) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((i % count) % 7));
-            else if (is_a2a) expected = static_cast<float>(static_cast<int>(i / count) + 1 + static_cast<int>((r * count + i % count) % 7));
-            else expected = static_cast<float>(1 + static_cast<int>(i % 7));
-            if (!(op_name == "broadcast" && r == 0)) bad += out.data()[i] != expected;
-          }
+          long long bad = cb::count_wrong(op_name, out.data(), out_count, count, r, n), all_bad = 0;
           MPI_Reduce(&bad, &all_bad, 1, MPI_LONG_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
           if (r == 0) {
             const bool reduction = is_reduce || is_scatter;
