@@ -170,86 +170,96 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
 #endif
 }
 
-template <EpilogueKind K>
-TRELLIS_FORCEINLINE float apply_fast(float acc, float bias, float pre) {
-  if constexpr (K == EpilogueKind::gelu) return fast_gelu(acc);
-  else if constexpr (K == EpilogueKind::bias_gelu) return fast_gelu(acc + bias);
-  else if constexpr (K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad) return acc * fast_gelu_grad(pre);
-  else return epilogue_apply<K>(acc, bias, pre);
-}
-
-// Applies the epilogue to one fp32 block in place. bias: n floats (or null); pre: the block's
-// pre-activation matrix (offset to row0) for epilogues that read or write one; colsum: n floats
-// receiving this block's column sums (bias-grad epilogues).
-template <EpilogueKind K, class TP>
-void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, const float* bias, TP* pre, std::int64_t ld_pre,
-                          float* colsum) {
-  constexpr bool has_bias = K == EpilogueKind::bias || K == EpilogueKind::bias_relu || K == EpilogueKind::bias_gelu;
-  constexpr bool writes_pre = K == EpilogueKind::bias_gelu;
-  constexpr bool reads_pre = K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad;
-  constexpr bool sums = K == EpilogueKind::bias_grad || K == EpilogueKind::dgelu_bias_grad;
+// Bias epilogues put the bias into C before the product, which then runs with beta = 1: sgemm
+// with beta = 0 spends a pass zeroing C, so the bias costs nothing and the pass after the product
+// is left with the activation only (none for Bias). This is the block's C = beta * C + bias[j].
+inline void prefill_bias(const GemmArgs& args, const CBlock& blk, const float* bias) {
   const std::int64_t n = args.n;
+  const float beta = args.beta;
   if (args.layout == Layout::row_major) {
     for (std::int64_t r = 0; r < blk.rows; ++r) {
       float* TRELLIS_RESTRICT crow = blk.c + r * blk.ldc;
-      if constexpr (writes_pre) {
-        // One pass: pre-activation out, activation in place.
-        if (pre) {
-          TP* TRELLIS_RESTRICT prow = pre + r * ld_pre;
-          for (std::int64_t j = 0; j < n; ++j) {
-            const float x = crow[j] + bias[j];
-            prow[j] = from_float<TP>(x);
-            crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
-          }
-        } else {
-          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
-        }
-      } else if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
-        if constexpr (reads_pre && std::is_same_v<std::remove_const_t<TP>, float>) {
-          const float* TRELLIS_RESTRICT prow = pre + r * ld_pre;
-          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, prow[j]);
-        } else if constexpr (reads_pre) {
-          const TP* prow = pre + r * ld_pre;
-          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, to_float(prow[j]));
-        } else if constexpr (has_bias) {
-          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], bias[j], 0.0f);
-        } else {
-          for (std::int64_t j = 0; j < n; ++j) crow[j] = apply_fast<K>(crow[j], 0.0f, 0.0f);
-        }
-      }
-      if constexpr (sums) {
-        float* TRELLIS_RESTRICT s = colsum;
-        for (std::int64_t j = 0; j < n; ++j) s[j] += crow[j];
+      if (beta == 0.0f) {
+        std::memcpy(crow, bias, static_cast<std::size_t>(n) * sizeof(float));  // C may hold NaN
+      } else {
+        for (std::int64_t j = 0; j < n; ++j) crow[j] = beta * crow[j] + bias[j];
       }
     }
   } else {
     for (std::int64_t j = 0; j < n; ++j) {
       float* TRELLIS_RESTRICT ccol = blk.c + j * blk.ldc;
-      const float bj = has_bias ? bias[j] : 0.0f;
-      if constexpr (writes_pre) {
+      const float bj = bias[j];
+      if (beta == 0.0f) {
+        for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = bj;
+      } else {
+        for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = beta * ccol[r] + bj;
+      }
+    }
+  }
+}
+
+// The elementwise part left after the product, the bias being in C already.
+template <EpilogueKind K>
+TRELLIS_FORCEINLINE float apply_after_bias(float acc, float pre) {
+  if constexpr (K == EpilogueKind::relu || K == EpilogueKind::bias_relu) return acc > 0.0f ? acc : 0.0f;
+  else if constexpr (K == EpilogueKind::gelu || K == EpilogueKind::bias_gelu) return fast_gelu(acc);
+  else if constexpr (K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad) return acc * fast_gelu_grad(pre);
+  else return acc;
+}
+
+// Applies the epilogue to one fp32 block in place, after prefill_bias and the product. pre: the
+// block's pre-activation matrix (offset to row0) for epilogues that read or write one; colsum: n
+// floats receiving this block's column sums (bias-grad epilogues).
+template <EpilogueKind K, class TP>
+void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std::int64_t ld_pre, float* colsum) {
+  constexpr bool is_gelu = K == EpilogueKind::gelu || K == EpilogueKind::bias_gelu;
+  constexpr bool writes_pre = K == EpilogueKind::bias_gelu;
+  constexpr bool reads_pre = K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad;
+  constexpr bool elementwise = K == EpilogueKind::relu || K == EpilogueKind::bias_relu || reads_pre;
+  constexpr bool sums = K == EpilogueKind::bias_grad || K == EpilogueKind::dgelu_bias_grad;
+  using PreT = std::remove_const_t<TP>;
+  const bool row_major = args.layout == Layout::row_major;
+  // Row-major: rows of C are contiguous; column-major: columns are. Either way the loops below run
+  // along contiguous lines (`lines` of them, `len` long).
+  const std::int64_t lines = row_major ? blk.rows : args.n, len = row_major ? args.n : blk.rows;
+  for (std::int64_t l = 0; l < lines; ++l) {
+    float* TRELLIS_RESTRICT cline = blk.c + l * blk.ldc;
+    if constexpr (is_gelu) {
+      // pre-activation out (if asked), activation in place: one pass.
+      if constexpr (std::is_same_v<PreT, float>) {
+        gelu_row(len, cline, nullptr, writes_pre && pre ? pre + l * ld_pre : nullptr);
+      } else {
         if (pre) {
-          TP* pcol = pre + j * ld_pre;
-          for (std::int64_t r = 0; r < blk.rows; ++r) pcol[r] = from_float<TP>(ccol[r] + bj);
+          PreT* TRELLIS_RESTRICT pline = pre + l * ld_pre;
+          for (std::int64_t i = 0; i < len; ++i) pline[i] = from_float<PreT>(cline[i]);
         }
+        gelu_row(len, cline, nullptr, nullptr);
       }
-      if constexpr (K != EpilogueKind::none && K != EpilogueKind::bias_grad) {
-        if constexpr (reads_pre) {
-          const TP* pcol = pre + j * ld_pre;
-          for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = apply_fast<K>(ccol[r], 0.0f, to_float(pcol[r]));
-        } else {
-          for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = apply_fast<K>(ccol[r], bj, 0.0f);
-        }
+    } else if constexpr (elementwise) {
+      if constexpr (reads_pre && std::is_same_v<PreT, float>) {
+        const float* TRELLIS_RESTRICT pline = pre + l * ld_pre;
+        for (std::int64_t i = 0; i < len; ++i) cline[i] = apply_after_bias<K>(cline[i], pline[i]);
+      } else if constexpr (reads_pre) {
+        const TP* pline = pre + l * ld_pre;
+        for (std::int64_t i = 0; i < len; ++i) cline[i] = apply_after_bias<K>(cline[i], to_float(pline[i]));
+      } else {
+        for (std::int64_t i = 0; i < len; ++i) cline[i] = apply_after_bias<K>(cline[i], 0.0f);
       }
-      if constexpr (sums) {
+    }
+    if constexpr (sums) {
+      if (row_major) {
+        float* TRELLIS_RESTRICT s = colsum;
+        for (std::int64_t j = 0; j < len; ++j) s[j] += cline[j];
+      } else {
         // 8 independent partial sums: vectorisable and a fixed order.
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         std::int64_t r = 0;
-        for (; r + 8 <= blk.rows; r += 8)
-          for (int l = 0; l < 8; ++l) part[l] += ccol[r + l];
+        for (; r + 8 <= len; r += 8)
+          for (int q = 0; q < 8; ++q) part[q] += cline[r + q];
         float s = 0.0f;
-        for (; r < blk.rows; ++r) s += ccol[r];
-        for (int l = 0; l < 8; ++l) s += part[l];
-        colsum[j] += s;
+        for (; r < len; ++r) s += cline[r];
+        for (int q = 0; q < 8; ++q) s += part[q];
+        colsum[l] += s;
       }
     }
   }
@@ -305,9 +315,13 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
     TRELLIS_CHECK(ld_pre >= args.packed_ld(m, n), "gemm: ld_pre = ", ld_pre, " too small");
   }
 
-  // Without an epilogue (fp32 C) there is nothing to fuse: one product call per batch.
-  const bool single_block = kind == EpilogueKind::none && std::is_same_v<TC, float> && gemm_uses_cblas() &&
-                            options.row_block == 0;
+  // Bias epilogues: the product adds to C prefilled with beta * C + bias (see prefill_bias).
+  GemmArgs product_args = args;
+  product_args.beta = 1.0f;
+
+  // Without an epilogue, or with a bias only (fp32 C), nothing runs after the product: one call.
+  const bool single_block = (kind == EpilogueKind::none || kind == EpilogueKind::bias) && std::is_same_v<TC, float> &&
+                            gemm_uses_cblas() && options.row_block == 0;
   const std::int64_t row_block = single_block ? m : detail::gemm_row_block(args, options);
   const std::int64_t blocks = (m + row_block - 1) / row_block;
   // The epilogue of a block runs on the thread pool over a fixed number of row slices (fixed, so
@@ -369,29 +383,43 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
             for (std::int64_t j = 0; j < n; ++j)
               blk.c[args.offset(r, j, blk.ldc)] = to_float(c_b[args.offset(row0 + r, j, ldc)]);
       }
-      detail::block_product(args, af, lda, bf, ldb, blk);
+      // The block in `slices` fixed row slices, on the thread pool when it is big enough.
+      const std::int64_t slice_rows = (rows + slices - 1) / slices;
+      const bool threaded = gemm_uses_cblas() && rows * n >= detail::parallel_epilogue_elements;
+      auto for_slices = [&](auto&& fn) {  // fn(slice index, sub-block)
+        auto one = [&](std::int64_t slice) {
+          detail::CBlock sub = blk;
+          sub.row0 = blk.row0 + slice * slice_rows;
+          sub.rows = std::min(slice_rows, rows - slice * slice_rows);
+          if (sub.rows <= 0) return;
+          sub.c = blk.c + args.offset(slice * slice_rows, 0, blk.ldc);
+          fn(slice, sub);
+        };
+        if (threaded) {
+          parallel_for(slices, one);
+        } else {
+          for (std::int64_t slice = 0; slice < slices; ++slice) one(slice);
+        }
+      };
+      if constexpr (traits::has_bias) {
+        for_slices([&](std::int64_t, const detail::CBlock& sub) { detail::prefill_bias(args, sub, bias.data()); });
+        detail::block_product(product_args, af, lda, bf, ldb, blk);
+      } else {
+        detail::block_product(args, af, lda, bf, ldb, blk);
+      }
       TE* pre = nullptr;
       if constexpr (traits::reads_pre || traits::writes_pre) {
         using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
         static_assert(std::is_same_v<PreT, TE>);
         if (ep.pre_activation) pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(row0, 0, ld_pre);
       }
-      const std::int64_t slice_rows = (rows + slices - 1) / slices;
-      auto epilogue_slice = [&](std::int64_t slice) {
-        detail::CBlock sub = blk;
-        sub.row0 = blk.row0 + slice * slice_rows;
-        sub.rows = std::min(slice_rows, rows - slice * slice_rows);
-        if (sub.rows <= 0) return;
-        sub.c = blk.c + args.offset(slice * slice_rows, 0, blk.ldc);
-        TE* sub_pre = pre ? pre + args.offset(slice * slice_rows, 0, ld_pre) : nullptr;
-        float* colsum = nullptr;
-        if constexpr (traits::bias_grad) colsum = colsums.data() + ((batch * blocks + blk_index) * slices + slice) * n;
-        detail::apply_epilogue_block<kind, TE>(args, sub, bias.data(), sub_pre, ld_pre, colsum);
-      };
-      if (gemm_uses_cblas() && kind != EpilogueKind::none && rows * n >= detail::parallel_epilogue_elements) {
-        parallel_for(slices, epilogue_slice);
-      } else {
-        for (std::int64_t slice = 0; slice < slices; ++slice) epilogue_slice(slice);
+      if constexpr (kind != EpilogueKind::none && kind != EpilogueKind::bias) {
+        for_slices([&](std::int64_t slice, const detail::CBlock& sub) {
+          TE* sub_pre = pre ? pre + args.offset(slice * slice_rows, 0, ld_pre) : nullptr;
+          float* colsum = nullptr;
+          if constexpr (traits::bias_grad) colsum = colsums.data() + ((batch * blocks + blk_index) * slices + slice) * n;
+          detail::apply_epilogue_block<kind, TE>(args, sub, sub_pre, ld_pre, colsum);
+        });
       }
       if constexpr (!std::is_same_v<TC, float>) {
         for (std::int64_t r = 0; r < rows; ++r)

@@ -5,8 +5,9 @@
 #pragma once
 
 #include <bit>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "trellis/core/config.hpp"
 
@@ -59,6 +60,118 @@ TRELLIS_FORCEINLINE float fast_gelu_grad(float x) {
   const float s = 1.0f / (1.0f + e);
   const float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
   return s + 2.0f * x * s * (e * s) * du;
+}
+
+// ---- GELU over rows, explicit SIMD ---------------------------------------------------------------
+// A loop over fast_gelu vectorises, but g++ 12 if-converts the clamps into masked copies of the
+// whole exp path (it folds exp(88) into a constant branch: up to three divisions per vector). The
+// row kernels below spell the vectors out with GCC/clang vector extensions, so every element costs
+// the same straight-line code: 1.7x faster than the fast_gelu loop (measured 0.19 vs 0.33 ns per
+// element on one AVX-512 core, L2-resident rows). Under nvcc (or other compilers) they run the
+// scalar fast_gelu instead.
+//
+// Formula: gelu(x) = x / (1 + exp(t)), t = -2 sqrt(2/pi) (x + 0.044715 x^3), with x clamped below
+// at -10 (gelu(-10) = -1.2e-37, so every x < -10 gives ~0 instead of a saturated exp's -x/exp(88))
+// and t clamped below at -87 (exp(-87) vanishes next to 1, so large x give exactly x). The clamps
+// keep NaN: a NaN x stays NaN. Max abs error vs the tanh formula in double: 5.2e-7 (1 ulp at
+// x ~ 4.7), tested in tests/kernels/test_host_math.cpp.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#define TRELLIS_HOST_SIMD 1
+#else
+#define TRELLIS_HOST_SIMD 0
+#endif
+
+#if TRELLIS_HOST_SIMD
+namespace simd {
+// As wide as the target's vector registers, so no vector crosses a function boundary it cannot
+// be passed in (no -Wpsabi changes of ABI).
+#if defined(__AVX512F__)
+inline constexpr int width = 16;
+#elif defined(__AVX__)
+inline constexpr int width = 8;
+#else
+inline constexpr int width = 4;
+#endif
+typedef float vfloat __attribute__((vector_size(width * sizeof(float))));
+typedef std::uint32_t vuint __attribute__((vector_size(width * sizeof(float))));
+
+TRELLIS_FORCEINLINE vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+TRELLIS_FORCEINLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+TRELLIS_FORCEINLINE vfloat splat(float s) { return vfloat{} + s; }
+
+// x must lie in [-87, 87.4] (no clamping here; the caller clamps).
+TRELLIS_FORCEINLINE vfloat exp_in_range(vfloat x) {
+  constexpr float log2e = 1.44269504088896341f;
+  constexpr float ln2 = 0.693147182464599609375f;  // float(ln 2): off by 1.9e-9, n * that < 3e-7
+  constexpr float round_magic = 12582912.0f;      // 1.5 * 2^23, as in fast_exp
+  const vfloat shifted = x * log2e + round_magic;
+  const vfloat n = shifted - round_magic;
+  const vfloat r = x - n * ln2;
+  vfloat p = r * 8.297654800e-03f + 4.191538319e-02f;  // fast_exp's degree-5 minimax polynomial
+  p = p * r + 1.666757464e-01f;
+  p = p * r + 4.999889433e-01f;
+  p = p * r + 9.999997020e-01f;
+  p = p * r + 1.000000119e+00f;
+  const vuint exponent_bits = (std::bit_cast<vuint>(shifted) << 23) + (127u << 23);
+  return p * std::bit_cast<vfloat>(exponent_bits);
+}
+
+TRELLIS_FORCEINLINE vfloat gelu(vfloat x) {
+  constexpr float two_k = -1.5957691216057308f;            // -2 sqrt(2/pi)
+  constexpr float two_k_cubic = -1.5957691216057308f * 0.044715f;
+  const vfloat floor_x = splat(-10.0f);
+  const vfloat xc = x < floor_x ? floor_x : x;             // NaN stays NaN
+  vfloat t = xc * (two_k + two_k_cubic * (xc * xc));       // <= 87.31 at xc = -10
+  const vfloat floor_t = splat(-87.0f);
+  t = t > floor_t ? t : floor_t;                           // NaN (only from a NaN x) -> -87
+  return xc / (1.0f + exp_in_range(t));
+}
+}  // namespace simd
+#endif
+
+// c[j] = gelu(c[j] + bias[j]) for j < n; bias may be null (no bias); pre (may be null) receives
+// the pre-activation c[j] + bias[j]. Every element gets the same bits wherever it sits in the row.
+inline void gelu_row(std::int64_t n, float* TRELLIS_RESTRICT c, const float* TRELLIS_RESTRICT bias,
+                     float* TRELLIS_RESTRICT pre) {
+#if TRELLIS_HOST_SIMD
+  constexpr std::int64_t w = simd::width;
+  auto step = [](float* in_out, const float* b, float* p) {
+    simd::vfloat x = simd::load(in_out);
+    if (b) x += simd::load(b);
+    if (p) simd::store(p, x);
+    simd::store(in_out, simd::gelu(x));
+  };
+  std::int64_t j = 0;
+  if (bias && pre) {
+    for (; j + w <= n; j += w) step(c + j, bias + j, pre + j);
+  } else if (bias) {
+    for (; j + w <= n; j += w) step(c + j, bias + j, nullptr);
+  } else if (pre) {
+    for (; j + w <= n; j += w) step(c + j, nullptr, pre + j);
+  } else {
+    for (; j + w <= n; j += w) step(c + j, nullptr, nullptr);
+  }
+  if (j < n) {
+    // The tail through one zero-padded vector: the same code as the rest of the row.
+    const std::int64_t rest = n - j;
+    float cbuf[w] = {}, bbuf[w] = {}, pbuf[w] = {};
+    std::memcpy(cbuf, c + j, rest * sizeof(float));
+    if (bias) std::memcpy(bbuf, bias + j, rest * sizeof(float));
+    step(cbuf, bbuf, pbuf);
+    std::memcpy(c + j, cbuf, rest * sizeof(float));
+    if (pre) std::memcpy(pre + j, pbuf, rest * sizeof(float));
+  }
+#else
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float x = c[j] + (bias ? bias[j] : 0.0f);
+    if (pre) pre[j] = x;
+    c[j] = fast_gelu(x);
+  }
+#endif
 }
 
 // Element conversions used by the host kernels' loads and stores.
