@@ -1,0 +1,182 @@
+// train::FlatTrainer<Ops>: training steps of an nn::FlatGpt (a whole GPT-2 per rank, one device),
+// optionally data parallel over a communicator whose memory space matches Ops (ThreadComm or
+// MpiComm with HostOps, NcclComm with CudaOps):
+//
+//   FlatTrainer<nn::CudaOps> t(cfg, ops);           // cfg: TrainerConfig with pp = tp = 1, no ZeRO
+//   StepResult r = t.step(batch);                   // one GPU
+//   StepResult r = t.step(batch, &nccl_dp_comm);    // dp ranks, gradients all-reduced (sum)
+//
+// A step: per microbatch forward + backward into the flat fp32 gradient (loss normalised by the
+// global token count, as train::Trainer); dp: one all-reduce of the whole flat gradient (in place,
+// after the last microbatch: not overlapped with the backward, unlike Trainer's buckets); global
+// gradient norm, clip factor and AdamW (fp32 master weights and moments, weight decay on matrices
+// only, warm-up + cosine LR at the optimizer's step count); then the act_t weight copy is
+// refreshed. The math is Trainer's with pp = tp = 1: the same config gives the same losses
+// (tests/nn/test_flat_gpt.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "trellis/comm/communicator.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/kernels/adamw_host.hpp"
+#include "trellis/nn/flat_gpt.hpp"
+#include "trellis/train/data.hpp"
+#include "trellis/train/trainer.hpp"
+
+namespace trellis::train {
+
+// Problems of a config for the one-device trainer (empty: usable).
+inline std::vector<std::string> flat_config_problems(const TrainerConfig& c) {
+  std::vector<std::string> out = config_problems(c);
+  if (c.pp != 1 || c.tp != 1)
+    out.push_back("the one-device GPT (--backend cuda) runs data parallelism only: use --pp 1 --tp 1 (got pp " +
+                  std::to_string(c.pp) + ", tp " + std::to_string(c.tp) + ")");
+  if (c.zero1) out.push_back("--zero1 is not supported by the one-device GPT (--backend cuda) yet");
+  if (c.options.dropout != 0.0f) out.push_back("--dropout is not supported by the one-device GPT (--backend cuda)");
+  if (c.options.recompute || c.options.sequence_parallel || c.options.overlap_chunks != 1)
+    out.push_back("--recompute, --sp and --overlap need tensor parallelism (host backend)");
+  return out;
+}
+
+template <class Ops>
+class FlatTrainer {
+ public:
+  explicit FlatTrainer(const TrainerConfig& cfg, Ops ops = {}) : cfg_(cfg), model_(checked(cfg), cfg.options, ops) {
+    auto& o = model_.ops();
+    const auto n = static_cast<std::size_t>(model_.flat_size());
+    m_ = o.template allocate<float>(n);
+    v_ = o.template allocate<float>(n);
+  }
+
+  nn::FlatGpt<Ops>& model() { return model_; }
+  const TrainerConfig& config() const { return cfg_; }
+  std::int64_t step_count() const { return step_; }
+
+  // One optimizer step on one rank's rows (batch.rows = global batch / dp).
+  StepResult step(const Batch& batch) { return step_impl(batch, static_cast<NoComm*>(nullptr)); }
+  template <comm::Communicator C>
+  StepResult step(const Batch& batch, C* dp) {
+    return step_impl(batch, dp);
+  }
+
+  // Global mean loss of a batch without training.
+  double evaluate(const Batch& batch) { return evaluate_impl(batch, static_cast<NoComm*>(nullptr)); }
+  template <comm::Communicator C>
+  double evaluate(const Batch& batch, C* dp) {
+    return evaluate_impl(batch, dp);
+  }
+
+ private:
+  struct NoComm {};
+
+  static const nn::GptConfig& checked(const TrainerConfig& cfg) {
+    const auto problems = flat_config_problems(cfg);
+    if (!problems.empty()) {
+      std::string all;
+      for (const auto& p : problems) all += "\n  " + p;
+      TRELLIS_THROW("FlatTrainer: the configuration cannot run:", all);
+    }
+    return cfg.model;
+  }
+
+  template <class C>
+  double all_reduce_scalar(double x, C* dp) {
+    if constexpr (std::is_same_v<C, NoComm>) {
+      return x;
+    } else {
+      if (dp == nullptr || dp->size() == 1) return x;
+      auto& o = model_.ops();
+      auto buf = o.template allocate<double>(1);  // in the communicator's memory space
+      o.upload(buf.data(), &x, 1);
+      dp->all_reduce(buf.data(), buf.data(), 1, comm::ReduceOp::sum);
+      double out = 0;
+      o.download(&out, buf.data(), 1);
+      return out;
+    }
+  }
+
+  void check_batch(const Batch& b) const {
+    TRELLIS_CHECK(b.seq_len == cfg_.seq, "FlatTrainer: batch of sequence length ", b.seq_len, ", configured ", cfg_.seq);
+    TRELLIS_CHECK(b.rows >= 1 && b.rows % cfg_.microbatches == 0, "FlatTrainer: ", b.rows,
+                  " rows do not split into ", cfg_.microbatches, " microbatches");
+    TRELLIS_CHECK(b.inputs.size() == static_cast<std::size_t>(b.rows * b.seq_len) && b.targets.size() == b.inputs.size(),
+                  "FlatTrainer: batch arrays do not match rows x seq_len");
+  }
+
+  template <class C>
+  double token_count(const Batch& b, C* dp) {
+    double local = 0;
+    for (std::int32_t t : b.targets) local += t >= 0 ? 1.0 : 0.0;
+    const double total = all_reduce_scalar(local, dp);
+    TRELLIS_CHECK(total > 0, "FlatTrainer: the batch has no target tokens");
+    return total;
+  }
+
+  template <class C>
+  StepResult step_impl(const Batch& batch, C* dp) {
+    check_batch(batch);
+    model_.zero_grad();
+    const double tokens = token_count(batch, dp);
+    const index_t mb_rows = batch.rows / cfg_.microbatches;
+    const nn::FlatShape shape{mb_rows, batch.seq_len};
+    double loss = 0;
+    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+      const std::size_t first = static_cast<std::size_t>(mb * mb_rows * batch.seq_len);
+      loss += model_.forward_backward(shape, batch.inputs.data() + first, batch.targets.data() + first, tokens);
+    }
+    auto& o = model_.ops();
+    if constexpr (!std::is_same_v<C, NoComm>) {
+      if (dp != nullptr && dp->size() > 1)
+        dp->all_reduce(model_.grads(), model_.grads(), static_cast<std::size_t>(model_.flat_size()),
+                       comm::ReduceOp::sum);
+    }
+    StepResult r;
+    r.loss = all_reduce_scalar(loss, dp);
+    std::vector<std::span<const float>> grads;
+    for (const nn::FlatTensor& t : model_.tensors())
+      grads.emplace_back(model_.grads() + t.offset, static_cast<std::size_t>(t.numel));
+    r.grad_norm = std::sqrt(o.sum_of_squares(std::span<const std::span<const float>>(grads)));
+    r.clip_scale = cfg_.clip > 0 ? kernels::host::clip_scale(r.grad_norm, cfg_.clip) : 1.0f;
+    const float lr = static_cast<float>(cfg_.lr(step_));
+    r.lr = lr;
+    std::vector<kernels::host::AdamWTensor<float>> work;
+    for (const nn::FlatTensor& t : model_.tensors()) {
+      const auto n = static_cast<std::size_t>(t.numel);
+      work.push_back({std::span<float>(model_.params() + t.offset, n), std::span<const float>(model_.grads() + t.offset, n),
+                      std::span<float>(m_.data() + t.offset, n), std::span<float>(v_.data() + t.offset, n),
+                      t.decay ? 1.0f : 0.0f});
+    }
+    o.adamw(std::span<const kernels::host::AdamWTensor<float>>(work), cfg_.adamw.config(lr), step_ + 1, r.clip_scale);
+    ++step_;
+    model_.refresh_low_precision();
+    r.step = step_;
+    return r;
+  }
+
+  template <class C>
+  double evaluate_impl(const Batch& batch, C* dp) {
+    check_batch(batch);
+    const double tokens = token_count(batch, dp);
+    const index_t mb_rows = batch.rows / cfg_.microbatches;
+    double loss = 0;
+    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+      const std::size_t first = static_cast<std::size_t>(mb * mb_rows * batch.seq_len);
+      loss += model_.evaluate({mb_rows, batch.seq_len}, batch.inputs.data() + first, batch.targets.data() + first,
+                              tokens);
+    }
+    return all_reduce_scalar(loss, dp);
+  }
+
+  TrainerConfig cfg_;
+  nn::FlatGpt<Ops> model_;
+  typename Ops::template buffer<float> m_, v_;
+  std::int64_t step_ = 0;
+};
+
+}  // namespace trellis::train
