@@ -4,8 +4,9 @@
 // threads): what fusing saves. Columns: min and median seconds; ratio = fused / bare (min and median).
 // With --threads N both OpenBLAS and the kernel thread pool use N threads; on a loaded machine
 // `--threads 1` also gives meaningful process-CPU-time ratios (cpu_r), which preemption by other
-// processes does not inflate.
-//   gemm_bench [--quick] [--threads N] [--json FILE]
+// processes does not inflate. --repeat R runs R times the default repetitions of every shape (more
+// samples for the medians on a noisy machine).
+//   gemm_bench [--quick] [--threads N] [--repeat R] [--json FILE]
 #include <cblas.h>
 
 #include <algorithm>
@@ -52,12 +53,15 @@ extern "C" void openblas_set_num_threads(int);
 
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
-  for (int i = 1; i + 1 < argc; ++i)
+  int repeat = 1;
+  for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0) {
       const int threads = std::atoi(argv[i + 1]);
       openblas_set_num_threads(threads);
       host::set_num_threads(threads);
     }
+    if (std::strcmp(argv[i], "--repeat") == 0) repeat = std::max(1, std::atoi(argv[i + 1]));
+  }
   std::vector<Shape> shapes = {
       {256, 768, 768, "none", 20},       {1024, 3072, 768, "bias_gelu", 10}, {1024, 768, 3072, "bias", 10},
       {4096, 3072, 768, "bias_gelu", 5}, {4096, 768, 768, "bias", 8},        {4096, 3072, 768, "none", 5},
@@ -94,10 +98,7 @@ int main(int argc, char** argv) {
           if (ep == "bias") {
             for (std::int64_t j = 0; j < s.n; ++j) row[j] += bias[j];
           } else {
-            for (std::int64_t j = 0; j < s.n; ++j) {
-              prow[j] = row[j] + bias[j];
-              row[j] = host::fast_gelu(prow[j]);
-            }
+            host::gelu_row(s.n, row, bias.data(), prow);
           }
         }
       });
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
     // Alternate the three so that machine noise hits them alike.
     std::vector<double> tb_, tf, tu, cb, cf;
     bare(), fused(), unfused();
-    for (int r = 0; r < s.reps; ++r) {
+    for (int r = 0; r < s.reps * repeat; ++r) {
       double c0 = cpu_seconds(), t0 = tb::now_seconds();
       bare();
       double c1 = cpu_seconds(), t1 = tb::now_seconds();
