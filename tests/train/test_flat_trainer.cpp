@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/train/flat_trainer.hpp"
@@ -102,6 +103,45 @@ TEST_CASE("FlatTrainer with bf16 activations: two steps within bf16 tolerance of
     const double err = norm_relative(w, ref_weights.get(name));
     INFO(name << ": norm-relative weight error " << err);
     CHECK(err <= 2e-2);
+  }
+}
+
+// Checkpoints go both ways: a tp2 x dp2 Trainer checkpoint resumes in FlatTrainer, and a FlatTrainer
+// checkpoint resumes in a tp2 Trainer, each continuing with the losses of an uninterrupted run.
+TEST_CASE("FlatTrainer checkpoints interoperate with Trainer layouts", "[train][flat][checkpoint]") {
+  TempDir dir("flat_ckpt");
+  Layout tp2;
+  tp2.tp = 2;
+  tp2.dp = 2;
+  const TrainerConfig cfg = tiny_config(), cfg_tp2 = with_layout(cfg, tp2);
+  RunResult first, second;
+  nn_test::Collector w1, w2;
+  train(cfg_tp2, 3, first, w1, {}, dir.path / "a");
+  train(cfg_tp2, 3, second, w2, dir.path / "a");  // resumed by the same layout: the reference
+
+  std::vector<double> flat_losses;
+  {
+    FlatTrainer<HostOps<float>> t(cfg);
+    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
+    loader.restore(t.load(dir.path / "a").data);
+    CHECK(t.step_count() == 3);
+    for (int s = 0; s < 3; ++s) flat_losses.push_back(t.step(loader.next()).loss);
+    t.save(dir.path / "b", loader.state());
+  }
+  for (int s = 0; s < 3; ++s) {
+    INFO("step " << 3 + s << ": flat " << flat_losses[s] << " trainer " << second.losses[s]);
+    CHECK(std::fabs(flat_losses[s] - second.losses[s]) <= 1e-5 * std::fabs(second.losses[s]));
+  }
+  // FlatTrainer's checkpoint (step 6) resumed by a tp2 Trainer and by FlatTrainer agree.
+  RunResult third;
+  nn_test::Collector w3;
+  train(cfg_tp2, 2, third, w3, dir.path / "b");
+  FlatTrainer<HostOps<float>> t(cfg);
+  trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
+  loader.restore(t.load(dir.path / "b").data);
+  for (int s = 0; s < 2; ++s) {
+    const double l = t.step(loader.next()).loss;
+    CHECK(std::fabs(l - third.losses[s]) <= 1e-5 * std::fabs(third.losses[s]));
   }
 }
 

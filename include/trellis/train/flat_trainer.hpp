@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
+#include <utility>
 #include <span>
 #include <string>
 #include <vector>
@@ -26,7 +28,11 @@
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/adamw_host.hpp"
 #include "trellis/nn/flat_gpt.hpp"
+#include "trellis/optim/adamw.hpp"
+#include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
+#include "trellis/train/rng.hpp"
+#include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer.hpp"
 
 namespace trellis::train {
@@ -63,6 +69,54 @@ class FlatTrainer {
   template <comm::Communicator C>
   StepResult step(const Batch& batch, C* dp) {
     return step_impl(batch, dp);
+  }
+
+  // Writes <root>/step-N as a one-rank checkpoint (GPT-2 names and shapes, fp32 values and AdamW
+  // moments, step, data position): any Trainer layout loads it (and load() reads any layout's).
+  // Data parallel: the replicas are identical, so dp rank 0 alone calls save().
+  void save(const std::filesystem::path& root, const DataState& data) {
+    CheckpointWriter w(root, step_, 0, 1);
+    std::vector<std::vector<float>> keep;  // host copies, alive until finish()
+    keep.reserve(3 * model_.tensors().size());
+    auto& o = model_.ops();
+    for (const nn::FlatTensor& t : model_.tensors()) {
+      const Box box = full_box(t.shape);
+      const auto n = static_cast<std::size_t>(t.numel);
+      for (auto [base, name] : {std::pair{model_.params(), t.name}, std::pair{m_.data(), optim::adamw_m_name(t.name)},
+                                std::pair{v_.data(), optim::adamw_v_name(t.name)}}) {
+        keep.emplace_back(n);
+        o.download(keep.back().data(), base + t.offset, n);
+        w.add(name, DType::f32, t.shape, box, keep.back().data());
+      }
+    }
+    TrainState s;
+    s.step = step_;
+    s.rng = Rng(cfg_.seed, 0);
+    s.data = data;
+    save_train_state(w, s);
+    w.finish();
+    commit_checkpoint(root, step_, 1);
+  }
+
+  // Loads a checkpoint written by any layout (Trainer or FlatTrainer); returns its train state
+  // (restore the loader with .data). Moments missing from the file are an error.
+  TrainState load(const std::filesystem::path& step_dir) {
+    Checkpoint ck(step_dir);
+    TrainState s = load_train_state(ck, 0);
+    auto& o = model_.ops();
+    for (const nn::FlatTensor& t : model_.tensors()) {
+      const Box box = full_box(t.shape);
+      std::vector<float> host(static_cast<std::size_t>(t.numel));
+      for (auto [base, name] : {std::pair{model_.params(), t.name}, std::pair{m_.data(), optim::adamw_m_name(t.name)},
+                                std::pair{v_.data(), optim::adamw_v_name(t.name)}}) {
+        ck.expect(name, DType::f32, t.shape);
+        ck.read(name, DType::f32, box, host.data());
+        o.upload(base + t.offset, host.data(), host.size());
+      }
+    }
+    step_ = s.step;
+    model_.refresh_low_precision();
+    return s;
   }
 
   // Global mean loss of a batch without training.
