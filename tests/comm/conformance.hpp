@@ -525,6 +525,41 @@ void check_split(C& comm, const Options&, Report& report) {
   report.check(count_ranks == static_cast<float>(n), "parent communicator after split");
 }
 
+// split_or_none (backends that have it): a negative color (MPI_UNDEFINED) takes part in the
+// split but joins nothing. Every third rank opts out (colors -1 and -7); the rest split by
+// parity, ordered by rank.
+template <Communicator C>
+void check_split_or_none(C& comm, const Options&, Report& report) {
+  if constexpr (requires { comm.split_or_none(0, 0); }) {
+    const int n = comm.size(), r = comm.rank();
+    auto opts_out = [](int k) { return k % 3 == 1; };
+    const int color = opts_out(r) ? (r % 2 == 0 ? -1 : -7) : r % 2;
+    auto sub = comm.split_or_none(color, r);
+    std::vector<int> members;
+    for (int k = 0; k < n; ++k)
+      if (!opts_out(k) && k % 2 == r % 2) members.push_back(k);
+    if (opts_out(r)) {
+      report.check(!sub.has_value(), "split_or_none: a negative color got a communicator");
+    } else if (!sub.has_value()) {
+      report.check(false, "split_or_none: color " + std::to_string(color) + " got no communicator");
+    } else {
+      const int expected_rank = static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
+      report.check(sub->size() == static_cast<int>(members.size()) && sub->rank() == expected_rank,
+                   "split_or_none: size " + std::to_string(sub->size()) + " rank " + std::to_string(sub->rank()) +
+                       ", expected " + std::to_string(members.size()) + " and " + std::to_string(expected_rank));
+      std::vector<std::int32_t> order(members.size());
+      std::int32_t me32 = r;
+      sub->all_gather(&me32, order.data(), 1);
+      report.check(std::equal(order.begin(), order.end(), members.begin()),
+                   "split_or_none: members gathered in the wrong order");
+    }
+    // The parent still works, for opted-out ranks too.
+    std::int64_t one = 1, count_ranks = 0;
+    comm.all_reduce(&one, &count_ranks, 1, ReduceOp::sum);
+    report.check(count_ranks == n, "parent communicator after split_or_none");
+  }
+}
+
 // ---- everything --------------------------------------------------------------------------------
 
 template <Communicator C>
@@ -561,6 +596,7 @@ void run_all(C& comm, const Options& opt, Report& report) {
   check_async(comm, opt, report, 1009);
   check_async(comm, opt, report, big / 4);
   check_split(comm, opt, report);
+  check_split_or_none(comm, opt, report);
   comm.barrier();
 }
 

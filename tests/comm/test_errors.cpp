@@ -256,6 +256,7 @@ TEST_CASE("invalid roots, peers, counts and buffers are Errors naming the rank",
                        std::span<const std::size_t>(three), std::span<const std::size_t>(three));
     }, "need size() = 4 entries");
     expect_error([&] { comm.set_timeout(0ms); }, "timeout must be positive");
+    expect_error([&] { (void)comm.split(-1, 0); }, "split: color must be >= 0 (got -1); use split_or_none()");
     // Nothing above started a collective: the communicator still works.
     comm.all_reduce(x.data(), x.data(), 8);
     if (x[0] != 4.0f) problems.push_back("all_reduce after the rejected calls gave " + std::to_string(x[0]));

@@ -142,3 +142,77 @@ TEST_CASE("collectives on split communicators run concurrently and independently
   });
   CHECK(wrong.load() == 0);
 }
+
+// The data paths store whole 64-byte lines (streaming stores above TRELLIS_COMM_STREAM_BYTES)
+// when every output sits at the same offset within a line, and go element-wise otherwise: each
+// rank's buffers start at a different element offset here, with counts that exercise the head,
+// the whole lines and the tail, below and above the streaming threshold.
+TEST_CASE("collectives with outputs at different offsets within a cache line", "[comm][threads]") {
+  for (int ranks : {2, 3}) {
+    for (std::size_t count : {std::size_t{37}, std::size_t{4099}, (std::size_t{3} << 20) + 5}) {
+      for (bool same_offset : {true, false}) {
+        std::atomic<long long> wrong{0};
+        ThreadWorld(ranks).run([&](ThreadComm& comm) {
+          const int n = comm.size(), r = comm.rank();
+          const std::size_t offset = same_offset ? 3 : static_cast<std::size_t>(r) * 5 + 1;  // elements
+          auto value = [](int rank, std::size_t i) {
+            return static_cast<float>((rank + 1) * 3 + static_cast<int>(i % 11));
+          };
+          std::vector<float> in_storage(n * count + 32), out_storage(n * count + 32);
+          float* in = in_storage.data() + offset;
+          float* out = out_storage.data() + offset + 2;
+          long long bad = 0;
+          for (std::size_t i = 0; i < n * count; ++i) in[i] = value(r, i);
+          // all_reduce
+          comm.all_reduce(in, out, count, ReduceOp::sum);
+          for (std::size_t i = 0; i < count; ++i) {
+            float expected = 0;
+            for (int k = 0; k < n; ++k) expected += value(k, i);
+            bad += out[i] != expected;
+          }
+          // all_gather (rank k's first count elements, in rank order)
+          comm.all_gather(in, out, count);
+          for (std::size_t i = 0; i < n * count; ++i) bad += out[i] != value(static_cast<int>(i / count), i % count);
+          // reduce_scatter (block r of the sum)
+          comm.reduce_scatter(in, out, count, ReduceOp::max);
+          for (std::size_t i = 0; i < count; ++i) bad += out[i] != value(n - 1, r * count + i);
+          // broadcast from the last rank, in its output buffer
+          if (r == n - 1) std::copy(in, in + count, out);
+          comm.broadcast(out, count, n - 1);
+          for (std::size_t i = 0; i < count; ++i) bad += out[i] != value(n - 1, i);
+          wrong += bad;
+        });
+        INFO("ranks " << ranks << ", count " << count << (same_offset ? ", same offset" : ", different offsets"));
+        CHECK(wrong.load() == 0);
+      }
+    }
+  }
+}
+
+// all_gather and broadcast move bits: half/bfloat16 NaN payloads and -0 arrive unchanged (a
+// round trip through float arithmetic would quieten signalling NaNs).
+TEST_CASE("all_gather and broadcast copy half and bfloat16 bit for bit", "[comm][threads]") {
+  const std::size_t count = (std::size_t{1} << 16) + 7;
+  auto bits_of = [](int rank, std::size_t i) {
+    const std::uint16_t specials[] = {0x7C01, 0x7E00, 0x8000, 0xFC01, 0x7F81, 0xFF80, 0x0001};
+    return i % 5 == 0 ? specials[(i / 5 + static_cast<std::size_t>(rank)) % 7]
+                      : static_cast<std::uint16_t>(i * 2654435761u + static_cast<unsigned>(rank) * 40503u);
+  };
+  std::atomic<long long> wrong{0};
+  ThreadWorld(3).run([&](ThreadComm& comm) {
+    const int n = comm.size(), r = comm.rank();
+    std::vector<trellis::half> hin(count), hout(n * count);
+    std::vector<trellis::bfloat16> bbuf(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      hin[i] = trellis::half(trellis::from_bits, bits_of(r, i));
+      bbuf[i].bits = r == 1 ? bits_of(r, i) : 0;
+    }
+    comm.all_gather(hin.data(), hout.data(), count);
+    comm.broadcast(bbuf.data(), count, 1);
+    long long bad = 0;
+    for (std::size_t i = 0; i < n * count; ++i) bad += hout[i].bits != bits_of(static_cast<int>(i / count), i % count);
+    for (std::size_t i = 0; i < count; ++i) bad += bbuf[i].bits != bits_of(1, i);
+    wrong += bad;
+  });
+  CHECK(wrong.load() == 0);
+}

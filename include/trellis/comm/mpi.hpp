@@ -33,6 +33,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <span>
 #include <sstream>
@@ -723,9 +724,19 @@ class MpiComm {
   // The colors and keys are first gathered with the timeout, so a missing rank raises instead of
   // hanging inside MPI_Comm_split.
   MpiComm split(int color, int key, std::source_location where = std::source_location::current()) {
+    state_->check_usable();
+    if (color < 0)
+      TRELLIS_THROW("split: color must be >= 0, got ", color,
+                    "; use split_or_none() for ranks that take part without joining a communicator");
+    return *split_or_none(color, key, where);
+  }
+  // As split(), and a negative color (MPI_UNDEFINED) takes part in the collective but joins no
+  // communicator: those ranks get std::nullopt. Every rank of this communicator must call it.
+  std::optional<MpiComm> split_or_none(int color, int key,
+                                       std::source_location where = std::source_location::current()) {
     auto& s = *state_;
     s.check_usable();
-    if (color < 0) TRELLIS_THROW("split: color must be >= 0, got ", color);
+    if (color < 0) color = MPI_UNDEFINED;
     auto p = begin(OpKind::split, DType::i32, 0, -1, ReduceOp::sum, where, true);
     p->counts.assign(static_cast<std::size_t>(2 * s.size + 2), 0);
     p->counts[0] = color;
@@ -735,6 +746,7 @@ class MpiComm {
     run_blocking(std::move(p));
     MPI_Comm sub = MPI_COMM_NULL;
     TRELLIS_CHECK_MPI(MPI_Comm_split(comm(), color, key, &sub));
+    if (sub == MPI_COMM_NULL) return std::nullopt;
     MpiComm result(adopt_tag{}, sub, s.recorder.label() + "/split(" + std::to_string(color) + ")");
     result.set_debug(s.debug);
     result.set_timeout(s.timeout);

@@ -4,17 +4,23 @@
 //   world.run([&](trellis::comm::ThreadComm& comm) { ... comm.all_reduce(x, x, n); ... });
 //
 // Algorithms (bandwidth-optimal for shared memory): every rank publishes its buffer pointers,
-// then the message is cut into 64 KiB tasks that read and write peers' buffers directly:
-//  - all_reduce: a task reduces one chunk of the message (reading every rank's input, in small
-//    tiles that stay in L1) and writes the finished tile into every rank's output: a fused
-//    reduce-scatter + all-gather with one pass over the data and no staging copies;
+// then the message is cut into 64 KiB tasks that read and write peers' buffers directly, one
+// 64-byte line at a time (accumulators in registers, each finished line stored straight into
+// every destination, streaming stores for large messages), so every input byte is read once and
+// every output byte written once -- the minimum -- with no staging copy:
+//  - all_reduce: a task reduces one chunk over every rank's input and writes it into every
+//    rank's output (a fused reduce-scatter + all-gather in one pass);
 //  - reduce: the same, writing only into the root's output; reduce_scatter: a chunk of one
-//    rank's block; all_gather / broadcast / all_to_all(v): memcpy of one chunk.
-// Any rank may run any task (claimed from a shared counter), so when ranks outnumber cores the
-// ranks that are running do the work of those that are not. One barrier per collective (publish)
-// plus a wait for the last task; no lock on the data path. The reduction order is fixed (rank
-// 0, 1, ..., n-1 for every element, whoever runs the task) so results are deterministic and equal
-// a serial left-to-right sum; half/bfloat16 reduce in float and round once.
+//    rank's block; all_gather: a chunk of one rank's input, read once, written into every
+//    output; broadcast: a chunk of the root's buffer into every other rank's; all_to_all(v):
+//    memcpy of one chunk.
+// The tasks are cut into one contiguous region per rank: a rank claims its own region's tasks
+// first (one sequential stream per core, which the memory system serves best), then helps with
+// the other regions, so when ranks outnumber cores the ranks that are running do the work of
+// those that are not. One barrier per collective (publish) plus a wait for the last task; no
+// lock on the data path. The reduction order is fixed (rank 0, 1, ..., n-1 for every element,
+// whoever runs the task) so results are deterministic and equal a serial left-to-right sum;
+// half/bfloat16 reduce in float and round once; copies move bits (NaN payloads intact).
 //
 // Waiting: a short spin (none when ranks outnumber cores), then a futex sleep, so 8 ranks on 2
 // cores stay fast. Every wait checks an abort flag (a rank's function threw: the others get
@@ -233,46 +239,98 @@ struct ReduceArith {
   }
 };
 
+// Stores one 64-byte line at a 64-byte aligned `dst`, bypassing the cache when `streaming`.
+inline void store_line(std::byte* dst, const void* line, bool streaming) {
+#if defined(__AVX512F__)
+  if (streaming) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(line));
+    return;
+  }
+#elif defined(__AVX__)
+  if (streaming) {
+    const auto* src = static_cast<const __m256i*>(line);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), _mm256_loadu_si256(src));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_loadu_si256(src + 1));
+    return;
+  }
+#elif defined(__SSE2__)
+  if (streaming) {
+    const auto* src = static_cast<const __m128i*>(line);
+    for (int i = 0; i < 4; ++i)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16 * i), _mm_loadu_si128(src + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, line, 64);
+}
+
+// acc op v, with acc holding the lower ranks: the order is fixed (rank 0, 1, ..., n-1).
+template <class T, ReduceOp Op>
+inline accumulate_t<T> reduce_combine(accumulate_t<T> acc, accumulate_t<T> v) {
+  using R = ReduceArith<T>;
+  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) return R::add(acc, v);
+  else if constexpr (Op == ReduceOp::prod) return R::mul(acc, v);
+  else if constexpr (Op == ReduceOp::min) return v < acc ? v : acc;
+  else return acc < v ? v : acc;
+}
+
+// res[0, Len) = op over the inputs of elements [base, base + Len). Len is a compile-time
+// constant for whole lines so the accumulators live in vector registers.
+template <class T, ReduceOp Op, std::size_t Len>
+inline void reduce_span(const std::byte* const* ins, int n_in, std::size_t base, std::size_t len, int divisor,
+                        T* TRELLIS_RESTRICT res) {
+  using R = ReduceArith<T>;
+  using A = typename R::A;
+  const std::size_t m = Len > 0 ? Len : len;
+  alignas(64) A acc[Len > 0 ? Len : 64 / sizeof(T)];
+  const T* TRELLIS_RESTRICT in0 = reinterpret_cast<const T*>(ins[0]) + base;
+  for (std::size_t i = 0; i < m; ++i) acc[i] = R::load(in0[i]);
+  for (int k = 1; k < n_in; ++k) {
+    const T* TRELLIS_RESTRICT src = reinterpret_cast<const T*>(ins[k]) + base;
+    for (std::size_t i = 0; i < m; ++i) acc[i] = reduce_combine<T, Op>(acc[i], R::load(src[i]));
+  }
+  if constexpr (Op == ReduceOp::avg) {
+    const A d = static_cast<A>(divisor);
+    for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(acc[i] / d);
+  }
+  for (std::size_t i = 0; i < m; ++i) res[i] = R::store(acc[i]);
+}
+
+// outs[o][i] = op(ins[0][i], ..., ins[n_in-1][i]) for i < count and every output o, one cache
+// line at a time: the line's accumulators stay in registers and each finished line goes straight
+// to every output (streaming stores for large messages), so every input byte is read once and
+// every output byte written once, with no staging buffer. n_in == 1 is a copy to n_out outputs.
 template <class T, ReduceOp Op>
 inline void reduce_into(const std::byte* const* ins, int n_in, std::byte* const* outs, int n_out,
                         std::size_t count, int divisor, bool streaming) {
-  using R = ReduceArith<T>;
-  using A = typename R::A;
-  constexpr std::size_t tile = 8192 / sizeof(A);  // accumulators stay in L1
-  // acc op v, with acc holding the lower ranks: the order is fixed (rank 0, 1, ..., n-1).
-  const auto combine = [](A acc, A v) -> A {
-    if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) return R::add(acc, v);
-    else if constexpr (Op == ReduceOp::prod) return R::mul(acc, v);
-    else if constexpr (Op == ReduceOp::min) return v < acc ? v : acc;
-    else return acc < v ? v : acc;
+  constexpr std::size_t line = 64 / sizeof(T);  // elements per 64-byte output line
+  const bool copy = n_in == 1 && Op != ReduceOp::avg;
+  // Elements [base, base + len), len < line or not aligned: through a small buffer.
+  const auto partial = [&](std::size_t base, std::size_t len) {
+    alignas(64) T res[line];
+    reduce_span<T, Op, 0>(ins, n_in, base, len, divisor, res);
+    for (int o = 0; o < n_out; ++o) std::memcpy(outs[o] + base * sizeof(T), res, len * sizeof(T));
   };
-  alignas(64) A acc[tile];
-  alignas(64) T res[std::is_same_v<A, T> ? 1 : tile];
-  for (std::size_t base = 0; base < count; base += tile) {
-    const std::size_t len = std::min(tile, count - base);
-    const T* in0 = reinterpret_cast<const T*>(ins[0]) + base;
-    if (n_in == 1) {
-      for (std::size_t i = 0; i < len; ++i) acc[i] = R::load(in0[i]);
-    } else {  // the first two inputs in one pass
-      const T* in1 = reinterpret_cast<const T*>(ins[1]) + base;
-      for (std::size_t i = 0; i < len; ++i) acc[i] = combine(R::load(in0[i]), R::load(in1[i]));
+  // Whole lines need every output at the same offset within a line (true for the usual
+  // allocations); otherwise everything goes through the partial path.
+  const auto misalignment = [](const std::byte* p) { return reinterpret_cast<std::uintptr_t>(p) & 63; };
+  bool aligned_together = misalignment(outs[0]) % sizeof(T) == 0;
+  for (int o = 1; o < n_out; ++o) aligned_together = aligned_together && misalignment(outs[o]) == misalignment(outs[0]);
+  std::size_t head = count;
+  if (aligned_together) head = std::min(count, ((64 - misalignment(outs[0])) & 63) / sizeof(T));
+  for (std::size_t base = 0; base < head; base += line) partial(base, std::min(line, head - base));
+  std::size_t base = head;
+  if (copy) {
+    for (; base + line <= count; base += line)
+      for (int o = 0; o < n_out; ++o) store_line(outs[o] + base * sizeof(T), ins[0] + base * sizeof(T), streaming);
+  } else {
+    for (; base + line <= count; base += line) {
+      alignas(64) T res[line];
+      reduce_span<T, Op, line>(ins, n_in, base, line, divisor, res);
+      for (int o = 0; o < n_out; ++o) store_line(outs[o] + base * sizeof(T), res, streaming);
     }
-    for (int k = 2; k < n_in; ++k) {
-      const T* TRELLIS_RESTRICT src = reinterpret_cast<const T*>(ins[k]) + base;
-      for (std::size_t i = 0; i < len; ++i) acc[i] = combine(acc[i], R::load(src[i]));
-    }
-    if constexpr (Op == ReduceOp::avg) {
-      const A d = static_cast<A>(divisor);
-      for (std::size_t i = 0; i < len; ++i) acc[i] = static_cast<A>(acc[i] / d);
-    }
-    const void* finished = acc;
-    if constexpr (!std::is_same_v<A, T>) {
-      for (std::size_t i = 0; i < len; ++i) res[i] = R::store(acc[i]);
-      finished = res;
-    }
-    for (int o = 0; o < n_out; ++o)
-      copy_bytes(outs[o] + base * sizeof(T), static_cast<const std::byte*>(finished), len * sizeof(T), streaming);
   }
+  for (; base < count; base += line) partial(base, std::min(line, count - base));
 }
 
 template <class T>
@@ -291,7 +349,16 @@ inline void reduce_typed(const std::byte* const* ins, int n_in, std::byte* const
 inline void reduce_dispatch(DType dtype, const std::byte* const* ins, int n_in,
                             std::byte* const* outs, int n_out, std::size_t count, ReduceOp op,
                             int divisor, bool streaming = false) {
-  if (count == 0) return;
+  if (count == 0 || n_out == 0) return;
+  if (n_in == 1 && op != ReduceOp::avg) {  // a copy: move the bits, whatever they mean
+    switch (dtype_size(dtype)) {
+      case 1: return reduce_into<std::uint8_t, ReduceOp::sum>(ins, 1, outs, n_out, count, 1, streaming);
+      case 2: return reduce_into<std::uint16_t, ReduceOp::sum>(ins, 1, outs, n_out, count, 1, streaming);
+      case 4: return reduce_into<std::uint32_t, ReduceOp::sum>(ins, 1, outs, n_out, count, 1, streaming);
+      case 8: return reduce_into<std::uint64_t, ReduceOp::sum>(ins, 1, outs, n_out, count, 1, streaming);
+      default: break;
+    }
+  }
   switch (dtype) {
     case DType::f32: return reduce_typed<float>(ins, n_in, outs, n_out, count, op, divisor, streaming);
     case DType::f64: return reduce_typed<double>(ins, n_in, outs, n_out, count, op, divisor, streaming);
@@ -391,6 +458,10 @@ struct OpState {
   int mailbox = -1;  // p2p: destination rank whose mailbox holds the envelope until matched
 };
 
+struct alignas(64) TaskCounter {
+  std::atomic<std::uint64_t> next{0};
+};
+
 struct Envelope {
   int source = 0;  // sending rank (group rank)
   int tag = 0;
@@ -416,6 +487,7 @@ struct ThreadGroup {
         world_ranks(std::move(ranks)),
         slots(new ThreadSlot[2 * world_ranks.size()]),
         progress(new ThreadProgress[world_ranks.size()]),
+        region_next(new TaskCounter[world_ranks.size()]),
         mailboxes(new Mailbox[world_ranks.size()]) {}
 
   std::shared_ptr<ThreadWorldState> world;
@@ -424,9 +496,11 @@ struct ThreadGroup {
   const std::vector<int> world_ranks;  // group rank -> world rank
   std::unique_ptr<ThreadSlot[]> slots;  // two per rank: [2 * rank + collective parity]
   std::unique_ptr<ThreadProgress[]> progress;
-  // Work sharing: tasks of all collectives so far are numbered consecutively.
-  alignas(64) std::atomic<std::uint64_t> next_task{0};  // next task to claim
-  alignas(64) std::atomic<std::uint64_t> done_tasks{0};  // tasks finished
+  // Work sharing: a collective's tasks are cut into one contiguous region per rank; each rank
+  // claims from its own region first (a sequential stream per core), then from the others'.
+  // Each region's counter numbers that region's tasks of all collectives so far consecutively.
+  std::unique_ptr<TaskCounter[]> region_next;  // next task to claim, per region
+  alignas(64) std::atomic<std::uint64_t> done_tasks{0};  // tasks finished, all collectives
   std::unique_ptr<Mailbox[]> mailboxes;
   WakeWord wake;
   std::atomic<bool> broken{false};  // a timeout left the barriers out of step
@@ -469,7 +543,11 @@ inline std::size_t max_count(DType dtype, std::size_t blocks = 1) {
 class ThreadRankState {
  public:
   ThreadRankState(std::shared_ptr<ThreadGroup> g, int r, std::chrono::milliseconds timeout, bool debug)
-      : group_(std::move(g)), rank_(r), timeout_(timeout), debug_(debug) {
+      : group_(std::move(g)),
+        rank_(r),
+        timeout_(timeout),
+        debug_(debug),
+        region_base_(static_cast<std::size_t>(group_->size), 0) {
     recorder_.identify(group_->label, rank_, group_->size);
   }
   ThreadRankState(const ThreadRankState&) = delete;
@@ -647,19 +725,31 @@ class ThreadRankState {
     }
     const std::uint64_t tasks = task_count(a.fp, n);
     if (tasks == 0) return;
-    const std::uint64_t first = task_base_, last = task_base_ + tasks;
+    const std::uint64_t last = task_base_ + tasks;
     task_base_ = last;
     std::vector<const std::byte*> ins(static_cast<std::size_t>(n));
     std::vector<std::byte*> outs(static_cast<std::size_t>(n));
-    for (;;) {  // claim tasks until none is left
-      std::uint64_t t = g.next_task.load(std::memory_order_relaxed);
-      do {
-        if (t >= last) break;
-      } while (!g.next_task.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
-      if (t >= last) break;
-      run_task(a.fp, parity, t - first, ins, outs);
-      stream_fence();
-      g.done_tasks.fetch_add(1, std::memory_order_acq_rel);
+    std::uint64_t ran = 0;
+    for (int i = 0; i < n; ++i) {  // own region first, then help the others
+      const int k = (rank_ + i) % n;
+      const std::uint64_t lo = tasks * static_cast<std::uint64_t>(k) / static_cast<std::uint64_t>(n);
+      const std::uint64_t hi = tasks * static_cast<std::uint64_t>(k + 1) / static_cast<std::uint64_t>(n);
+      const std::uint64_t base = region_base_[k], end = base + (hi - lo);
+      region_base_[k] = end;
+      std::atomic<std::uint64_t>& next = g.region_next[k].next;
+      for (;;) {  // claim tasks of region k until none is left
+        std::uint64_t t = next.load(std::memory_order_relaxed);
+        do {
+          if (t >= end) break;
+        } while (!next.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
+        if (t >= end) break;
+        run_task(a.fp, parity, lo + (t - base), ins, outs);
+        ++ran;
+      }
+    }
+    if (ran > 0) {
+      stream_fence();  // streaming stores land before the tasks count as done
+      g.done_tasks.fetch_add(ran, std::memory_order_acq_rel);
     }
     // Peers may still be writing our output (or reading our input): wait for every task.
     auto all_done = [&] { return g.done_tasks.load(std::memory_order_acquire) >= last; };
@@ -708,8 +798,8 @@ class ThreadRankState {
       case OpKind::all_reduce:
       case OpKind::reduce: return chunks(fp.count, fp.dtype);
       case OpKind::reduce_scatter: return nn * chunks(fp.count, fp.dtype);
-      case OpKind::broadcast: return nn * chunks(fp.count, fp.dtype);
-      case OpKind::all_gather:
+      case OpKind::broadcast: return chunks(fp.count, fp.dtype);
+      case OpKind::all_gather: return nn * chunks(fp.count, fp.dtype);
       case OpKind::all_to_all: return nn * nn * chunks(fp.count, fp.dtype);
       case OpKind::all_to_allv: return nn * nn;
       default: return 0;
@@ -754,19 +844,32 @@ class ThreadRankState {
         reduce_dispatch(fp.dtype, ins.data(), n, outs.data(), 1, len, fp.op, n, streaming);
         break;
       }
-      case OpKind::broadcast: {  // task = (destination j, chunk c)
-        const int j = static_cast<int>(task / per_block);
-        range(task % per_block, begin, len);
-        if (j != fp.root) copy_bytes(slot_of(j).out + begin * es, slot_of(fp.root).out + begin * es, len * es, streaming);
+      case OpKind::broadcast: {  // task = chunk c: the root's chunk, read once, into every other rank
+        range(task, begin, len);
+        ins[0] = slot_of(fp.root).out + begin * es;
+        int n_out = 0;
+        for (int j = 0; j < n; ++j)
+          if (j != fp.root) outs[n_out++] = slot_of(j).out + begin * es;
+        reduce_dispatch(fp.dtype, ins.data(), 1, outs.data(), n_out, len, ReduceOp::sum, 1, streaming);  // a copy
         break;
       }
-      case OpKind::all_gather:
+      case OpKind::all_gather: {  // task = (source k, chunk c): k's chunk, read once, into every output
+        const int k = static_cast<int>(task / per_block);
+        range(task % per_block, begin, len);
+        ins[0] = slot_of(k).in + begin * es;
+        int n_out = 0;
+        for (int j = 0; j < n; ++j) {
+          std::byte* dst = slot_of(j).out + (static_cast<std::size_t>(k) * count + begin) * es;
+          if (dst != ins[0]) outs[n_out++] = dst;  // in place: the block is there already
+        }
+        reduce_dispatch(fp.dtype, ins.data(), 1, outs.data(), n_out, len, ReduceOp::sum, 1, streaming);  // a copy
+        break;
+      }
       case OpKind::all_to_all: {  // task = (destination j, source k, chunk c)
         const int j = static_cast<int>(task / (per_block * static_cast<std::uint64_t>(n)));
         const int k = static_cast<int>((task / per_block) % static_cast<std::uint64_t>(n));
         range(task % per_block, begin, len);
-        const std::size_t src_block = fp.kind == OpKind::all_gather ? 0 : static_cast<std::size_t>(j) * count;
-        const std::byte* src = slot_of(k).in + (src_block + begin) * es;
+        const std::byte* src = slot_of(k).in + (static_cast<std::size_t>(j) * count + begin) * es;
         std::byte* dst = slot_of(j).out + (static_cast<std::size_t>(k) * count + begin) * es;
         if (src != dst) copy_bytes(dst, src, len * es, streaming);
         break;
@@ -815,6 +918,11 @@ class ThreadRankState {
     const int n = g.size;
     const auto slot_of = [&](int k) -> ThreadSlot& { return g.slots[2 * k + parity]; };
     const int color = slot_of(rank_).color;
+    if (color < 0) {  // takes part, joins nothing: only waits until the leaders have published
+      barrier(slot_of(rank_).fp, deadline);
+      split_result_.reset();
+      return;
+    }
     std::vector<std::pair<int, int>> members;  // (key, rank) of my color
     for (int k = 0; k < n; ++k)
       if (slot_of(k).color == color) members.emplace_back(slot_of(k).key, k);
@@ -1028,6 +1136,7 @@ class ThreadRankState {
   FlightRecorder recorder_;
   std::uint64_t collectives_ = 0;
   std::uint64_t task_base_ = 0;  // tasks of this group's earlier collectives (same on every rank)
+  std::vector<std::uint64_t> region_base_;  // per region: its tasks in earlier collectives
   std::shared_ptr<ThreadGroup> split_result_;
   int split_rank_ = 0;
   std::atomic<bool> cancelled_{false};
@@ -1227,14 +1336,23 @@ class ThreadComm {
   }
 
   // MPI_Comm_split: the ranks with the same color form a communicator, ordered by (key, rank).
+  // color must be >= 0; split_or_none() lets ranks opt out.
   ThreadComm split(int color, int key, std::source_location where = std::source_location::current()) {
-    TRELLIS_CHECK(color >= 0, "split: color must be >= 0 (got ", color, ")");
+    TRELLIS_CHECK(color >= 0, "split: color must be >= 0 (got ", color,
+                  "); use split_or_none() for ranks that take part without joining a communicator");
+    return *split_or_none(color, key, where);
+  }
+  // As split(), and a negative color (MPI_UNDEFINED) takes part in the collective but joins no
+  // communicator: those ranks get std::nullopt. Every rank of this communicator must call it.
+  std::optional<ThreadComm> split_or_none(int color, int key,
+                                          std::source_location where = std::source_location::current()) {
     auto a = make<float>(OpKind::split, DType::f32, 0, -1, ReduceOp::sum, where, nullptr, nullptr, 1);
-    a.color = color;
+    a.color = color < 0 ? -1 : color;
     a.key = key;
     run(a);
     int new_rank = 0;
     auto group = state_->take_split(new_rank);
+    if (!group) return std::nullopt;
     return ThreadComm(std::move(group), new_rank, state_->timeout(), state_->debug());
   }
 
