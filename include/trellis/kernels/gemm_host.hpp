@@ -237,8 +237,7 @@ void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std:
       }
     } else if constexpr (elementwise) {
       if constexpr (reads_pre && std::is_same_v<PreT, float>) {
-        const float* TRELLIS_RESTRICT pline = pre + l * ld_pre;
-        for (std::int64_t i = 0; i < len; ++i) cline[i] = apply_after_bias<K>(cline[i], pline[i]);
+        gelu_grad_row(len, cline, pre + l * ld_pre);
       } else if constexpr (reads_pre) {
         const TP* pline = pre + l * ld_pre;
         for (std::int64_t i = 0; i < len; ++i) cline[i] = apply_after_bias<K>(cline[i], to_float(pline[i]));

@@ -130,6 +130,21 @@ TRELLIS_FORCEINLINE vfloat gelu(vfloat x) {
   t = t > floor_t ? t : floor_t;                           // NaN (only from a NaN x) -> -87
   return xc / (1.0f + exp_in_range(t));
 }
+
+// d gelu / dx = s (1 + 2 x e s du/dx), s = 1 / (1 + e), e = exp(t) as in gelu(). x is clamped to
+// [-10, 10]: outside, the derivative is 1 or 0 to float precision (and x^3 cannot overflow).
+TRELLIS_FORCEINLINE vfloat gelu_grad(vfloat x) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2/pi)
+  constexpr float two_k = -2.0f * k, two_k_cubic = -2.0f * k * 0.044715f, k_cubic_3 = k * 3.0f * 0.044715f;
+  const vfloat floor_x = splat(-10.0f), ceil_x = splat(10.0f);
+  vfloat xc = x < floor_x ? floor_x : x;  // NaN stays NaN
+  xc = xc > ceil_x ? ceil_x : xc;
+  const vfloat x2 = xc * xc;
+  const vfloat e = exp_in_range(xc * (two_k + two_k_cubic * x2));  // |t| <= 87.31
+  const vfloat s = 1.0f / (1.0f + e);
+  const vfloat du = k + k_cubic_3 * x2;
+  return s * (1.0f + 2.0f * xc * (e * s) * du);
+}
 }  // namespace simd
 #endif
 
@@ -171,6 +186,25 @@ inline void gelu_row(std::int64_t n, float* TRELLIS_RESTRICT c, const float* TRE
     if (pre) pre[j] = x;
     c[j] = fast_gelu(x);
   }
+#endif
+}
+
+// c[j] *= gelu'(x[j]) for j < n (the backward of GELU; x is the forward's pre-activation).
+inline void gelu_grad_row(std::int64_t n, float* TRELLIS_RESTRICT c, const float* TRELLIS_RESTRICT x) {
+#if TRELLIS_HOST_SIMD
+  constexpr std::int64_t w = simd::width;
+  std::int64_t j = 0;
+  for (; j + w <= n; j += w) simd::store(c + j, simd::load(c + j) * simd::gelu_grad(simd::load(x + j)));
+  if (j < n) {
+    const std::int64_t rest = n - j;
+    float cbuf[w] = {}, xbuf[w] = {};
+    std::memcpy(cbuf, c + j, rest * sizeof(float));
+    std::memcpy(xbuf, x + j, rest * sizeof(float));
+    simd::store(cbuf, simd::load(cbuf) * simd::gelu_grad(simd::load(xbuf)));
+    std::memcpy(c + j, cbuf, rest * sizeof(float));
+  }
+#else
+  for (std::int64_t j = 0; j < n; ++j) c[j] *= fast_gelu_grad(x[j]);
 #endif
 }
 
