@@ -15,8 +15,12 @@
 //    sends its OpFingerprint to every other rank (an all-gather written as point-to-point, so a
 //    partial arrival is visible). A mismatch raises on every rank naming the odd rank and both
 //    calls; a timeout there names exactly the ranks whose fingerprint never came.
-//  - outside debug mode a timeout says which call timed out but cannot name the missing rank:
-//    MPI gives no partial view of a collective in flight.
+//  - outside debug mode MPI gives no partial view of a collective in flight, so a rank whose
+//    collective times out asks every peer, on the control channel, which call it is waiting in:
+//    ranks waiting in a collective of this communicator answer from their wait loop (a probe
+//    once a wait has lasted a millisecond: nothing on fast calls), and the error names the ranks
+//    that neither answered nor asked themselves within a grace period (timeout/4, 50 ms..2 s),
+//    plus any rank waiting in a different call.
 // After a timeout the communicator is unusable (the MPI operation may still be in flight and is
 // kept alive, with its staging buffers, until the communicator is destroyed); later calls raise.
 // Needs MPI (the header's name contains "mpi": built only with trellis::mpi).
@@ -267,8 +271,10 @@ struct MpiPending {
 };
 
 // Waits for `pending` with polite polling until `deadline` (none when `forever`); true if done.
-inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_point deadline,
-                           bool forever) {
+// `idle()` runs between polls once the wait has lasted a millisecond (fast calls never run it).
+template <class Idle>
+inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_point deadline, bool forever,
+                           Idle&& idle) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   for (;;) {
@@ -276,6 +282,7 @@ inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_
     const auto now = clock::now();
     if (!forever && now >= deadline) return false;
     const auto waited = std::chrono::duration_cast<std::chrono::microseconds>(now - start);
+    if (waited >= std::chrono::milliseconds(1)) idle();
     if (waited < std::chrono::microseconds(200)) {
       std::this_thread::yield();
     } else {
@@ -285,12 +292,22 @@ inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_
     }
   }
 }
+inline bool mpi_wait_until(MpiPending& pending, std::chrono::steady_clock::time_point deadline, bool forever) {
+  return mpi_wait_until(pending, deadline, forever, [] {});
+}
+
+// A small message this rank sent on the control channel (arrival query or answer), kept alive
+// until MPI is done with it.
+struct MpiControlSend {
+  OpFingerprint fp;
+  MPI_Request request = MPI_REQUEST_NULL;
+};
 
 // The state of one MpiComm, shared with its requests (a request may outlive a moved communicator
 // handle, never the state).
 struct MpiCommState {
   MPI_Comm comm = MPI_COMM_NULL;     // data traffic
-  MPI_Comm control = MPI_COMM_NULL;  // debug fingerprint exchange
+  MPI_Comm control = MPI_COMM_NULL;  // debug fingerprint exchange, arrival queries
   int rank = 0;
   int size = 1;
   std::vector<int> world_ranks;      // world rank of each rank of this communicator
@@ -302,6 +319,11 @@ struct MpiCommState {
   int tag_upper_bound = 32767;       // MPI_TAG_UB (the standard's minimum until queried)
   std::string failure;               // why the communicator is unusable; empty while healthy
   std::vector<std::unique_ptr<MpiPending>> abandoned;  // timed-out operations, maybe in flight
+  // Arrival queries (a collective timed out without debug mode): the last query each rank sent
+  // here, i.e. the call it was waiting in when it timed out, and our sends still in flight.
+  static constexpr int arrival_query_tag = 1, arrival_answer_tag = 2;  // control channel (0: debug)
+  std::vector<std::optional<OpFingerprint>> queried_from;
+  std::vector<std::unique_ptr<MpiControlSend>> control_sends;
 
   MpiCommState() = default;
   MpiCommState(const MpiCommState&) = delete;
@@ -317,6 +339,11 @@ struct MpiCommState {
         MPI_Testall(static_cast<int>(p->requests.size()), p->requests.data(), &flag, MPI_STATUSES_IGNORE);
       // Still in flight: MPI may write into its buffers later, so they are never freed.
       if (!p->requests.empty() && !flag) (void)p.release();
+    }
+    for (auto& c : control_sends) {
+      int flag = 0;
+      MPI_Test(&c->request, &flag, MPI_STATUS_IGNORE);
+      if (!flag) (void)c.release();  // 24 bytes MPI may still read
     }
     if (control != MPI_COMM_NULL) MPI_Comm_free(&control);
     if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
@@ -366,13 +393,19 @@ struct MpiCommState {
     const OpFingerprint call = pending->call;
     bool timed = false;
     try {
-      if (!mpi_wait_until(*pending, deadline(), forever())) {
-        timed = true;
-        timed_out(std::move(pending), call,
-                  debug ? "every rank passed the debug fingerprint check, so a rank stalled inside "
-                          "the operation (or a point-to-point peer never posted its side)"
-                        : "some rank did not arrive; which one is only known in debug mode "
-                          "(TRELLIS_COMM_DEBUG=1 or set_debug(true) names it)");
+      const bool collective = !op_is_point_to_point(call.kind) && size > 1;
+      const auto answer = [&] {
+        if (collective) answer_arrival_queries(call);
+      };
+      if (!mpi_wait_until(*pending, deadline(), forever(), answer)) {
+        std::string who;
+        if (collective) who = ask_who_arrived(*pending, call);
+        else who = "the peer never posted its side";
+        if (!who.empty()) {  // (empty: a late rank arrived while we asked, and the call completed)
+          if (debug) who = "every rank passed the debug fingerprint check; " + who;
+          timed = true;
+          timed_out(std::move(pending), call, who);
+        }
       }
       pending->complete();
     } catch (const Error& e) {
@@ -384,6 +417,95 @@ struct MpiCommState {
       throw;
     }
     recorder.completed(call.seq);
+  }
+
+  // Sends `fp` to `peer` on the control channel with `tag` (nonblocking; kept until done).
+  void send_control(const OpFingerprint& fp, int peer, int tag) {
+    std::erase_if(control_sends, [](const std::unique_ptr<MpiControlSend>& c) {
+      int flag = 0;
+      MPI_Test(&c->request, &flag, MPI_STATUS_IGNORE);
+      return flag != 0;
+    });
+    auto c = std::make_unique<MpiControlSend>();
+    c->fp = fp;
+    TRELLIS_CHECK_MPI(MPI_Isend(&c->fp, static_cast<int>(sizeof(OpFingerprint)), MPI_BYTE, peer, tag, control, &c->request));
+    control_sends.push_back(std::move(c));
+  }
+
+  // While waiting in `current` (for a millisecond or more): answers every arrival query that came
+  // in with the call this rank is waiting in, and remembers who asked about which call.
+  void answer_arrival_queries(const OpFingerprint& current) {
+    if (queried_from.size() != static_cast<std::size_t>(size)) queried_from.assign(static_cast<std::size_t>(size), std::nullopt);
+    OpFingerprint asked;
+    int source = 0;
+    while (receive_control(arrival_query_tag, asked, source)) {
+      queried_from[static_cast<std::size_t>(source)] = asked;
+      send_control(current, source, arrival_answer_tag);
+    }
+  }
+
+  // Receives one fingerprint with `tag` from any rank if one has come (a matched probe, so that
+  // two threads waiting on requests of this communicator cannot take each other's message).
+  bool receive_control(int tag, OpFingerprint& fp, int& source) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    TRELLIS_CHECK_MPI(MPI_Improbe(MPI_ANY_SOURCE, tag, control, &flag, &message, &status));
+    if (!flag) return false;
+    source = status.MPI_SOURCE;
+    TRELLIS_CHECK_MPI(MPI_Mrecv(&fp, static_cast<int>(sizeof(OpFingerprint)), MPI_BYTE, &message, MPI_STATUS_IGNORE));
+    return true;
+  }
+
+  // A collective timed out: asks every peer which call it is waiting in (the peers that wait in a
+  // collective of this communicator answer from their wait loop; a rank that timed out first has
+  // asked us already) and names the ranks that neither answered nor asked within a grace period.
+  // Returns "" if the call completed meanwhile (a late rank arrived). Costs nothing before the
+  // timeout: the only per-call work is a probe while a wait has lasted over a millisecond.
+  std::string ask_who_arrived(MpiPending& pending, const OpFingerprint& call) {
+    answer_arrival_queries(call);
+    for (int peer = 0; peer < size; ++peer)
+      if (peer != rank) send_control(call, peer, arrival_query_tag);
+    std::vector<std::optional<OpFingerprint>> answered(static_cast<std::size_t>(size));
+    const auto grace = std::clamp(timeout / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(2000));
+    const auto until = std::chrono::steady_clock::now() + grace;
+    // A query about an earlier collective is stale (that rank got past it, since we did).
+    const auto asked_now = [&](int r) { return queried_from[r] && queried_from[r]->seq >= call.seq; };
+    const auto known = [&](int r) { return r == rank || answered[r] || asked_now(r); };
+    for (;;) {
+      if (pending.test()) return "";
+      answer_arrival_queries(call);
+      OpFingerprint fp;
+      int source = 0;
+      while (receive_control(arrival_answer_tag, fp, source))
+        if (fp.seq >= call.seq) answered[static_cast<std::size_t>(source)] = fp;  // else: an old round's
+      bool all_known = true;
+      for (int r = 0; r < size; ++r) all_known = all_known && known(r);
+      if (all_known || std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::vector<int> missing;
+    std::ostringstream elsewhere;
+    for (int r = 0; r < size; ++r) {
+      if (!known(r)) {
+        missing.push_back(r);
+        continue;
+      }
+      if (r == rank) continue;
+      const OpFingerprint& fp = answered[r] ? *answered[r] : *queried_from[r];  // known(r): one is set
+      if (!same_call(fp, call)) elsewhere << "; " << name_rank(r) << " is waiting in " << fp.describe();
+    }
+    std::ostringstream who;
+    if (missing.empty()) {
+      who << "every rank answered from a collective of this communicator";
+    } else {
+      who << (missing.size() == 1 ? "rank " : "ranks ");
+      for (std::size_t i = 0; i < missing.size(); ++i) who << (i ? ", " : "") << name_rank(missing[i]).substr(5);
+      who << " did not arrive (no answer to an arrival query within " << grace.count()
+          << " ms: not waiting in a collective of this communicator)";
+    }
+    who << elsewhere.str();
+    return who.str();
   }
 
   // Debug mode: every rank learns every rank's fingerprint of this collective, then each raises
