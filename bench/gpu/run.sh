@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # THE prepared GPU check, for a machine with one H200 (or any sm_90a GPU), in under 8 minutes:
-#   1. configure a CUDA build for sm_90a only in build/gpu-run (tests + benches, no examples);
-#   2. build every GPU test (whatever `ctest -L gpu` lists) and every benchmark named gpu_*;
+#   1. configure a CUDA build for sm_90a only in build/gpu-run (tests, benches, examples);
+#   2. build every GPU test (whatever `ctest -L gpu` lists), every benchmark named gpu_* and train_gpt;
 #   3. run `ctest -L gpu`;
 #   4. run every gpu_* benchmark with --json;
-#   5. write a summary: $OUT/summary.txt when $OUT is set, else build/gpu-run/summary.txt, plus
+#   5. train the example on the GPU (train_gpt --backend cuda) for 100 steps: it must learn;
+#   6. write a summary: $OUT/summary.txt when $OUT is set, else build/gpu-run/summary.txt, plus
 #      ctest.log and benches.json (all benchmarks' JSON in one array) beside it.
 # Every step runs under `timeout`, sized from one overall deadline, so the script always finishes
 # and reports what it reached. Later modules' GPU tests/benches are picked up automatically
@@ -56,7 +57,7 @@ if [[ -d "$repo/build/gpu-deps" ]]; then
 fi
 if timeout "$(step_limit 120 300)" cmake -S "$repo" -B "$build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DTRELLIS_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DTRELLIS_TEST_PACKAGING=OFF -DTRELLIS_BUILD_EXAMPLES=OFF -DTRELLIS_BUILD_TESTS=ON \
+    -DTRELLIS_TEST_PACKAGING=OFF -DTRELLIS_BUILD_EXAMPLES=ON -DTRELLIS_BUILD_TESTS=ON \
     -DTRELLIS_BUILD_BENCH=ON "${prefix[@]}" >"$build/configure.log" 2>&1; then
   say "configure: ok ($(( $(date +%s) - t0 ))s)"
 else
@@ -81,7 +82,7 @@ t0=$(date +%s)
 targets=()
 if [[ -n "$test_targets" ]]; then
   # shellcheck disable=SC2206
-  targets=(--target $test_targets $bench_targets)
+  targets=(--target $test_targets $bench_targets train_gpt)
 fi
 if timeout "$(step_limit 300 150)" cmake --build "$build" -j "$jobs" "${targets[@]}" >"$build/build.log" 2>&1; then
   say "build: ok ($(( $(date +%s) - t0 ))s)"
@@ -132,6 +133,24 @@ done
   done
   echo "]"
 } >"$bench_json"
+
+# ---- 5. the example trainer on the GPU ---------------------------------------------------------
+if [[ -x "$build/examples/train_gpt/train_gpt" ]]; then
+  t0=$(date +%s)
+  limit=$(step_limit 90 5)
+  mkdir -p "$out_dir/train_gpt"
+  timeout "$limit" "$build/examples/train_gpt/train_gpt" --backend cuda --layers 4 --heads 2 --width 128 \
+    --context 128 --batch 32 --microbatches 1 --steps 100 --lr 3e-3 --eval-every 25 \
+    --log "$out_dir/train_gpt/metrics.jsonl" --ckpt-dir "$build/train_gpt_ckpt" >"$build/train_gpt.out" 2>&1
+  rc=$?
+  tail -n 12 "$build/train_gpt.out" | tee -a "$summary"
+  say "-- train_gpt --backend cuda: exit $rc ($(( $(date +%s) - t0 ))s)"
+  (( rc != 0 )) && status=1
+  grep -q "below: the model uses context" "$build/train_gpt.out" || { say "train_gpt: did not learn"; status=1; }
+else
+  say "-- train_gpt: not built"
+  status=1
+fi
 
 say "== done in $(elapsed)s, status $status (summary: $summary)"
 exit $status

@@ -3,6 +3,7 @@
 // (tests/train/test_trainer_flags.cpp).
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "trellis/core/error.hpp"
+#include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/trainer.hpp"
 
 namespace train_gpt {
@@ -62,7 +64,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
-backend:   --backend host|cuda (host; cuda needs a CUDA build of the trainer, not available yet)
+backend:   --backend host|cuda (host; cuda: one GPU, bf16 compute with fp32 master weights, needs a
+           CUDA build; dp = tp = pp = 1, head size 64 or 128)
            --mpi (one rank per MPI process instead of threads)
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
@@ -223,10 +226,23 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   std::vector<std::string> out;
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
-  if (o.backend == "cuda")
+  if (o.backend == "cuda") {
+#if !defined(TRELLIS_TRAIN_GPT_CUDA)
     out.push_back(
-        "--backend cuda: this train_gpt is built for the host only (the trainer has no CUDA path yet); "
-        "use --backend host");
+        "--backend cuda: this train_gpt was built without CUDA (configure with -DTRELLIS_ENABLE_CUDA=ON, e.g. "
+        "cmake --preset cuda); use --backend host");
+#endif
+    if (o.mpi) out.push_back("--backend cuda runs in one process: drop --mpi");
+    if (o.dp != 1)
+      out.push_back("--backend cuda trains on one GPU: use --dp 1 (train::FlatTrainer takes an NCCL communicator "
+                    "for data parallelism, but train_gpt does not start one yet)");
+    if (o.heads >= 1 && o.width % o.heads == 0 && o.width / o.heads != 64 && o.width / o.heads != 128)
+      out.push_back("--backend cuda: the flash attention takes head size 64 or 128, got --width " +
+                    std::to_string(o.width) + " / --heads " + std::to_string(o.heads) + " = " +
+                    std::to_string(o.width / o.heads) + ": change --heads (e.g. --heads " +
+                    std::to_string(std::max(1, o.width / 64)) + ")");
+    for (auto& p : trellis::train::flat_layout_problems(trainer_config(o))) out.push_back(p);
+  }
   if (o.steps < 1) out.push_back("--steps must be >= 1");
   if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");
   if (o.warmup < 0 || o.warmup >= o.steps) out.push_back("--warmup must be in [0, --steps)");

@@ -1,240 +1,25 @@
 // train_gpt: trains a small GPT-2 on text with data, tensor and pipeline parallelism, ranks as
 // threads of this process (default) or one per MPI process (--mpi). See README.md and --help.
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <iostream>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <sstream>
+#include <exception>
 #include <string>
 #include <vector>
 
 #include "flags.hpp"
+#include "run.hpp"
 #include "trellis/comm/threads.hpp"
-#include "trellis/train/checkpoint.hpp"
-#include "trellis/train/data.hpp"
-#include "trellis/train/generate.hpp"
-#include "trellis/train/loss_curve.hpp"
-#include "trellis/train/metrics.hpp"
-#include "trellis/train/progress.hpp"
-#include "trellis/train/trainer.hpp"
 #if defined(TRELLIS_TRAIN_GPT_MPI)
 #include "trellis/comm/mpi.hpp"
 #endif
-#if defined(TRELLIS_HAS_CBLAS)
-#include <cblas.h>
-#endif
 
-#ifndef TRELLIS_SOURCE_DIR
-#define TRELLIS_SOURCE_DIR "."
-#endif
-
-namespace fs = std::filesystem;
 using namespace trellis;
+using namespace train_gpt;
 
-namespace {
-
-// Peak FLOP/s of this machine for MFU: the best of a few 512^3 sgemm calls (all BLAS threads).
-double measured_peak_flops() {
-#if defined(TRELLIS_HAS_CBLAS)
-  const int n = 512;
-  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n, 0.0f);
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                c.data(), n);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return 2.0 * n * n * n / best;
-#else
-  return 50e9;  // stated: no BLAS in this build
+#if defined(TRELLIS_TRAIN_GPT_CUDA)
+namespace train_gpt {
+Outcome run_cuda(const Options& o, const Data& data);  // cuda_backend.cu
+}
 #endif
-}
-
-struct Data {
-  train::TokenData train, val;
-  double unigram = 0;
-};
-
-Data load_data(const train_gpt::Options& o) {
-  train::TokenData all;
-  std::string path = o.data.empty() ? std::string(TRELLIS_SOURCE_DIR) + "/data/tiny_corpus.txt" : o.data;
-  if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
-    std::vector<fs::path> shards;
-    std::stringstream s(path);
-    for (std::string part; std::getline(s, part, ',');) shards.emplace_back(part);
-    all = train::load_llmc_tokens(shards.front(), o.vocab);
-    if (shards.size() > 1) all = train::load_llmc_shards(shards, o.vocab);
-  } else {
-    TRELLIS_CHECK(fs::exists(path), "--data: no file ", path);
-    TRELLIS_CHECK(o.vocab >= 256, "--data ", path,
-                  " is text (bytes as tokens, 0..255): it needs --vocab >= 256, got ", o.vocab);
-    all = train::load_text_as_bytes(path);
-  }
-  Data d;
-  std::tie(d.train, d.val) = train::train_val_split(all, o.val_fraction);
-  d.unigram = train::unigram_cross_entropy(d.train.tokens, d.val.tokens, o.vocab);
-  return d;
-}
-
-struct Outcome {
-  double first_loss = 0, last_loss = 0, val_loss = -1;
-  int steps_done = 0;
-  double seconds = 0;
-  std::string checkpoint;
-};
-
-template <class Comm>
-void run_rank(Comm& comm, const train_gpt::Options& o, const Data& data, double peak, Outcome& outcome) {
-  const auto cfg = train_gpt::trainer_config(o);
-  if (peak <= 0) {  // measured by one rank while the others wait (they would share the cores)
-    if (comm.rank() == 0) peak = measured_peak_flops();
-    comm.broadcast(&peak, 1, 0);
-  }
-  train::Trainer<Comm> trainer(comm, cfg);
-  const bool lead = comm.rank() == 0;
-  const int dp_rank = trainer.mesh().template coord<trellis::dp>();
-  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp});
-  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp});
-  const fs::path ckpt_root = o.ckpt_dir.empty()
-                                 ? (o.log.empty() ? fs::path("train_gpt_checkpoints")
-                                                  : fs::path(o.log).parent_path() / "checkpoints")
-                                 : fs::path(o.ckpt_dir);
-  if (o.resume) {
-    auto latest = train::latest_checkpoint(ckpt_root);
-    TRELLIS_CHECK(latest.has_value(), "--resume: no checkpoint under ", ckpt_root);
-    auto state = trainer.load(*latest);
-    loader.restore(state.data);
-    if (lead) std::cout << "resumed from " << latest->string() << " at step " << state.step << "\n";
-  }
-  const double n_params = trainer.global_parameter_count();
-  const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, o.context);
-  const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
-  std::unique_ptr<train::MetricsWriter> metrics;
-  std::unique_ptr<train::ProgressBar> bar;
-  if (lead) {
-    if (!o.log.empty()) {
-      if (fs::path(o.log).has_parent_path()) fs::create_directories(fs::path(o.log).parent_path());
-      metrics = std::make_unique<train::MetricsWriter>(o.log, o.resume);
-    }
-    bar = std::make_unique<train::ProgressBar>(std::cout);
-    std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
-                o.heads, o.width, o.vocab, o.context, n_params / 1e6);
-    std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n",
-                o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "",
-                o.pp > 1 ? o.schedule.c_str() : "(none, pp=1)", o.microbatches,
-                static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), o.mpi ? "MPI" : "thread");
-    std::printf(
-        "data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f "
-        "GFLOP/s%s\n",
-        data.train.tokens.size(), data.val.tokens.size(), data.unigram, peak / 1e9,
-        o.peak_gflops > 0 ? " (given)" : " (measured sgemm, whole machine)");
-    std::fflush(stdout);
-  }
-  auto validate_now = [&]() {
-    val_loader.reset();
-    const auto nb = std::min<index_t>(val_loader.batches_per_epoch(), 4);
-    double sum = 0;
-    for (index_t b = 0; b < nb; ++b) sum += trainer.evaluate(val_loader.next());
-    return sum / static_cast<double>(nb);
-  };
-  const auto first_step = trainer.step_count();
-  const auto t_start = std::chrono::steady_clock::now();
-  double last_loss = 0, first_loss = -1, val = -1;
-  for (auto step = first_step; step < o.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto r = trainer.step(loader.next());
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    last_loss = r.loss;
-    if (first_loss < 0) first_loss = r.loss;
-    const bool eval = (r.step % o.eval_every == 0) || r.step == o.steps;
-    std::optional<double> val_now;
-    if (eval) val = *(val_now = validate_now());
-    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps)
-      trainer.save(ckpt_root, loader.state());
-    if (lead) {
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-      train::StepMetrics m;
-      m.step = r.step;
-      m.loss = r.loss;
-      m.lr = r.lr;
-      m.grad_norm = r.grad_norm;
-      m.tokens_per_s = tokens_per_step / dt;
-      m.mfu = train::model_flops_utilization(flops_per_token, m.tokens_per_s, peak);
-      m.elapsed_s = elapsed;
-      m.val_loss = val_now;
-      if (metrics) metrics->write(m);
-      train::ProgressInfo p;
-      p.step = r.step;
-      p.total = o.steps;
-      p.loss = r.loss;
-      p.tokens_per_s = m.tokens_per_s;
-      p.mfu = m.mfu;
-      p.elapsed_s = elapsed;
-      p.first_step = first_step;
-      bar->update(p);
-      if (val_now && bar->is_terminal()) {
-        std::ostringstream s;
-        s << "step " << r.step << ": validation loss " << *val_now;
-        bar->message(s.str());
-      }
-    }
-  }
-  if (val < 0) val = validate_now();
-  trainer.save(ckpt_root, loader.state());
-  if (lead) {
-    bar->finish();
-    outcome.first_loss = first_loss;
-    outcome.last_loss = last_loss;
-    outcome.val_loss = val;
-    outcome.steps_done = static_cast<int>(trainer.step_count() - first_step);
-    outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    outcome.checkpoint = train::latest_checkpoint(ckpt_root)->string();
-  }
-}
-
-// After training (one process / the lead rank): sample text, draw the loss curve, print a summary.
-void report(const train_gpt::Options& o, const Data& data, const Outcome& out) {
-  std::printf(
-      "\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f "
-      "(%s)\n",
-      out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram,
-      out.val_loss < data.unigram ? "below: the model uses context" : "NOT below the baseline");
-  if (!o.log.empty()) {
-    fs::path svg = fs::path(o.log).replace_extension(".svg");
-    auto curves = train::loss_curves_from_metrics(o.log);
-    train::LossCurveOptions lo;
-    std::ostringstream title;
-    title << "train_gpt: " << o.layers << " layers, width " << o.width << ", dp" << o.dp << " tp" << o.tp
-          << " pp" << o.pp;
-    lo.title = title.str();
-    lo.baseline = data.unigram;
-    train::write_loss_curve_svg(svg, curves.train, curves.val, lo);
-    std::printf("metrics: %s, loss curve: %s\n", o.log.c_str(), svg.string().c_str());
-  }
-  std::printf("checkpoint: %s\n", out.checkpoint.c_str());
-  if (o.sample_tokens > 0 && o.vocab == 256) {
-    comm::ThreadWorld one(1);
-    one.run([&](comm::ThreadComm& c) {
-      train::Checkpoint ck(out.checkpoint);
-      train::Generator<comm::ThreadComm> gen(ck, train_gpt::trainer_config(o).model, c);
-      train::Rng rng(o.seed, 999);
-      std::vector<std::int32_t> prompt(o.prompt.begin(), o.prompt.end());
-      if (prompt.empty()) prompt.push_back(' ');
-      auto text = gen.generate(prompt, o.sample_tokens, o.temperature, rng);
-      std::string s;
-      for (auto t : text) s.push_back(static_cast<char>(t));
-      std::printf("sample (temperature %.2f):\n----\n%s\n----\n", o.temperature, s.c_str());
-    });
-  }
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -273,6 +58,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     const Data data = load_data(o);
+#if defined(TRELLIS_TRAIN_GPT_CUDA)
+    if (o.backend == "cuda") {
+      report(o, data, run_cuda(o, data));
+      return 0;
+    }
+#endif
     const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
     Outcome out;
     comm::ThreadWorld world(o.dp * o.tp * o.pp);

@@ -58,7 +58,10 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));
   CHECK(contains(error_of({"--zero1"}), "--zero1 shards the optimizer over dp ranks"));
-  CHECK(contains(error_of({"--backend", "cuda"}), "use --backend host"));
+  CHECK(contains(error_of({"--backend", "cuda"}), "use --backend host"));  // this test is built without CUDA
+  CHECK(contains(error_of({"--backend", "cuda"}), "head size 64 or 128"));   // width 128 / 4 heads = 32
+  CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--dp", "2"}), "use --dp 1"));
+  CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--tp", "2"}), "use --pp 1 --tp 1"));
   CHECK(contains(error_of({"--backend", "tpu"}), "--backend must be host or cuda"));
   CHECK(contains(error_of({"--resume"}), "--resume needs --ckpt-dir"));
   CHECK(contains(error_of({"--steps", "5", "--warmup", "8"}), "--warmup must be in [0, --steps)"));

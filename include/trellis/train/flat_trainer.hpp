@@ -37,9 +37,9 @@
 
 namespace trellis::train {
 
-// Problems of a config for the one-device trainer (empty: usable).
-inline std::vector<std::string> flat_config_problems(const TrainerConfig& c) {
-  std::vector<std::string> out = config_problems(c);
+// What FlatTrainer cannot run that Trainer can (each saying what to change).
+inline std::vector<std::string> flat_layout_problems(const TrainerConfig& c) {
+  std::vector<std::string> out;
   if (c.pp != 1 || c.tp != 1)
     out.push_back("the one-device GPT (--backend cuda) runs data parallelism only: use --pp 1 --tp 1 (got pp " +
                   std::to_string(c.pp) + ", tp " + std::to_string(c.tp) + ")");
@@ -47,6 +47,13 @@ inline std::vector<std::string> flat_config_problems(const TrainerConfig& c) {
   if (c.options.dropout != 0.0f) out.push_back("--dropout is not supported by the one-device GPT (--backend cuda)");
   if (c.options.recompute || c.options.sequence_parallel || c.options.overlap_chunks != 1)
     out.push_back("--recompute, --sp and --overlap need tensor parallelism (host backend)");
+  return out;
+}
+
+// Every problem of a config for FlatTrainer (empty: usable).
+inline std::vector<std::string> flat_config_problems(const TrainerConfig& c) {
+  std::vector<std::string> out = config_problems(c);
+  for (auto& p : flat_layout_problems(c)) out.push_back(std::move(p));
   return out;
 }
 
