@@ -72,18 +72,32 @@ TEST_CASE("gelu_row tails: exactly x above 10, ~0 below -10, inf and NaN", "[ker
 }
 
 TEST_CASE("gelu_row: bias and pre-activation; same bits wherever an element sits", "[kernels][host_math]") {
-  for (std::int64_t n : {1, 3, 7, 8, 15, 16, 17, 31, 33, 100}) {
-    auto x = trellis_test::random_vector<float>(static_cast<std::size_t>(n), 11 + static_cast<std::uint32_t>(n), -6, 6);
-    auto bias = trellis_test::random_vector<float>(static_cast<std::size_t>(n), 5, -1, 1);
-    std::vector<float> c = x, pre(static_cast<std::size_t>(n), -1.0f);
-    host::gelu_row(n, c.data(), bias.data(), pre.data());
-    for (std::int64_t j = 0; j < n; ++j) {
-      const float sum = x[j] + bias[j];
-      REQUIRE(pre[j] == sum);
-      // Alone, the element goes through the zero-padded tail path: the same bits as in the row.
-      float alone = sum;
-      host::gelu_row(1, &alone, nullptr, nullptr);
-      REQUIRE(std::memcmp(&alone, &c[j], sizeof(float)) == 0);
+  // pre at every offset within a cache line: streaming stores start after a misaligned head.
+  std::vector<float> pre_storage(200 + 16);
+  for (std::int64_t n : {1, 3, 7, 8, 15, 16, 17, 31, 33, 100, 200}) {
+    for (std::int64_t offset : {0, 1, 5, 8, 15}) {
+      auto x =
+          trellis_test::random_vector<float>(static_cast<std::size_t>(n), 11 + static_cast<std::uint32_t>(n), -6, 6);
+      auto bias = trellis_test::random_vector<float>(static_cast<std::size_t>(n), 5, -1, 1);
+      std::vector<float> c = x;
+      std::fill(pre_storage.begin(), pre_storage.end(), -1.0f);
+      float* pre = pre_storage.data() + offset;
+      host::gelu_row(n, c.data(), bias.data(), pre);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float sum = x[j] + bias[j];
+        REQUIRE(pre[j] == sum);
+        // Alone, the element goes through the zero-padded path: the same bits as in the row.
+        float alone = sum;
+        host::gelu_row(1, &alone, nullptr, nullptr);
+        REQUIRE(std::memcmp(&alone, &c[j], sizeof(float)) == 0);
+      }
+      REQUIRE(pre[n] == -1.0f);  // nothing written past the row
+      if (offset > 0) REQUIRE(pre[-1] == -1.0f);
+      // Without pre, and without bias: the same results.
+      std::vector<float> c2(x.size());
+      for (std::size_t j = 0; j < x.size(); ++j) c2[j] = x[j] + bias[j];
+      host::gelu_row(n, c2.data(), nullptr, nullptr);
+      REQUIRE(std::memcmp(c2.data(), c.data(), c.size() * sizeof(float)) == 0);
     }
   }
 }
