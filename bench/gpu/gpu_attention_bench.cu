@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cuda_device.hpp"
 #include "support/report.hpp"
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
@@ -71,13 +72,9 @@ __global__ void softmax_rows_kernel(const float* s, bfloat16* p, std::int64_t t,
 int main(int argc, char** argv) {
   const std::string json = trellis::bench::json_path(argc, argv);
   const bool quick = trellis::bench::has_flag(argc, argv, "--quick");
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("gpu_attention_bench: no usable CUDA device, nothing measured\n");
-    return 0;
-  }
-  cudaDeviceProp prop{};
-  TRELLIS_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const auto device = trellis::bench::first_cuda_device("gpu_attention_bench");
+  if (!device) return 0;
+  const cudaDeviceProp& prop = *device;
   std::printf("# gpu_attention_bench on %s: bf16, head_dim 128, 16 heads, batch*T = 16k tokens\n", prop.name);
   cudaStream_t stream;
   TRELLIS_CHECK_CUDA(cudaStreamCreate(&stream));

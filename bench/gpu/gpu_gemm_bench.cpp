@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cuda_device.hpp"
 #include "support/report.hpp"
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
@@ -99,13 +100,9 @@ class RawLtGemm {
 int main(int argc, char** argv) {
   const std::string json = trellis::bench::json_path(argc, argv);
   const bool quick = trellis::bench::has_flag(argc, argv, "--quick");
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("gpu_gemm_bench: no usable CUDA device, nothing measured\n");
-    return 0;
-  }
-  cudaDeviceProp prop{};
-  TRELLIS_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const auto device = trellis::bench::first_cuda_device("gpu_gemm_bench");
+  if (!device) return 0;
+  const cudaDeviceProp& prop = *device;
   std::printf("# gpu_gemm_bench on %s: bf16 in/out, fp32 compute; Y = gelu(X W + b)\n", prop.name);
 
   std::vector<Shape> shapes = {{"gpt2-124M fc", 8192, 3072, 768},   {"gpt2-124M proj", 8192, 768, 3072},

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cuda_device.hpp"
 #include "support/report.hpp"
 #include "trellis/nn/flat_gpt_cuda.cuh"
 #include "trellis/train/flat_trainer.hpp"
@@ -36,13 +37,9 @@ double double_flag(int argc, char** argv, const char* name, double fallback) {
 int main(int argc, char** argv) {
   const std::string json = trellis::bench::json_path(argc, argv);
   const bool quick = trellis::bench::has_flag(argc, argv, "--quick");
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("gpu_train_gpt2: no usable CUDA device, nothing measured\n");
-    return 0;
-  }
-  cudaDeviceProp prop{};
-  TRELLIS_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const auto device = trellis::bench::first_cuda_device("gpu_train_gpt2");
+  if (!device) return 0;
+  const cudaDeviceProp& prop = *device;
   double peak = double_flag(argc, argv, "--peak-tflops", 0) * 1e12;
   const std::string name = prop.name;
   if (peak <= 0) peak = (name.find("H100") != std::string::npos || name.find("H200") != std::string::npos ||

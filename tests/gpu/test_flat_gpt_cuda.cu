@@ -25,6 +25,8 @@ using trellis::train::FlatTrainer;
 using trellis_gpu_test::Stream;
 using namespace trainer_test;
 
+using nn_test::norm_relative;
+
 namespace {
 
 // tiny_config with a head size the CUDA attention takes (64) and a sequence of one tile.
@@ -37,15 +39,6 @@ TrainerConfig cuda_tiny() {
   c.seq = 64;
   c.batch = 4;
   return c;
-}
-
-double norm_relative(const std::vector<float>& got, const std::vector<float>& want) {
-  double d = 0, w = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    d += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    w += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(d) / std::max(std::sqrt(w), 1e-30);
 }
 
 }  // namespace

@@ -109,6 +109,17 @@ inline double rel_error(const std::vector<float>& a, const std::vector<float>& b
   return diff / scale;
 }
 
+// ||a - b|| / ||b|| (L2): the error relative to the tensor's norm (size mismatch: 1e30).
+inline double norm_relative(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return 1e30;
+  double d = 0, w = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    w += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(d) / std::max(std::sqrt(w), 1e-30);
+}
+
 // ---- the tiny GPT-2 of the model tests (2 layers, 4 heads, width 64, seq 32) ----
 inline trellis::nn::GptConfig tiny(index_t vocab = 96) {
   trellis::nn::GptConfig c;

@@ -32,6 +32,8 @@ using trellis::nn::GptModel;
 using trellis::nn::GptOptions;
 using trellis::nn::HostOps;
 
+using nn_test::norm_relative;
+
 namespace {
 
 GptConfig tiny() {
@@ -75,15 +77,6 @@ Reference reference(const GptConfig& cfg, const GptOptions& opt, index_t batch, 
     }
   });
   return ref;
-}
-
-double norm_relative(const std::vector<float>& got, const std::vector<float>& want) {
-  double d = 0, w = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    d += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    w += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(d) / std::max(std::sqrt(w), 1e-30);
 }
 
 template <class Ops>

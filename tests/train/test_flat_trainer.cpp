@@ -20,6 +20,8 @@ using trellis::nn::HostOps;
 using trellis::train::FlatTrainer;
 using namespace trainer_test;
 
+using nn_test::norm_relative;
+
 namespace {
 
 struct FlatRun {
@@ -45,15 +47,6 @@ FlatRun train_flat(const TrainerConfig& cfg, int steps) {
     }
   });
   return out;
-}
-
-double norm_relative(const std::vector<float>& got, const std::vector<float>& want) {
-  double d = 0, w = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    d += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-    w += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(d) / std::max(std::sqrt(w), 1e-30);
 }
 
 void compare(const Layout& layout) {
