@@ -96,10 +96,11 @@ int main(int argc, char** argv) {
     std::printf("%10s %12s %10s %12s %8s | loss %.4f -> %.4f (same batch repeated)\n", "ms/step", "tokens/s",
                 "TFLOP/s", "peak TFLOP/s", "MFU", first_loss, last_loss);
     std::printf("%10.2f %12.0f %10.1f %12.0f %7.1f%%\n", median * 1e3, tok_s, fpt * tok_s / 1e12, peak / 1e12, mfu * 100);
+    std::printf("dGELU epilogue: %s\n", trainer.model().ops().dgelu_fused() ? "fused into cuBLASLt" : "separate pass (cuBLASLt refused it)");
     trellis::bench::Row row;
     row.add("batch", (long long)cfg.batch).add("seq", (long long)cfg.seq).add("ms_per_step", median * 1e3, "%.3f");
     row.add("tokens_per_s", tok_s, "%.0f").add("model_tflops", fpt * tok_s / 1e12).add("peak_tflops", peak / 1e12);
-    row.add("mfu", mfu, "%.4f").add("loss_first", first_loss, "%.4f").add("loss_last", last_loss, "%.4f");
+    row.add("mfu", mfu, "%.4f").add("dgelu_fused", trainer.model().ops().dgelu_fused() ? 1LL : 0LL).add("loss_first", first_loss, "%.4f").add("loss_last", last_loss, "%.4f");
     report.add(row);
   }
   TRELLIS_CHECK_CUDA(cudaStreamSynchronize(stream));

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <span>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
 #include "trellis/core/dtype.hpp"
+#include "trellis/core/error.hpp"
 #include "trellis/kernels/adamw_cuda.cuh"
 #include "trellis/kernels/attention_cuda.cuh"
 #include "trellis/kernels/cuda_common.cuh"
@@ -72,6 +74,7 @@ struct CudaOps {
   cudaStream_t stream = nullptr;
   std::shared_ptr<kernels::cuda::GemmHandle> gemm_handle;
   std::shared_ptr<Buffer<std::byte, Cuda>> workspace;  // grown on demand, stream-ordered
+  std::shared_ptr<bool> dgelu_unfused = std::make_shared<bool>(false);
 
   template <class T> buffer<T> allocate(std::size_t n) { return buffer<T>(n, stream, true); }
   template <class T> void upload(T* dst, const T* src, std::size_t n) {
@@ -97,8 +100,28 @@ struct CudaOps {
   }
   template <class TC, class E = kernels::epilogue::None>
   void gemm(const kernels::GemmArgs& args, const act_t* a, const act_t* b, TC* c, E ep = {}) {
-    kernels::cuda::gemm(*gemm_handle, args, a, b, c, stream, ep);
+    if constexpr (std::is_same_v<E, kernels::epilogue::DGelu<act_t>>) {
+      // cuBLASLt offers DGELU only for some layout/transpose combinations (it refused BGRADA/B for
+      // column-major problems on an H200): if the fused plan is refused once, run the product and
+      // then the GELU gradient as its own pass from then on.
+      if (!*dgelu_unfused) {
+        try {
+          kernels::cuda::gemm(*gemm_handle, args, a, b, c, stream, ep);
+          return;
+        } catch (const Error&) {
+          *dgelu_unfused = true;
+          (void)cudaGetLastError();
+        }
+      }
+      TRELLIS_CHECK(args.batch == 1 && args.ldc_or_packed() == args.n && ep.ld_pre == 0,
+                    "CudaOps: unfused DGelu needs a packed, unbatched C");
+      kernels::cuda::gemm(*gemm_handle, args, a, b, c, stream);
+      kernels::cuda::gelu_backward(args.m * args.n, ep.pre_activation, c, c, stream);
+    } else {
+      kernels::cuda::gemm(*gemm_handle, args, a, b, c, stream, ep);
+    }
   }
+  bool dgelu_fused() const { return !*dgelu_unfused; }
   void layernorm_forward(index_t rows, index_t dim, const act_t* x, const float* w, const float* b, act_t* out,
                          float* mean, float* rstd, float eps, const act_t* residual = nullptr,
                          act_t* sum_out = nullptr) {
