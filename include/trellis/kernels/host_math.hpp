@@ -11,6 +11,9 @@
 #include <cstring>
 
 #include "trellis/core/config.hpp"
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && defined(__SSE__)
+#include <immintrin.h>  // at file scope: inside a namespace it would hide the intrinsics from later headers
+#endif
 
 namespace trellis::kernels::host {
 
@@ -83,9 +86,6 @@ TRELLIS_FORCEINLINE float fast_gelu_grad(float x) {
 #endif
 
 #if TRELLIS_HOST_SIMD
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
 namespace simd {
 // As wide as the target's vector registers, so no vector crosses a function boundary it cannot
 // be passed in (no -Wpsabi changes of ABI).
