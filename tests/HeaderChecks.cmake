@@ -4,6 +4,7 @@
 #   - headers that need MPI (name contains "mpi") with trellis::mpi;
 #   - CUDA headers (*.cuh with nvcc; .hpp whose name contains "cuda" or "nccl" with g++ and the
 #     CUDA toolkit), only in builds with TRELLIS_ENABLE_CUDA.
+# Plus all host headers together in sorted and reverse order (one TU each).
 # The test `core.headers_self_contained` then checks that every header on disk was compiled.
 file(GLOB_RECURSE _headers RELATIVE "${PROJECT_SOURCE_DIR}/include"
      CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/include/trellis/*.hpp" "${PROJECT_SOURCE_DIR}/include/trellis/*.cuh")
@@ -15,6 +16,8 @@ set(_mpi_sources "")
 set(_cuda_sources "")
 set(_symbols "")
 set(_count 0)
+set(_all_host_forward "")
+set(_all_host_reverse "")
 set(_skipped 0)
 foreach(_header IN LISTS _headers)
   string(MAKE_C_IDENTIFIER "${_header}" _id)
@@ -47,6 +50,8 @@ int trellis_header_check_${_id}() { return 1; }
 ")
   if(_kind STREQUAL "host")
     list(APPEND _host_sources "${_file}")
+    string(APPEND _all_host_forward "#include <${_header}>\n")
+    string(PREPEND _all_host_reverse "#include <${_header}>\n")
   elseif(_kind STREQUAL "mpi")
     list(APPEND _mpi_sources "${_file}")
   else()
@@ -55,6 +60,16 @@ int trellis_header_check_${_id}() { return 1; }
   string(APPEND _symbols "int trellis_header_check_${_id}();\n")
   string(APPEND _calls "  compiled += trellis_header_check_${_id}();\n")
   math(EXPR _count "${_count} + 1")
+endforeach()
+
+# All host headers in one translation unit, in sorted and in reverse order: a header that leaks
+# something into the next (e.g. a system header included inside a namespace) fails here.
+foreach(_order forward reverse)
+  file(CONFIGURE OUTPUT "${_dir}/all_host_headers_${_order}.cpp" CONTENT
+"// generated: every host header together (${_order} order)
+${_all_host_${_order}}int trellis_all_host_headers_${_order}() { return 1; }
+")
+  list(APPEND _host_sources "${_dir}/all_host_headers_${_order}.cpp")
 endforeach()
 
 file(CONFIGURE OUTPUT "${_dir}/main.cpp" CONTENT
