@@ -5,7 +5,8 @@
 //      and the tied LM head, each forward product with its two backward products) as bare
 //      cblas_sgemm calls of the same shapes; attention's T x T products (0.3 % of the FLOPs at
 //      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
-//  (b) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
+//  (b) train::FlatTrainer (the one-device GPT of the CUDA path) on the host, fp32, same step;
+//  (c) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
 //      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so.
 //   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
 #include <cblas.h>
@@ -19,6 +20,7 @@
 #include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/trainer.hpp"
 
 using namespace trellis;
@@ -81,21 +83,27 @@ int main(int argc, char** argv) {
   const double tokens = static_cast<double>(c.batch * c.seq);
 
   const double floor_s = bench::gpt_sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
+  train::Batch b;
+  b.rows = c.batch;
+  b.seq_len = c.seq;
+  b.inputs.resize(static_cast<std::size_t>(tokens));
+  b.targets.resize(static_cast<std::size_t>(tokens));
+  for (std::size_t i = 0; i < b.inputs.size(); ++i) {
+    b.inputs[i] = static_cast<std::int32_t>((i * 7919) % c.model.vocab);
+    b.targets[i] = static_cast<std::int32_t>((i * 104729 + 3) % c.model.vocab);
+  }
   double t_min = 0, t_med = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
     train::Trainer<comm::ThreadComm> trainer(comm, c);
-    train::Batch b;
-    b.rows = c.batch;
-    b.seq_len = c.seq;
-    b.inputs.resize(static_cast<std::size_t>(tokens));
-    b.targets.resize(static_cast<std::size_t>(tokens));
-    for (std::size_t i = 0; i < b.inputs.size(); ++i) {
-      b.inputs[i] = static_cast<std::int32_t>((i * 7919) % c.model.vocab);
-      b.targets[i] = static_cast<std::int32_t>((i * 104729 + 3) % c.model.vocab);
-    }
     std::tie(t_min, t_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
   });
+  // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
+  double f_min = 0, f_med = 0;
+  {
+    train::FlatTrainer<nn::HostOps<float>> flat(c);
+    std::tie(f_min, f_med) = bench::time_min_median([&] { flat.step(b); }, warmup, iters);
+  }
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
   const double gf = bench::gpt_gemm_flops(c.model, tokens);
@@ -113,12 +121,16 @@ int main(int argc, char** argv) {
               1.0);
   std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis Trainer", t_min * 1e3, t_med * 1e3,
               tokens / t_min, t_min / floor_s);
+  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis FlatTrainer (host)", f_min * 1e3, f_med * 1e3,
+              tokens / f_min, f_min / floor_s);
   if (torch.ok)
     std::printf("%-28s %12.1f %12.1f %12.0f %10.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
                 tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.note.c_str());
   else
     std::printf("%-28s %s\n", "PyTorch CPU", torch.note.c_str());
-  if (torch.ok) std::printf("# trellis / PyTorch: %.2f\n", t_min * 1e3 / torch.ms_min);
+  if (torch.ok)
+    std::printf("# trellis / PyTorch: Trainer %.2f, FlatTrainer %.2f\n", t_min * 1e3 / torch.ms_min,
+                f_min * 1e3 / torch.ms_min);
 
   bench::JsonReport report("bench_trainer");
   bench::Row row;
@@ -126,7 +138,9 @@ int main(int argc, char** argv) {
       .add("floor_ms", floor_s * 1e3)
       .add("trellis_ms_min", t_min * 1e3)
       .add("trellis_ms_median", t_med * 1e3)
-      .add("trellis_over_floor", t_min / floor_s);
+      .add("trellis_over_floor", t_min / floor_s)
+      .add("flat_ms_min", f_min * 1e3)
+      .add("flat_over_floor", f_min / floor_s);
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
   report.add(row);
   report.write(bench::json_path(argc, argv));
