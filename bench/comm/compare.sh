@@ -7,6 +7,8 @@
 # median over the repeats: "best" = the fastest block (what the code can do when it gets the
 # cores), "mean" = all blocks (what it did on this machine as loaded at the time).
 # comm_bench_mpi also times trellis' own MpiComm (column trellis_mpi) when it was built with it.
+# On a shared machine, COMPARE_WAIT_IDLE=SECONDS makes every run first wait (at most that long)
+# until the CPUs were >= 95% idle for one second; runs that started busy are counted at the end.
 set -euo pipefail
 build="${1:-build/comm}"
 repeats="${2:-3}"
@@ -20,16 +22,32 @@ trap 'rm -rf "$out"' EXIT
 mpirun_flags=(--allow-run-as-root --oversubscribe --mca btl self,vader --bind-to none)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
+wait_idle="${COMPARE_WAIT_IDLE:-0}"
+started_busy=0
+cpu_times() { read -r _ u n s i w x y z _ < /proc/stat; echo "$((u + n + s + i + w + x + y + z)) $((i + w))"; }
+wait_for_idle() {
+  (( wait_idle > 0 )) || return 0
+  local start=$SECONDS t1 i1 t2 i2
+  while (( SECONDS - start < wait_idle )); do
+    read -r t1 i1 < <(cpu_times); sleep 1; read -r t2 i2 < <(cpu_times)
+    (( 100 * (i2 - i1) >= 95 * (t2 - t1) )) && return 0
+  done
+  started_busy=$((started_busy + 1))
+}
+
 for rep in $(seq "$repeats"); do
   for n in 2 4; do
+    wait_for_idle
     "$bench" --ranks "$n" --op "$ops" --sizes "$sizes" --trials "$trials" --json "$out/threads_${n}_${rep}.json" > /dev/null
     if [[ -x "$bench_mpi" ]]; then
+      wait_for_idle
       mpirun -np "$n" "${mpirun_flags[@]}" "$bench_mpi" --op "$ops" --sizes "$sizes" --trials "$trials" \
         --json "$out/mpi_${n}_${rep}.json" > /dev/null
     fi
   done
 done
 
+(( wait_idle > 0 )) && echo "# runs that started on a busy machine (waited ${wait_idle} s): $started_busy"
 python3 - "$out" <<'PY'
 import glob, json, os, statistics, sys
 rows, memcpy = {}, {}
