@@ -5,7 +5,8 @@
 // With --threads N both OpenBLAS and the kernel thread pool use N threads; on a loaded machine
 // `--threads 1` also gives meaningful process-CPU-time ratios (cpu_r), which preemption by other
 // processes does not inflate. --repeat R runs R times the default repetitions of every shape (more
-// samples for the medians on a noisy machine).
+// samples for the medians on a noisy machine). OPENBLAS_THREAD_TIMEOUT (environment) is printed
+// and stored with the results: see docs/kernels_host.md for its effect on 2-thread epilogues.
 //   gemm_bench [--quick] [--threads N] [--repeat R] [--json FILE]
 #include <cblas.h>
 
@@ -69,8 +70,13 @@ int main(int argc, char** argv) {
   };
   if (quick) shapes.resize(3);
   tb::JsonReport report("gemm_bench");
-  std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d kernel threads), row-major, fp32\n",
-              host::kernel_thread_count());
+  // OpenBLAS' workers spin for OPENBLAS_THREAD_TIMEOUT (2^n cycles, default 2^28) after each call,
+  // taking the second core from the kernel pool's epilogue; the setting is part of the result.
+  const char* timeout_env = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const std::string openblas_timeout = timeout_env ? timeout_env : "default";
+  std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d kernel threads, OPENBLAS_THREAD_TIMEOUT=%s), "
+              "row-major, fp32\n",
+              host::kernel_thread_count(), openblas_timeout.c_str());
   std::printf("%6s %6s %6s %-10s %10s %10s %10s %10s %10s %8s %8s %8s %9s\n", "m", "n", "k", "epilogue", "bare_min",
               "bare_med", "fused_min", "fused_med", "unfus_min", "r_min", "r_med", "cpu_r", "GFLOP/s");
   for (const Shape& s : shapes) {
@@ -136,6 +142,7 @@ int main(int argc, char** argv) {
     row.add("unfused_min_s", umin, "%.6f").add("unfused_median_s", umed, "%.6f");
     row.add("ratio_min", fmin / bmin, "%.4f").add("ratio_median", fmed / bmed, "%.4f").add("gflops", gflops, "%.1f");
     row.add("cpu_ratio_min", cpu_ratio, "%.4f").add("threads", (long long)host::kernel_thread_count());
+    row.add_text("openblas_thread_timeout", openblas_timeout);
     report.add(row);
   }
   report.write(tb::json_path(argc, argv));
