@@ -79,10 +79,13 @@ TRELLIS_FORCEINLINE float fast_gelu_grad(float x) {
 // and t clamped below at -87 (exp(-87) vanishes next to 1, so large x give exactly x). The clamps
 // keep NaN: a NaN x stays NaN. Max abs error vs the tanh formula in double: 5.2e-7 (1 ulp at
 // x ~ 4.7), tested in tests/kernels/test_host_math.cpp.
+// -DTRELLIS_HOST_SIMD=0 forces the scalar loops.
+#ifndef TRELLIS_HOST_SIMD
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
 #define TRELLIS_HOST_SIMD 1
 #else
 #define TRELLIS_HOST_SIMD 0
+#endif
 #endif
 
 #if TRELLIS_HOST_SIMD
@@ -228,7 +231,7 @@ inline void gelu_row(std::int64_t n, float* TRELLIS_RESTRICT c, const float* TRE
   for (std::int64_t j = 0; j < n; ++j) {
     const float x = c[j] + (bias ? bias[j] : 0.0f);
     if (pre) pre[j] = x;
-    c[j] = fast_gelu(x);
+    c[j] = fast_gelu(x < -10.0f ? -10.0f : x);  // the same clamp as simd::gelu (NaN stays NaN)
   }
 #endif
 }
@@ -248,7 +251,10 @@ inline void gelu_grad_row(std::int64_t n, float* TRELLIS_RESTRICT c, const float
     std::memcpy(c + j, cbuf, rest * sizeof(float));
   }
 #else
-  for (std::int64_t j = 0; j < n; ++j) c[j] *= fast_gelu_grad(x[j]);
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float xc = x[j] < -10.0f ? -10.0f : (x[j] > 10.0f ? 10.0f : x[j]);  // as simd::gelu_grad
+    c[j] *= fast_gelu_grad(xc);
+  }
 #endif
 }
 
