@@ -3,7 +3,9 @@
 // A, B and C may each be float, half or bfloat16; the arithmetic is fp32. With TRELLIS_HAS_CBLAS
 // (link trellis::blas) the product is OpenBLAS' sgemm, called once per row block of C, and
 // the epilogue runs on that block right after it is produced, while it is still in cache: there is
-// no second pass over the whole output. Without CBLAS a plain blocked kernel (threads of
+// no second pass over the whole output. Bias epilogues put the bias into C before the product
+// (sgemm with beta = 1 adds to it), so Bias alone costs no pass at all; GELU runs as explicit SIMD
+// (host::gelu_row in kernels/host_math.hpp). Without CBLAS a plain blocked kernel (threads of
 // kernels/thread_pool.hpp) computes the product, so this header compiles with g++ alone.
 // 16-bit A/B are converted to fp32 once per batch; 16-bit C goes through an fp32 block buffer.
 #pragma once
