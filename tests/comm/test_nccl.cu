@@ -122,6 +122,13 @@ TEST_CASE("one-rank NcclComm: movement, batches, split and errors", "[nccl]") {
   sub.barrier();
   REQUIRE(b.download() == host);
 
+  // A negative color takes part and joins nothing (the only rank: nobody joins).
+  REQUIRE_FALSE(comm.split_or_none(-1, 0).has_value());
+  auto again = comm.split_or_none(3, 0);
+  REQUIRE(again.has_value());
+  REQUIRE(again->size() == 1);
+  CHECK_THROWS_WITH(comm.split(-1, 0), Catch::Contains("split_or_none"));
+
   CHECK_THROWS_WITH(comm.broadcast(a.ptr, n, 1), Catch::Contains("broadcast: root 1 is not a rank"));
   CHECK_THROWS_WITH(comm.send(a.ptr, n, -1), Catch::Contains("send: peer -1 is not a rank"));
   CHECK_THROWS_WITH(comm.all_to_all(a.ptr, a.ptr, n), Catch::Contains("separate input and output"));

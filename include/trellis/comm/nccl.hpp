@@ -39,6 +39,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <span>
 #include <sstream>
@@ -582,12 +583,24 @@ class NcclComm {
   // ncclCommSplit: ranks with the same color, ordered by key then rank (collective; blocks the
   // host until every rank of the color joined).
   NcclComm split(int color, int key, std::source_location where = std::source_location::current()) {
-    TRELLIS_CHECK(color >= 0, "split: color must be >= 0, got ", color);
+    TRELLIS_CHECK(color >= 0, "split: color must be >= 0, got ", color,
+                  "; use split_or_none() for ranks that take part without joining a communicator");
+    return *split_or_none(color, key, where);
+  }
+
+  // As split, but a negative color (MPI_UNDEFINED; NCCL_SPLIT_NOCOLOR) takes part in the split and
+  // joins no communicator: std::nullopt.
+  std::optional<NcclComm> split_or_none(int color, int key,
+                                        std::source_location where = std::source_location::current()) {
     auto call = begin(OpKind::split, DType::i32, 0, -1, ReduceOp::sum, where, true);
     detail::NcclDeviceScope scope(device());
     ncclComm_t sub = nullptr;
-    TRELLIS_CHECK_NCCL(ncclCommSplit(comm(), color, key, &sub, nullptr));
+    TRELLIS_CHECK_NCCL(ncclCommSplit(comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
     state_->recorder.completed(call.seq);
+    if (color < 0 || sub == nullptr) {
+      TRELLIS_CHECK(color < 0, "split_or_none: ncclCommSplit gave no communicator for color ", color);
+      return std::nullopt;
+    }
     NcclComm result(sub, device(), stream(), label() + "/split(" + std::to_string(color) + ")");
     result.set_debug(debug());
     result.set_timeout(timeout());
