@@ -39,7 +39,15 @@ FlatRun train_flat(const TrainerConfig& cfg, int steps) {
     FlatTrainer<Ops> t(cfg);
     trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, comm.rank(), cfg.dp});
     std::vector<double> losses;
-    for (int s = 0; s < steps; ++s) losses.push_back(t.step(loader.next(), &comm).loss);
+    for (int s = 0; s < steps; ++s) {
+      const auto r = t.step(loader.next(), &comm);
+      losses.push_back(r.loss);
+      // dp: one reduction per block started during the backward, then wte/wpe and ln_f
+      const int layers = static_cast<int>(cfg.model.layers);
+      std::lock_guard<std::mutex> lock(mutex);
+      CHECK(r.buckets == (cfg.dp > 1 ? layers + 2 : 0));
+      CHECK(r.buckets_overlapped == (cfg.dp > 1 ? layers : 0));
+    }
     std::lock_guard<std::mutex> lock(mutex);
     if (comm.rank() == 0) {
       out.losses = losses;

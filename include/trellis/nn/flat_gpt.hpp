@@ -203,6 +203,11 @@ struct HostOps {
   }
 };
 
+// The default of FlatGpt::forward_backward's block hook: nothing to do.
+struct NoBlockHook {
+  void operator()(index_t, index_t) const {}
+};
+
 template <class Ops>
 class FlatGpt {
  public:
@@ -267,14 +272,21 @@ class FlatGpt {
   // Forward and backward of one microbatch: gradients of sum(token losses) / token_count are ADDED
   // to grads(). tokens, targets: (batch, seq) on the host (int32; target < 0 is ignored). Returns the
   // microbatch's sum of token losses / token_count (fp64, downloaded: one synchronisation).
+  //
+  // on_block_done(offset, count), when given, is called as soon as block l's backward is done (l
+  // from last to first) with the flat range of that block's gradients (its 12 tensors, contiguous):
+  // after the last microbatch those gradients are final, so a data-parallel reduction of the range
+  // can start while the earlier blocks' backward runs. wte, wpe and ln_f (the ranges before block 0
+  // and after the last block) are final only when this call returns.
+  template <class OnBlockDone = NoBlockHook>
   double forward_backward(const FlatShape& s, const std::int32_t* tokens, const std::int32_t* targets,
-                          double token_count) {
+                          double token_count, OnBlockDone&& on_block_done = {}) {
     TRELLIS_CHECK(token_count > 0, "FlatGpt: token_count must be > 0");
     run_forward(s, tokens, targets);
     const index_t R = s.rows();
     ops_.xent_forward_backward(R, cfg_.vocab, vocab_ld(), logits_.data(), targets_.data(), losses_.data(),
                                static_cast<float>(1.0 / token_count));
-    run_backward(s);
+    run_backward(s, on_block_done);
     return ops_.sum(losses_.data(), static_cast<std::size_t>(R)) / token_count;
   }
 
@@ -284,6 +296,12 @@ class FlatGpt {
     run_forward(s, tokens, targets);
     ops_.xent_forward(s.rows(), cfg_.vocab, vocab_ld(), logits_.data(), targets_.data(), losses_.data());
     return ops_.sum(losses_.data(), static_cast<std::size_t>(s.rows())) / token_count;
+  }
+
+  // Flat offset of block l's first tensor (l == layers: ln_f's offset): block l owns
+  // [block_begin(l), block_begin(l + 1)).
+  index_t block_begin(index_t l) const {
+    return l < cfg_.layers ? tensors_[at(l, 0)].offset : tensors_[ln_f()].offset;
   }
 
   // Logits of the last forward (rows x vocab, row stride vocab_ld()), valid after evaluate().
@@ -411,7 +429,8 @@ class FlatGpt {
   }
 
   // Expects logits_ to hold d loss / d logits (written in place by the fused cross-entropy).
-  void run_backward(const FlatShape& s) {
+  template <class OnBlockDone>
+  void run_backward(const FlatShape& s, OnBlockDone& on_block_done) {
     const index_t R = s.rows(), C = cfg_.width, H = cfg_.heads, D = C / H, V = cfg_.vocab;
     // dlnf (R x C) = dlogits (R x V) wte (V x C);  dwte (V x C) += dlogits^T lnf
     auto dx = kernels::gemm_args(R, C, V);
@@ -452,6 +471,7 @@ class FlatGpt {
       ops_.layernorm_backward(R, C, dtmp_.data(), L.resid.data(), master(at(l, 0)), L.ln1_mean.data(),
                               L.ln1_rstd.data(), dresid_.data(), dmaster(at(l, 0)), dmaster(at(l, 1)), true);
       // dresid: gradient of this block's input
+      on_block_done(block_begin(l), block_begin(l + 1) - block_begin(l));
     }
     ops_.embedding_backward(embedding_args(), tokens_.data(), dresid_.data(), dmaster(0), dmaster(1));
   }

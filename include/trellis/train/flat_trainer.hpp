@@ -7,8 +7,10 @@
 //   StepResult r = t.step(batch, &nccl_dp_comm);    // dp ranks, gradients all-reduced (sum)
 //
 // A step: per microbatch forward + backward into the flat fp32 gradient (loss normalised by the
-// global token count, as train::Trainer); dp: one all-reduce of the whole flat gradient (in place,
-// after the last microbatch: not overlapped with the backward, unlike Trainer's buckets); global
+// global token count, as train::Trainer); dp: during the last microbatch's backward each block's
+// gradient range starts an asynchronous all-reduce as soon as the block is done (overlapping the
+// earlier blocks' backward), wte/wpe/ln_f at the end; NcclComm: give it the Ops stream
+// (set_stream) so each reduction is ordered after the kernels that wrote its range; global
 // gradient norm, clip factor and AdamW (fp32 master weights and moments, weight decay on matrices
 // only, warm-up + cosine LR at the optimizer's step count); then the act_t weight copy is
 // refreshed. The math is Trainer's with pp = tp = 1: the same config gives the same losses
@@ -187,16 +189,36 @@ class FlatTrainer {
     const index_t mb_rows = batch.rows / cfg_.microbatches;
     const nn::FlatShape shape{mb_rows, batch.seq_len};
     double loss = 0;
-    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
+    int buckets = 0, overlapped = 0;  // dp reductions started, and those started during the backward
+    for (int mb = 0; mb + 1 < cfg_.microbatches; ++mb) {
       const std::size_t first = static_cast<std::size_t>(mb * mb_rows * batch.seq_len);
       loss += model_.forward_backward(shape, batch.inputs.data() + first, batch.targets.data() + first, tokens);
     }
-    auto& o = model_.ops();
-    if constexpr (!std::is_same_v<C, NoComm>) {
-      if (dp != nullptr && dp->size() > 1)
-        dp->all_reduce(model_.grads(), model_.grads(), static_cast<std::size_t>(model_.flat_size()),
-                       comm::ReduceOp::sum);
+    const std::size_t last = static_cast<std::size_t>((cfg_.microbatches - 1) * mb_rows * batch.seq_len);
+    if constexpr (std::is_same_v<C, NoComm>) {
+      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens);
+    } else if (dp == nullptr || dp->size() == 1) {
+      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens);
+    } else {
+      // Each block's gradient range is reduced (sum, in place) as soon as the last microbatch's
+      // backward has finished that block, overlapping the earlier blocks' backward; wte/wpe and
+      // ln_f when everything is done. Element sums are in rank order either way: the result equals
+      // one all-reduce of the whole buffer.
+      float* g = model_.grads();
+      std::vector<typename C::request_type> pending;
+      auto reduce = [&](index_t offset, index_t count) {
+        if (count > 0)
+          pending.push_back(dp->all_reduce_async(g + offset, g + offset, static_cast<std::size_t>(count),
+                                                 comm::ReduceOp::sum));
+      };
+      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens, reduce);
+      overlapped = static_cast<int>(pending.size());
+      reduce(0, model_.block_begin(0));
+      reduce(model_.block_begin(cfg_.model.layers), model_.flat_size() - model_.block_begin(cfg_.model.layers));
+      buckets = static_cast<int>(pending.size());
+      for (auto& request : pending) request.wait();
     }
+    auto& o = model_.ops();
     StepResult r;
     r.loss = all_reduce_scalar(loss, dp);
     std::vector<std::span<const float>> grads;
@@ -217,6 +239,8 @@ class FlatTrainer {
     ++step_;
     model_.refresh_low_precision();
     r.step = step_;
+    r.buckets = buckets;
+    r.buckets_overlapped = overlapped;
     return r;
   }
 
