@@ -58,7 +58,7 @@ struct FlatTensor {
 // is 256-byte aligned in fp32 and 128-byte aligned in bf16 (cuBLASLt picks kernels by alignment).
 inline constexpr index_t flat_alignment = 64;
 
-// Batch and sequence length of one microbatch, and the head split attention uses.
+// Batch and sequence length of one microbatch (rows = batch * seq, batch-major).
 struct FlatShape {
   index_t batch = 1, seq = 1;
   index_t rows() const { return batch * seq; }
