@@ -27,23 +27,6 @@ using trellis::bfloat16;
 
 namespace {
 
-template <class Fn>
-double time_ms(cudaStream_t stream, Fn&& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  TRELLIS_CHECK_CUDA(cudaEventCreate(&start));
-  TRELLIS_CHECK_CUDA(cudaEventCreate(&stop));
-  TRELLIS_CHECK_CUDA(cudaEventRecord(start, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  TRELLIS_CHECK_CUDA(cudaEventRecord(stop, stream));
-  TRELLIS_CHECK_CUDA(cudaEventSynchronize(stop));
-  float ms = 0;
-  TRELLIS_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  return ms / iters;
-}
-
 // P[row, j] = softmax_j(S[row, j]) over visible j (causal: j <= i), in bf16. One block per row.
 __global__ void softmax_rows_kernel(const float* s, bfloat16* p, std::int64_t t, bool causal, float scale) {
   __shared__ float scratch[32];
@@ -109,8 +92,8 @@ int main(int argc, char** argv) {
           k::cuda::attention_backward(a, q.data(), kk.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(),
                                       dk.data(), dv.data(), ws.data(), ws_bytes, stream);
         };
-        const double t_fwd = time_ms(stream, fwd, 2, iters);
-        const double t_bwd = time_ms(stream, bwd, 2, iters);
+        const double t_fwd = trellis::bench::cuda_time_ms(stream, fwd, 2, iters);
+        const double t_bwd = trellis::bench::cuda_time_ms(stream, bwd, 2, iters);
 
         // Peer: materialised attention on cuBLASLt (batched over B*H).
         const std::int64_t bh = a.batch * heads;
@@ -128,7 +111,7 @@ int main(int argc, char** argv) {
           softmax_rows_kernel<<<static_cast<unsigned>(bh * t), 256, 0, stream>>>(s.data(), p.data(), t, causal, scale);
           k::cuda::gemm(gemm, pv, p.data(), v.data(), o.data(), stream);
         };
-        const double t_peer = time_ms(stream, peer, 1, std::max(2, iters / 2));
+        const double t_peer = trellis::bench::cuda_time_ms(stream, peer, 1, std::max(2, iters / 2));
         const double f_fwd = k::cuda::attention_forward_flops(a), f_bwd = k::cuda::attention_backward_flops(a);
         auto tf = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
         std::printf("%6lld %6s %4lld | %9.3f %9.1f | %9.3f %9.1f | %9.3f %9.1f %8.2f\n", (long long)t,

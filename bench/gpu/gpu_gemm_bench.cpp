@@ -29,24 +29,6 @@ struct Shape {
   std::int64_t m, n, k;
 };
 
-// Mean milliseconds per call of fn over `iters` calls after `warmup`, timed with CUDA events.
-template <class Fn>
-double time_ms(cudaStream_t stream, Fn&& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  TRELLIS_CHECK_CUDA(cudaEventCreate(&start));
-  TRELLIS_CHECK_CUDA(cudaEventCreate(&stop));
-  TRELLIS_CHECK_CUDA(cudaEventRecord(start, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  TRELLIS_CHECK_CUDA(cudaEventRecord(stop, stream));
-  TRELLIS_CHECK_CUDA(cudaEventSynchronize(stop));
-  float ms = 0;
-  TRELLIS_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  return ms / iters;
-}
-
 // The peer: Y (m x n, row-major) = gelu(X (m x k) W (k x n) + b) through cuBLASLt directly,
 // written out as the cuBLASLt samples do (column-major problem Y^T = W^T X^T).
 class RawLtGemm {
@@ -135,10 +117,10 @@ int main(int argc, char** argv) {
       // Interleave the two contenders twice and keep each one's best, so clock drift hits both.
       double t_ours = 1e30, t_peer = 1e30;
       for (int round = 0; round < 2; ++round) {
-        t_ours = std::min(t_ours, time_ms(stream, ours, 3, iters));
-        t_peer = std::min(t_peer, time_ms(stream, peer, 3, iters));
+        t_ours = std::min(t_ours, trellis::bench::cuda_time_ms(stream, ours, 3, iters));
+        t_peer = std::min(t_peer, trellis::bench::cuda_time_ms(stream, peer, 3, iters));
       }
-      const double t_bare = time_ms(stream, bare, 3, iters);
+      const double t_bare = trellis::bench::cuda_time_ms(stream, bare, 3, iters);
       auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
       std::printf("%-16s %6lld %6lld %6lld | %10.1f %10.1f %7.3f | %10.1f\n", s.name, (long long)s.m, (long long)s.n,
                   (long long)s.k, tflops(t_ours), tflops(t_peer), t_peer / t_ours, tflops(t_bare));
