@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/reference.hpp"
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
 #include "trellis/core/dtype.hpp"
@@ -45,14 +46,7 @@ std::vector<T> to_host(const trellis::Buffer<T, trellis::Cuda>& d) {
   return host;
 }
 
-template <class T>
-std::vector<T> random_vector(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<T> v(n);
-  for (auto& x : v) x = T(dist(gen));
-  return v;
-}
+using trellis_test::random_vector;  // seeded uniform fill, shared with the host kernel tests
 
 // |got - want| <= abs_tol + rel_tol * |want| for every element; NaN must match NaN.
 template <class A, class B>
