@@ -43,6 +43,22 @@ inline float lanes8_sum(const float* x, std::int64_t n) {
   return s;
 }
 
+// Row r of the norm's input in fp32: x, or with a residual x + residual, which is also stored in
+// sum_out (the row is then re-read from what was stored, as the CUDA kernel normalises it).
+template <class T>
+void load_norm_row(std::int64_t r, std::int64_t dim, const T* x, const T* residual, T* sum_out, float* row) {
+  const T* xr = x + r * dim;
+  for (std::int64_t j = 0; j < dim; ++j) row[j] = to_float(xr[j]);
+  if (!residual) return;
+  const T* rr = residual + r * dim;
+  T* sr = sum_out + r * dim;
+  for (std::int64_t j = 0; j < dim; ++j) {
+    row[j] += to_float(rr[j]);
+    sr[j] = from_float<T>(row[j]);
+    if constexpr (!std::is_same_v<T, float>) row[j] = to_float(sr[j]);
+  }
+}
+
 // Weight-gradient partials: one (dim) row per task, summed in task order into dst (+=).
 template <class W>
 void add_partials(std::int64_t tasks, std::int64_t dim, const std::vector<float>& partials, W* dst) {
@@ -71,17 +87,7 @@ void layernorm_forward(std::int64_t rows, std::int64_t dim, const T* x, const W*
       for (std::int64_t j = 0; j < dim; ++j) b[j] = to_float(bias[j]);
     const std::int64_t r1 = std::min(rows, (t + 1) * detail::norm_rows_per_task);
     for (std::int64_t r = t * detail::norm_rows_per_task; r < r1; ++r) {
-      const T* xr = x + r * dim;
-      for (std::int64_t j = 0; j < dim; ++j) row[j] = to_float(xr[j]);
-      if (residual) {
-        const T* rr = residual + r * dim;
-        T* sr = sum_out + r * dim;
-        for (std::int64_t j = 0; j < dim; ++j) {
-          row[j] += to_float(rr[j]);
-          sr[j] = from_float<T>(row[j]);
-          if constexpr (!std::is_same_v<T, float>) row[j] = to_float(sr[j]);  // normalise what is stored
-        }
-      }
+      detail::load_norm_row(r, dim, x, residual, sum_out, row.data());
       const float mu = detail::lanes8_sum(row.data(), dim) / static_cast<float>(dim);
       float var_lanes[8] = {};
       std::int64_t j = 0;
@@ -154,17 +160,7 @@ void rmsnorm_forward(std::int64_t rows, std::int64_t dim, const T* x, const W* w
     for (std::int64_t j = 0; j < dim; ++j) w[j] = to_float(weight[j]);
     const std::int64_t r1 = std::min(rows, (t + 1) * detail::norm_rows_per_task);
     for (std::int64_t r = t * detail::norm_rows_per_task; r < r1; ++r) {
-      const T* xr = x + r * dim;
-      for (std::int64_t j = 0; j < dim; ++j) row[j] = to_float(xr[j]);
-      if (residual) {
-        const T* rr = residual + r * dim;
-        T* sr = sum_out + r * dim;
-        for (std::int64_t j = 0; j < dim; ++j) {
-          row[j] += to_float(rr[j]);
-          sr[j] = from_float<T>(row[j]);
-          if constexpr (!std::is_same_v<T, float>) row[j] = to_float(sr[j]);
-        }
-      }
+      detail::load_norm_row(r, dim, x, residual, sum_out, row.data());
       for (std::int64_t j = 0; j < dim; ++j) sq[j] = row[j] * row[j];
       const float ms = detail::lanes8_sum(sq.data(), dim) / static_cast<float>(dim);
       const float rs = 1.0f / std::sqrt(ms + eps);
