@@ -188,36 +188,40 @@ class FlatTrainer {
     const double tokens = token_count(batch, dp);
     const index_t mb_rows = batch.rows / cfg_.microbatches;
     const nn::FlatShape shape{mb_rows, batch.seq_len};
-    double loss = 0;
-    int buckets = 0, overlapped = 0;  // dp reductions started, and those started during the backward
-    for (int mb = 0; mb + 1 < cfg_.microbatches; ++mb) {
+    auto microbatch = [&](int mb, auto&& on_block_done) {
       const std::size_t first = static_cast<std::size_t>(mb * mb_rows * batch.seq_len);
-      loss += model_.forward_backward(shape, batch.inputs.data() + first, batch.targets.data() + first, tokens);
+      return model_.forward_backward(shape, batch.inputs.data() + first, batch.targets.data() + first, tokens,
+                                     on_block_done);
+    };
+    double loss = 0;
+    for (int mb = 0; mb + 1 < cfg_.microbatches; ++mb) loss += microbatch(mb, nn::NoBlockHook{});
+    const int last = cfg_.microbatches - 1;
+    int buckets = 0, overlapped = 0;  // dp reductions started, and those started during the backward
+    bool last_done = false;
+    if constexpr (!std::is_same_v<C, NoComm>) {
+      if (dp != nullptr && dp->size() > 1) {
+        // Each block's gradient range is reduced (sum, in place) as soon as the last microbatch's
+        // backward has finished that block, overlapping the earlier blocks' backward; wte/wpe and
+        // ln_f when everything is done. Element sums are in rank order either way: the result
+        // equals one all-reduce of the whole buffer.
+        float* g = model_.grads();
+        std::vector<typename C::request_type> pending;
+        auto reduce = [&](index_t offset, index_t count) {
+          if (count > 0)
+            pending.push_back(dp->all_reduce_async(g + offset, g + offset, static_cast<std::size_t>(count),
+                                                   comm::ReduceOp::sum));
+        };
+        loss += microbatch(last, reduce);
+        overlapped = static_cast<int>(pending.size());
+        const index_t head = model_.block_begin(cfg_.model.layers);
+        reduce(0, model_.block_begin(0));
+        reduce(head, model_.flat_size() - head);
+        buckets = static_cast<int>(pending.size());
+        for (auto& request : pending) request.wait();
+        last_done = true;
+      }
     }
-    const std::size_t last = static_cast<std::size_t>((cfg_.microbatches - 1) * mb_rows * batch.seq_len);
-    if constexpr (std::is_same_v<C, NoComm>) {
-      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens);
-    } else if (dp == nullptr || dp->size() == 1) {
-      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens);
-    } else {
-      // Each block's gradient range is reduced (sum, in place) as soon as the last microbatch's
-      // backward has finished that block, overlapping the earlier blocks' backward; wte/wpe and
-      // ln_f when everything is done. Element sums are in rank order either way: the result equals
-      // one all-reduce of the whole buffer.
-      float* g = model_.grads();
-      std::vector<typename C::request_type> pending;
-      auto reduce = [&](index_t offset, index_t count) {
-        if (count > 0)
-          pending.push_back(dp->all_reduce_async(g + offset, g + offset, static_cast<std::size_t>(count),
-                                                 comm::ReduceOp::sum));
-      };
-      loss += model_.forward_backward(shape, batch.inputs.data() + last, batch.targets.data() + last, tokens, reduce);
-      overlapped = static_cast<int>(pending.size());
-      reduce(0, model_.block_begin(0));
-      reduce(model_.block_begin(cfg_.model.layers), model_.flat_size() - model_.block_begin(cfg_.model.layers));
-      buckets = static_cast<int>(pending.size());
-      for (auto& request : pending) request.wait();
-    }
+    if (!last_done) loss += microbatch(last, nn::NoBlockHook{});
     auto& o = model_.ops();
     StepResult r;
     r.loss = all_reduce_scalar(loss, dp);
