@@ -16,6 +16,7 @@
 #include <new>
 #include <vector>
 
+#include "support/blas_peer.hpp"
 #include "support/report.hpp"
 #include "trellis/kernels/attention_host.hpp"
 
@@ -160,6 +161,7 @@ int main(int argc, char** argv) {
                                  dk.data(), dv.data());
       };
       auto naive = [&] {
+        tb::use_openblas_threads();
         std::vector<float> p;
         naive_forward(a, q.data(), k.data(), v.data(), no.data(), p);
         naive_backward(a, q.data(), k.data(), v.data(), d_o.data(), p, ndq.data(), ndk.data(), ndv.data());

@@ -5,8 +5,13 @@
 // With --threads N both OpenBLAS and the kernel thread pool use N threads; on a loaded machine
 // `--threads 1` also gives meaningful process-CPU-time ratios (cpu_r), which preemption by other
 // processes does not inflate. --repeat R runs R times the default repetitions of every shape (more
-// samples for the medians on a noisy machine). OPENBLAS_THREAD_TIMEOUT (environment) is printed
-// and stored with the results: see docs/kernels_host.md for its effect on 2-thread epilogues.
+// samples for the medians on a noisy machine). The bare call runs on OpenBLAS' own threads
+// (openblas_set_num_threads before each call); trellis runs single-threaded sgemm calls on tiles
+// of its kernel pool. Each variant is timed in runs of back-to-back calls, each run after 0.2 s of
+// untimed calls of the same variant: OpenBLAS' workers spin for OPENBLAS_THREAD_TIMEOUT after a
+// call (2^n cycles; default 2^28, ~0.1 s here) and take a core from whatever runs next, so every
+// variant is timed in its own steady state, as in a loop of such calls (see docs/kernels_host.md).
+// The runs of the three variants alternate, so that machine noise hits them alike.
 //   gemm_bench [--quick] [--threads N] [--repeat R] [--json FILE]
 #include <cblas.h>
 
@@ -16,8 +21,10 @@
 #include <cstring>
 #include <ctime>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "support/blas_peer.hpp"
 #include "support/report.hpp"
 #include "trellis/kernels/gemm_host.hpp"
 
@@ -50,7 +57,6 @@ double cpu_seconds() {
 
 }  // namespace
 
-extern "C" void openblas_set_num_threads(int);
 
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
@@ -58,7 +64,6 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0) {
       const int threads = std::atoi(argv[i + 1]);
-      openblas_set_num_threads(threads);
       host::set_num_threads(threads);
     }
     if (std::strcmp(argv[i], "--repeat") == 0) repeat = std::max(1, std::atoi(argv[i + 1]));
@@ -71,10 +76,10 @@ int main(int argc, char** argv) {
   if (quick) shapes.resize(3);
   tb::JsonReport report("gemm_bench");
   // OpenBLAS' workers spin for OPENBLAS_THREAD_TIMEOUT (2^n cycles, default 2^28) after each call,
-  // taking the second core from the kernel pool's epilogue; the setting is part of the result.
+  // which slows the bare peer's successors (and, in the old design, the epilogue); it is printed.
   const char* timeout_env = std::getenv("OPENBLAS_THREAD_TIMEOUT");
   const std::string openblas_timeout = timeout_env ? timeout_env : "default";
-  std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d kernel threads, OPENBLAS_THREAD_TIMEOUT=%s), "
+  std::printf("host GEMM + fused epilogue vs cblas_sgemm (OpenBLAS, %d threads each, OPENBLAS_THREAD_TIMEOUT=%s), "
               "row-major, fp32\n",
               host::kernel_thread_count(), openblas_timeout.c_str());
   std::printf("%6s %6s %6s %-10s %10s %10s %10s %10s %10s %8s %8s %8s %9s\n", "m", "n", "k", "epilogue", "bare_min",
@@ -84,6 +89,7 @@ int main(int argc, char** argv) {
     std::vector<float> c(s.m * s.n), pre(s.m * s.n);
     const std::string ep = s.epilogue;
     auto bare = [&] {
+      tb::use_openblas_threads();  // the trellis calls leave OpenBLAS single-threaded
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(s.m), int(s.n), int(s.k), 1.0f, a.data(), int(s.k),
                   b.data(), int(s.n), 0.0f, c.data(), int(s.n));
     };
@@ -109,19 +115,25 @@ int main(int argc, char** argv) {
         }
       });
     };
-    // Alternate the three so that machine noise hits them alike.
+    // Runs of `per_run` timed calls per variant, each after 0.2 s of untimed calls of it.
     std::vector<double> tb_, tf, tu, cb, cf;
-    bare(), fused(), unfused();
-    for (int r = 0; r < s.reps * repeat; ++r) {
-      double c0 = cpu_seconds(), t0 = tb::now_seconds();
-      bare();
-      double c1 = cpu_seconds(), t1 = tb::now_seconds();
-      fused();
-      double c2 = cpu_seconds(), t2 = tb::now_seconds();
-      unfused();
-      double t3 = tb::now_seconds();
-      tb_.push_back(t1 - t0), tf.push_back(t2 - t1), tu.push_back(t3 - t2);
-      cb.push_back(c1 - c0), cf.push_back(c2 - c1);
+    auto timed_run = [&](auto&& call, std::vector<double>& wall, std::vector<double>* cpu, int calls) {
+      const double warm_until = tb::now_seconds() + 0.2;
+      do call();
+      while (tb::now_seconds() < warm_until);
+      for (int i = 0; i < calls; ++i) {
+        const double c0 = cpu_seconds(), t0 = tb::now_seconds();
+        call();
+        const double t1 = tb::now_seconds();
+        wall.push_back(t1 - t0);
+        if (cpu) cpu->push_back(cpu_seconds() - c0);
+      }
+    };
+    const int runs = 3 * repeat, per_run = std::max(1, s.reps / 3 + 1);
+    for (int r = 0; r < runs; ++r) {
+      timed_run(bare, tb_, &cb, per_run);
+      timed_run(fused, tf, &cf, per_run);
+      timed_run(unfused, tu, nullptr, per_run);
     }
     const double cpu_ratio = *std::min_element(cf.begin(), cf.end()) / *std::min_element(cb.begin(), cb.end());
     auto mm = [](std::vector<double> v) {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "support/blas_peer.hpp"
 #include "support/report.hpp"
 #include "trellis/nn/gpt.hpp"
 
@@ -36,6 +37,7 @@ inline double gpt_sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int 
   }
   std::vector<float> x(big_y, 0.01f), y(big_y, 0.02f), dx(big_y), w(big_w, 0.03f), dw(big_w, 0.0f);
   auto run = [&] {
+    use_openblas_threads();
     for (auto s : shapes) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, s.n, s.k, 1.0f, x.data(), s.k, w.data(), s.n,
                   0.0f, y.data(), s.n);

@@ -25,7 +25,7 @@ std::int64_t at(const GemmArgs& g, std::int64_t r, std::int64_t c, std::int64_t 
 
 struct Case {
   GemmArgs args;
-  std::int64_t row_block = 0;
+  std::int64_t tile_rows = 0, tile_cols = 0;  // 0: the default tiling
 };
 
 // Storage sizes for a batched operand.
@@ -91,7 +91,8 @@ void run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
   if constexpr (epilogue_traits<E>::reads_pre) ep.pre_activation = pre_in.data();
   if constexpr (epilogue_traits<E>::bias_grad) ep.bias_grad = bias_grad.data();
   host::GemmOptions options;
-  options.row_block = cs.row_block;
+  options.tile_rows = cs.tile_rows;
+  options.tile_cols = cs.tile_cols;
   host::gemm(g, a.data(), b.data(), c.data(), ep, options);
 
   // Only the matrix elements are compared; padding must be left alone (checked via NaN/-7 below).
@@ -130,13 +131,14 @@ std::vector<Case> all_cases() {
           Case cs;
           GemmArgs& g = cs.args;
           g = gemm_args(37, 29, 45, op_a, op_b, 1.0f, 0.0f, layout);
-          if (variant == 1) {  // padded leading dimensions, alpha/beta accumulation, tiny row blocks
+          if (variant == 1) {  // padded leading dimensions, alpha/beta accumulation, tiny ragged tiles
             g.lda = g.packed_ld(g.a_rows(), g.a_cols()) + 3;
             g.ldb = g.packed_ld(g.b_rows(), g.b_cols()) + 5;
             g.ldc = g.packed_ld(g.m, g.n) + 2;
             g.alpha = 0.75f;
             g.beta = 1.0f;
-            cs.row_block = 16;
+            cs.tile_rows = 16;
+            cs.tile_cols = 8;
           }
           if (variant == 2) {  // strided batches; B shared by all batches (stride 0)
             g.batch = 3;
@@ -145,7 +147,8 @@ std::vector<Case> all_cases() {
             g.stride_b = 0;
             g.stride_c += 7;
             g.beta = 0.5f;
-            cs.row_block = 8;
+            cs.tile_rows = 8;
+            cs.tile_cols = 16;
           }
           cases.push_back(cs);
         }
@@ -222,26 +225,50 @@ TEST_CASE("gemm degenerate shapes and bad arguments", "[kernels][gemm]") {
   REQUIRE_THROWS_AS(host::gemm(gemm_args(-1, 4, 3), a.data(), b.data(), c.data()), Error);
 }
 
-TEST_CASE("gemm bias gradient is identical for every row block size", "[kernels][gemm]") {
-  // Different blocking may round differently, but each result must match the reference; and two
-  // runs with the same blocking must agree bit for bit.
+TEST_CASE("gemm bias gradient is the same bits run to run", "[kernels][gemm]") {
+  // Different tilings may round differently (each is checked against the reference above); two
+  // runs with the same tiling must agree bit for bit.
   const std::int64_t m = 300, n = 33, k = 20;
   auto a = random_vector<float>(m * k, 7), b = random_vector<float>(k * n, 8);
   std::vector<float> c(m * n), g1(n), g2(n);
   host::GemmOptions opt;
-  opt.row_block = 64;
+  opt.tile_rows = 64;
+  opt.tile_cols = 16;
   host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g1.data()}, opt);
   host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGrad<>{g2.data()}, opt);
   REQUIRE(g1 == g2);
 }
 
-TEST_CASE("gemm large enough for the threaded epilogue (default blocking) vs reference", "[kernels][gemm]") {
-  // 2100 x 300: two row blocks of the default blocking (2048 rows + 52), each epilogue split over
-  // the thread pool.
+TEST_CASE("gemm large enough for several default tiles vs reference", "[kernels][gemm]") {
+  // 2100 x 300 x 24: four tiles of 528 rows (the last ragged) under the default tiling, run as
+  // tasks on the thread pool.
   Case cs;
   cs.args = gemm_args(2100, 300, 24);
   run_case<float, float, float>(cs, epilogue::BiasGelu<>{}, 1e-4, 1e-4);
   run_case<float, float, float>(cs, epilogue::DGeluBiasGrad<>{}, 1e-4, 1e-4);
   cs.args.layout = Layout::col_major;
   run_case<float, float, bfloat16>(cs, epilogue::BiasGrad<>{}, 1e-4, 1e-4);
+}
+
+TEST_CASE("gemm gives the same bits on the thread pool and inline", "[kernels][gemm]") {
+  // The tiling depends on the shape only, so a call that finds the pool busy (here: nested in a
+  // parallel_for task) and runs every tile on its own thread must give the same C, pre-activation
+  // and bias gradient as a call spread over the pool. 600 x 700 x 64 makes 8 default tiles.
+  const std::int64_t m = 600, n = 700, k = 64;
+  auto a = random_vector<float>(m * k, 11), b = random_vector<float>(k * n, 12), bias = random_vector<float>(n, 13);
+  auto pre_in = random_vector<float>(m * n, 14, -3.0f, 3.0f);
+  auto run = [&](std::vector<float>& c, std::vector<float>& pre, std::vector<float>& db) {
+    c.assign(m * n, 0.0f), pre.assign(m * n, 0.0f), db.assign(n, 0.0f);
+    host::gemm(gemm_args(m, n, k), a.data(), b.data(), c.data(), epilogue::BiasGelu<>{bias.data(), pre.data()});
+    host::gemm(gemm_args(m, n, k, Op::none, Op::none, 1.0f, 1.0f), a.data(), b.data(), c.data(),
+               epilogue::DGeluBiasGrad<>{pre_in.data(), 0, 0, db.data()});
+  };
+  std::vector<float> c1, pre1, db1, c2, pre2, db2;
+  run(c1, pre1, db1);
+  host::parallel_for(2, [&](std::int64_t i) {
+    if (i == 0) run(c2, pre2, db2);
+  });
+  REQUIRE(c1 == c2);
+  REQUIRE(pre1 == pre2);
+  REQUIRE(db1 == db2);
 }

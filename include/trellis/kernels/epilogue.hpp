@@ -20,7 +20,7 @@
 //   DGelu{pre}                 C = acc * gelu_tanh_grad(pre(i, j))          (backward of GELU)
 //   BiasGrad{g}                C = acc;  g[j] (+)= sum over i and batches of C(i, j)
 //   DGeluBiasGrad{pre, g}      C = acc * gelu_tanh_grad(pre(i, j));  g[j] (+)= column sums of C
-// BiasGrad sums are accumulated in fp32 in a fixed order (fixed row blocks and slices), so they are
+// BiasGrad sums are accumulated in fp32 in a fixed order (host: per tile of C, tiles in order), so they are
 // deterministic for a given shape; `accumulate` adds to g instead of overwriting it.
 #pragma once
 

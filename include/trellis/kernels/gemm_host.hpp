@@ -1,13 +1,16 @@
 // Host GEMM with fused epilogues (contract in kernels/epilogue.hpp):
 //   trellis::kernels::host::gemm(args, A, B, C, epilogue::BiasGelu<>{bias, pre});
-// A, B and C may each be float, half or bfloat16; the arithmetic is fp32. With TRELLIS_HAS_CBLAS
-// (link trellis::blas) the product is OpenBLAS' sgemm, called once per row block of C, and
-// the epilogue runs on that block right after it is produced, while it is still in cache: there is
-// no second pass over the whole output. Bias epilogues put the bias into C before the product
-// (sgemm with beta = 1 adds to it), so Bias alone costs no pass at all; GELU runs as explicit SIMD
-// (host::gelu_row in kernels/host_math.hpp). Without CBLAS a plain blocked kernel (threads of
-// kernels/thread_pool.hpp) computes the product, so this header compiles with g++ alone.
-// 16-bit A/B are converted to fp32 once per batch; 16-bit C goes through an fp32 block buffer.
+// A, B and C may each be float, half or bfloat16; the arithmetic is fp32. C is cut into tiles
+// chosen from the shape alone (a few MiB each, 8 or more when the product is big enough); each
+// tile is one task on the kernel thread pool, which computes the tile's product and at once runs
+// the epilogue on it while it is still in cache: there is no second pass over the whole output.
+// With TRELLIS_HAS_CBLAS (link trellis::blas) a tile's product is one single-threaded OpenBLAS
+// sgemm call: the pool, not OpenBLAS, owns the threads (OpenBLAS' own workers would keep spinning
+// after each call and take the cores the epilogue needs; see docs/kernels_host.md). Bias epilogues
+// put the bias into C before the product (sgemm with beta = 1 adds to it), so Bias alone costs no
+// pass at all; GELU runs as explicit SIMD (host::gelu_row in kernels/host_math.hpp). Without
+// CBLAS a plain blocked kernel computes each tile, so this header compiles with g++ alone.
+// 16-bit A/B are converted to fp32 once per batch; 16-bit C goes through an fp32 tile buffer.
 #pragma once
 
 #include <algorithm>
@@ -28,14 +31,19 @@
 // that would make trellis::bfloat16 ambiguous in user code saying `using namespace trellis`.
 extern "C" void sgemm_(char* transa, char* transb, int* m, int* n, int* k, float* alpha, float* a, int* lda,
                        float* b, int* ldb, float* beta, float* c, int* ldc);
+// OpenBLAS' thread control, weak: other CBLAS libraries link too (and are then expected to run
+// single-threaded, e.g. MKL_NUM_THREADS=1).
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+extern "C" int openblas_get_num_threads() __attribute__((weak));
 #endif
 
 namespace trellis::kernels::host {
 
 // Tuning knobs; the defaults are what bench/kernels/gemm_bench measured best.
 struct GemmOptions {
-  // Rows of C per sgemm call + epilogue (0: chosen from n so a block is a few MiB).
-  std::int64_t row_block = 0;
+  // Rows and columns of C per task (product + epilogue); 0: chosen from the shape (tile_shape).
+  std::int64_t tile_rows = 0;
+  std::int64_t tile_cols = 0;
 };
 
 // True when the product runs on cblas_sgemm.
@@ -52,20 +60,51 @@ namespace detail {
 template <class T>
 concept GemmElement = std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
-inline constexpr std::int64_t epilogue_slices = 8;
-inline constexpr std::int64_t parallel_epilogue_elements = std::int64_t{1} << 16;
+struct TileShape {
+  std::int64_t rows, cols;
+};
 
-inline std::int64_t gemm_row_block(const GemmArgs& args, const GemmOptions& options) {
-  if (options.row_block > 0) return std::min(options.row_block, std::max<std::int64_t>(args.m, 1));
-  // Each sgemm call re-packs B (k x n), which costs about as much as the epilogue itself when a
-  // block has fewer than ~500 rows (measured, single thread, CPU time: 1.09x the bare sgemm at
-  // 128 rows, 1.03x at 1024 for n = 3072, k = 768). So blocks are tall: ~16 MiB of C, 512 to 2048
-  // rows; the epilogue still follows each block's product directly, in the last-level cache.
-  constexpr std::int64_t target_bytes = std::int64_t{16} << 20;
-  std::int64_t rows = target_bytes / (4 * std::max<std::int64_t>(args.n, 1));
-  rows = std::clamp<std::int64_t>(rows, 512, 2048);
-  rows = (rows + 15) / 16 * 16;
-  return std::min(rows, std::max<std::int64_t>(args.m, 1));
+// The tile of C one task computes. It depends on the shape only, never on the thread count, so the
+// bias-gradient sums (per tile, then in tile order) are the same bits on any number of threads.
+// Each sgemm call packs its rows of A and its columns of B again (re-packing B costs ~1/rows of
+// the product, re-packing A ~1/cols), so tiles are large. First, while there are fewer than 8
+// tiles or a tile holds more than 8 MiB of C: halve the rows while they stay >= 512, else the
+// columns while they stay >= 1024. Then, if that left a single tile, split it in two (rows while
+// >= 128, else columns while >= 256; each half >= 4 MFLOP), so that small products still run on
+// two threads. Measured with gemm_bench on 2 threads against the bare 2-thread sgemm, "none"
+// epilogue: 512 x 3072 tiles for 4096 x 3072 x 768: 1.01x; 128-row tiles: 1.09x; four tiles
+// instead of two for 256 x 768 x 768: 1.07x instead of 1.03x.
+inline TileShape tile_shape(const GemmArgs& args, const GemmOptions& options) {
+  const std::int64_t m = std::max<std::int64_t>(args.m, 1), n = std::max<std::int64_t>(args.n, 1);
+  if (options.tile_rows > 0 || options.tile_cols > 0)
+    return {options.tile_rows > 0 ? std::min(options.tile_rows, m) : m,
+            options.tile_cols > 0 ? std::min(options.tile_cols, n) : n};
+  constexpr std::int64_t target_tiles = 8, max_elements = std::int64_t{2} << 20;
+  auto half_of = [](std::int64_t v) { return ((v + 1) / 2 + 15) / 16 * 16; };
+  auto tiles = [&](std::int64_t rows, std::int64_t cols) { return ((m + rows - 1) / rows) * ((n + cols - 1) / cols); };
+  std::int64_t rows = m, cols = n;
+  while (tiles(rows, cols) < target_tiles || rows * cols > max_elements) {
+    if (rows >= 2 * 512) rows = half_of(rows);
+    else if (cols >= 2 * 1024) cols = half_of(cols);
+    else break;
+  }
+  if (tiles(rows, cols) == 1) {
+    const double flops_per_half = static_cast<double>(m) * n * std::max<std::int64_t>(args.k, 1);  // 2mnk / 2
+    if (flops_per_half >= 4e6) {
+      if (rows >= 2 * 128) rows = half_of(rows);
+      else if (cols >= 2 * 256) cols = half_of(cols);
+    }
+  }
+  return {rows, cols};
+}
+
+// Makes this thread's OpenBLAS calls single-threaded (process-wide for the pthreads build, per
+// calling thread for the OpenMP one): tiles run in parallel on the kernel pool instead.
+inline void use_single_threaded_blas() {
+#if defined(TRELLIS_HAS_CBLAS)
+  if (openblas_set_num_threads && openblas_get_num_threads && openblas_get_num_threads() != 1)
+    openblas_set_num_threads(1);
+#endif
 }
 
 inline void check_gemm_args(const GemmArgs& a) {
@@ -101,61 +140,62 @@ void convert_matrix(const GemmArgs& args, const T* src, std::int64_t ld, std::in
   }
 }
 
-// One row block of C in fp32: rows [row0, row0 + rows) of the logical C, at `c` (already offset to
-// row0) with leading dimension ldc in args.layout.
-struct CBlock {
+// One tile of C in fp32: rows [row0, row0 + rows) and columns [col0, col0 + cols) of the logical
+// C, at `c` (already offset to (row0, col0)) with leading dimension ldc in args.layout.
+struct Tile {
   float* c;
   std::int64_t ldc;
   std::int64_t row0, rows;
+  std::int64_t col0, cols;
 };
 
-// Product of one row block: c = alpha * op(A)[rows] op(B) + beta * c, A and B fp32.
-inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
-                          const CBlock& blk) {
-  const std::int64_t n = args.n, k = args.k;
-  // A row of op(A): element (i, p) of op(A).
-  auto a_at = [&](std::int64_t i, std::int64_t p) {
-    return args.op_a == Op::none ? a[args.offset(i, p, lda)] : a[args.offset(p, i, lda)];
-  };
+// Product of one tile: c = alpha * op(A)[rows] op(B)[:, cols] + beta * c, A and B fp32.
+inline void tile_product(const GemmArgs& args, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                         const Tile& t) {
+  const std::int64_t k = args.k;
   if (k == 0 || args.alpha == 0.0f) {
-    for (std::int64_t r = 0; r < blk.rows; ++r)
-      for (std::int64_t j = 0; j < n; ++j) {
-        float& cv = blk.c[args.offset(r, j, blk.ldc)];
+    for (std::int64_t r = 0; r < t.rows; ++r)
+      for (std::int64_t j = 0; j < t.cols; ++j) {
+        float& cv = t.c[args.offset(r, j, t.ldc)];
         cv = args.beta == 0.0f ? 0.0f : args.beta * cv;
       }
     return;
   }
 #if defined(TRELLIS_HAS_CBLAS)
-  (void)a_at;
-  const float* a_block = args.op_a == Op::none ? a + args.offset(blk.row0, 0, lda) : a + args.offset(0, blk.row0, lda);
+  const float* a_tile = args.op_a == Op::none ? a + args.offset(t.row0, 0, lda) : a + args.offset(0, t.row0, lda);
+  const float* b_tile = args.op_b == Op::none ? b + args.offset(0, t.col0, ldb) : b + args.offset(t.col0, 0, ldb);
   char ta = args.op_a == Op::none ? 'N' : 'T', tb = args.op_b == Op::none ? 'N' : 'T';
-  int rows = static_cast<int>(blk.rows), cols = static_cast<int>(n), depth = static_cast<int>(k);
-  int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(blk.ldc);
+  int rows = static_cast<int>(t.rows), cols = static_cast<int>(t.cols), depth = static_cast<int>(k);
+  int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(t.ldc);
   float alpha = args.alpha, beta = args.beta;
-  float* am = const_cast<float*>(a_block);
-  float* bm = const_cast<float*>(b);
+  float* am = const_cast<float*>(a_tile);
+  float* bm = const_cast<float*>(b_tile);
   if (args.layout == Layout::row_major) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-    sgemm_(&tb, &ta, &cols, &rows, &depth, &alpha, bm, &ld_b, am, &ld_a, &beta, blk.c, &ld_c);
+    sgemm_(&tb, &ta, &cols, &rows, &depth, &alpha, bm, &ld_b, am, &ld_a, &beta, t.c, &ld_c);
   } else {
-    sgemm_(&ta, &tb, &rows, &cols, &depth, &alpha, am, &ld_a, bm, &ld_b, &beta, blk.c, &ld_c);
+    sgemm_(&ta, &tb, &rows, &cols, &depth, &alpha, am, &ld_a, bm, &ld_b, &beta, t.c, &ld_c);
   }
 #else
   // b holds op(B) packed row-major (k x n), prepared by the caller. Four rows of C at a time share
   // each streamed row of B; columns go in panels so the 4 x panel accumulators stay in L1.
   (void)ldb;
+  const std::int64_t n = args.n;
+  auto a_at = [&](std::int64_t i, std::int64_t p) {  // element (i, p) of op(A)
+    return args.op_a == Op::none ? a[args.offset(i, p, lda)] : a[args.offset(p, i, lda)];
+  };
   constexpr std::int64_t group = 4, panel = 256;
   float acc[group][panel];
   float a_vals[group];
-  for (std::int64_t r0 = 0; r0 < blk.rows; r0 += group) {
-    const std::int64_t g = std::min(group, blk.rows - r0);
-    for (std::int64_t j0 = 0; j0 < n; j0 += panel) {
-      const std::int64_t w = std::min(panel, n - j0);
+  for (std::int64_t r0 = 0; r0 < t.rows; r0 += group) {
+    const std::int64_t g = std::min(group, t.rows - r0);
+    for (std::int64_t j0 = 0; j0 < t.cols; j0 += panel) {
+      const std::int64_t w = std::min(panel, t.cols - j0);
       for (std::int64_t i = 0; i < group; ++i)
         for (std::int64_t j = 0; j < panel; ++j) acc[i][j] = 0.0f;
       for (std::int64_t p = 0; p < k; ++p) {
-        for (std::int64_t i = 0; i < group; ++i) a_vals[i] = i < g ? a_at(blk.row0 + r0 + i, p) : 0.0f;
-        const float* TRELLIS_RESTRICT brow = b + p * n + j0;
+        for (std::int64_t i = 0; i < group; ++i) a_vals[i] = i < g ? a_at(t.row0 + r0 + i, p) : 0.0f;
+        const float* TRELLIS_RESTRICT brow = b + p * n + t.col0 + j0;
         for (std::int64_t i = 0; i < group; ++i) {
           const float av = a_vals[i];
           float* TRELLIS_RESTRICT arow = acc[i];
@@ -164,7 +204,7 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
       }
       for (std::int64_t i = 0; i < g; ++i)
         for (std::int64_t j = 0; j < w; ++j) {
-          float& cv = blk.c[args.offset(r0 + i, j0 + j, blk.ldc)];
+          float& cv = t.c[args.offset(r0 + i, j0 + j, t.ldc)];
           cv = args.alpha * acc[i][j] + (args.beta == 0.0f ? 0.0f : args.beta * cv);
         }
     }
@@ -174,27 +214,27 @@ inline void block_product(const GemmArgs& args, const float* a, std::int64_t lda
 
 // Bias epilogues put the bias into C before the product, which then runs with beta = 1: sgemm
 // with beta = 0 spends a pass zeroing C, so the bias costs nothing and the pass after the product
-// is left with the activation only (none for Bias). This is the block's C = beta * C + bias[j].
-inline void prefill_bias(const GemmArgs& args, const CBlock& blk, const float* bias) {
-  const std::int64_t n = args.n;
+// is left with the activation only (none for Bias). This is the tile's C = beta * C + bias[j].
+inline void prefill_bias(const GemmArgs& args, const Tile& t, const float* bias) {
   const float beta = args.beta;
+  const float* tile_bias = bias + t.col0;
   if (args.layout == Layout::row_major) {
-    for (std::int64_t r = 0; r < blk.rows; ++r) {
-      float* TRELLIS_RESTRICT crow = blk.c + r * blk.ldc;
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      float* TRELLIS_RESTRICT crow = t.c + r * t.ldc;
       if (beta == 0.0f) {
-        std::memcpy(crow, bias, static_cast<std::size_t>(n) * sizeof(float));  // C may hold NaN
+        std::memcpy(crow, tile_bias, static_cast<std::size_t>(t.cols) * sizeof(float));  // C may hold NaN
       } else {
-        for (std::int64_t j = 0; j < n; ++j) crow[j] = beta * crow[j] + bias[j];
+        for (std::int64_t j = 0; j < t.cols; ++j) crow[j] = beta * crow[j] + tile_bias[j];
       }
     }
   } else {
-    for (std::int64_t j = 0; j < n; ++j) {
-      float* TRELLIS_RESTRICT ccol = blk.c + j * blk.ldc;
-      const float bj = bias[j];
+    for (std::int64_t j = 0; j < t.cols; ++j) {
+      float* TRELLIS_RESTRICT ccol = t.c + j * t.ldc;
+      const float bj = tile_bias[j];
       if (beta == 0.0f) {
-        for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = bj;
+        for (std::int64_t r = 0; r < t.rows; ++r) ccol[r] = bj;
       } else {
-        for (std::int64_t r = 0; r < blk.rows; ++r) ccol[r] = beta * ccol[r] + bj;
+        for (std::int64_t r = 0; r < t.rows; ++r) ccol[r] = beta * ccol[r] + bj;
       }
     }
   }
@@ -209,11 +249,11 @@ TRELLIS_FORCEINLINE float apply_after_bias(float acc, float pre) {
   else return acc;
 }
 
-// Applies the epilogue to one fp32 block in place, after prefill_bias and the product. pre: the
-// block's pre-activation matrix (offset to row0) for epilogues that read or write one; colsum: n
-// floats receiving this block's column sums (bias-grad epilogues).
+// Applies the epilogue to one fp32 tile in place, after prefill_bias and the product. pre: the
+// tile's pre-activation matrix (offset to (row0, col0)) for epilogues that read or write one;
+// colsum: n floats receiving this tile's column sums at [col0, col0 + cols) (bias-grad epilogues).
 template <EpilogueKind K, class TP>
-void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std::int64_t ld_pre, float* colsum) {
+void apply_epilogue_tile(const GemmArgs& args, const Tile& t, TP* pre, std::int64_t ld_pre, float* colsum) {
   constexpr bool is_gelu = K == EpilogueKind::gelu || K == EpilogueKind::bias_gelu;
   constexpr bool writes_pre = K == EpilogueKind::bias_gelu;
   constexpr bool reads_pre = K == EpilogueKind::dgelu || K == EpilogueKind::dgelu_bias_grad;
@@ -223,9 +263,9 @@ void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std:
   const bool row_major = args.layout == Layout::row_major;
   // Row-major: rows of C are contiguous; column-major: columns are. Either way the loops below run
   // along contiguous lines (`lines` of them, `len` long).
-  const std::int64_t lines = row_major ? blk.rows : args.n, len = row_major ? args.n : blk.rows;
+  const std::int64_t lines = row_major ? t.rows : t.cols, len = row_major ? t.cols : t.rows;
   for (std::int64_t l = 0; l < lines; ++l) {
-    float* TRELLIS_RESTRICT cline = blk.c + l * blk.ldc;
+    float* TRELLIS_RESTRICT cline = t.c + l * t.ldc;
     if constexpr (is_gelu) {
       // pre-activation out (if asked), activation in place: one pass.
       if constexpr (std::is_same_v<PreT, float>) {
@@ -249,7 +289,7 @@ void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std:
     }
     if constexpr (sums) {
       if (row_major) {
-        float* TRELLIS_RESTRICT s = colsum;
+        float* TRELLIS_RESTRICT s = colsum + t.col0;
         for (std::int64_t j = 0; j < len; ++j) s[j] += cline[j];
       } else {
         // 8 independent partial sums: vectorisable and a fixed order.
@@ -260,7 +300,7 @@ void apply_epilogue_block(const GemmArgs& args, const CBlock& blk, TP* pre, std:
         float s = 0.0f;
         for (; r < len; ++r) s += cline[r];
         for (int q = 0; q < 8; ++q) s += part[q];
-        colsum[l] += s;
+        colsum[t.col0 + l] += s;
       }
     }
   }
@@ -318,18 +358,12 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
 
   // Bias epilogues: the product adds to C prefilled with beta * C + bias (see prefill_bias).
   GemmArgs product_args = args;
-  product_args.beta = 1.0f;
+  if constexpr (traits::has_bias) product_args.beta = 1.0f;
 
-  // Without an epilogue, or with a bias only (fp32 C), nothing runs after the product: one call.
-  const bool single_block = (kind == EpilogueKind::none || kind == EpilogueKind::bias) && std::is_same_v<TC, float> &&
-                            gemm_uses_cblas() && options.row_block == 0;
-  const std::int64_t row_block = single_block ? m : detail::gemm_row_block(args, options);
-  const std::int64_t blocks = (m + row_block - 1) / row_block;
-  // The epilogue of a block runs on the thread pool over a fixed number of row slices (fixed, so
-  // the bias-gradient sums do not depend on the thread count).
-  constexpr std::int64_t slices = detail::epilogue_slices;
-  std::vector<float> colsums;  // (batch, blocks, slices, n): per-slice column sums, reduced in order
-  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * blocks * slices * n), 0.0f);
+  const detail::TileShape tile = detail::tile_shape(args, options);
+  const std::int64_t row_tiles = (m + tile.rows - 1) / tile.rows, col_tiles = (n + tile.cols - 1) / tile.cols;
+  std::vector<float> colsums;  // (batch, row tile, n): column sums per row of tiles, reduced in order
+  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * row_tiles * n), 0.0f);
 
   std::vector<float> a32, b32, bpack;
   for (std::int64_t batch = 0; batch < args.batch; ++batch) {
@@ -365,85 +399,57 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
       bf = bpack.data();
     }
 
-    auto run_block = [&](std::int64_t blk_index, std::vector<float>& cbuf) {
-      const std::int64_t row0 = blk_index * row_block;
-      const std::int64_t rows = std::min(row_block, m - row0);
-      detail::CBlock blk{};
-      blk.row0 = row0;
-      blk.rows = rows;
+    // One task per tile: product, then the epilogue while the tile is in cache.
+    auto run_tile = [&](std::int64_t index) {
+      detail::use_single_threaded_blas();  // OpenMP OpenBLAS: per thread
+      const std::int64_t tile_row = index / col_tiles, tile_col = index % col_tiles;
+      detail::Tile t{};
+      t.row0 = tile_row * tile.rows;
+      t.rows = std::min(tile.rows, m - t.row0);
+      t.col0 = tile_col * tile.cols;
+      t.cols = std::min(tile.cols, n - t.col0);
       if constexpr (std::is_same_v<TC, float>) {
-        blk.c = c_b + args.offset(row0, 0, ldc);
-        blk.ldc = ldc;
+        t.c = c_b + args.offset(t.row0, t.col0, ldc);
+        t.ldc = ldc;
       } else {
-        // fp32 block buffer in C's layout, packed.
-        blk.ldc = args.packed_ld(rows, n);
-        cbuf.resize(static_cast<std::size_t>(rows * n));
-        blk.c = cbuf.data();
+        // fp32 tile buffer in C's layout, packed; kept per thread so big tiles are not re-faulted.
+        thread_local std::vector<float> buffer;
+        t.ldc = args.packed_ld(t.rows, t.cols);
+        buffer.resize(static_cast<std::size_t>(t.rows * t.cols));
+        t.c = buffer.data();
         if (args.beta != 0.0f)
-          for (std::int64_t r = 0; r < rows; ++r)
-            for (std::int64_t j = 0; j < n; ++j)
-              blk.c[args.offset(r, j, blk.ldc)] = to_float(c_b[args.offset(row0 + r, j, ldc)]);
+          for (std::int64_t r = 0; r < t.rows; ++r)
+            for (std::int64_t j = 0; j < t.cols; ++j)
+              t.c[args.offset(r, j, t.ldc)] = to_float(c_b[args.offset(t.row0 + r, t.col0 + j, ldc)]);
       }
-      // The block in `slices` fixed row slices, on the thread pool when it is big enough.
-      const std::int64_t slice_rows = (rows + slices - 1) / slices;
-      const bool threaded = gemm_uses_cblas() && rows * n >= detail::parallel_epilogue_elements;
-      auto for_slices = [&](auto&& fn) {  // fn(slice index, sub-block)
-        auto one = [&](std::int64_t slice) {
-          detail::CBlock sub = blk;
-          sub.row0 = blk.row0 + slice * slice_rows;
-          sub.rows = std::min(slice_rows, rows - slice * slice_rows);
-          if (sub.rows <= 0) return;
-          sub.c = blk.c + args.offset(slice * slice_rows, 0, blk.ldc);
-          fn(slice, sub);
-        };
-        if (threaded) {
-          parallel_for(slices, one);
-        } else {
-          for (std::int64_t slice = 0; slice < slices; ++slice) one(slice);
-        }
-      };
-      if constexpr (traits::has_bias) {
-        for_slices([&](std::int64_t, const detail::CBlock& sub) { detail::prefill_bias(args, sub, bias.data()); });
-        detail::block_product(product_args, af, lda, bf, ldb, blk);
-      } else {
-        detail::block_product(args, af, lda, bf, ldb, blk);
-      }
-      TE* pre = nullptr;
-      if constexpr (traits::reads_pre || traits::writes_pre) {
-        using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
-        static_assert(std::is_same_v<PreT, TE>);
-        if (ep.pre_activation) pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(row0, 0, ld_pre);
-      }
+      if constexpr (traits::has_bias) detail::prefill_bias(args, t, bias.data());
+      detail::tile_product(product_args, af, lda, bf, ldb, t);
       if constexpr (kind != EpilogueKind::none && kind != EpilogueKind::bias) {
-        for_slices([&](std::int64_t slice, const detail::CBlock& sub) {
-          TE* sub_pre = pre ? pre + args.offset(slice * slice_rows, 0, ld_pre) : nullptr;
-          float* colsum = nullptr;
-          if constexpr (traits::bias_grad) colsum = colsums.data() + ((batch * blocks + blk_index) * slices + slice) * n;
-          detail::apply_epilogue_block<kind, TE>(args, sub, sub_pre, ld_pre, colsum);
-        });
+        TE* pre = nullptr;
+        if constexpr (traits::reads_pre || traits::writes_pre) {
+          using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
+          static_assert(std::is_same_v<PreT, TE>);
+          if (ep.pre_activation)
+            pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(t.row0, t.col0, ld_pre);
+        }
+        float* colsum = nullptr;
+        if constexpr (traits::bias_grad) colsum = colsums.data() + (batch * row_tiles + tile_row) * n;
+        detail::apply_epilogue_tile<kind, TE>(args, t, pre, ld_pre, colsum);
       }
       if constexpr (!std::is_same_v<TC, float>) {
-        for (std::int64_t r = 0; r < rows; ++r)
-          for (std::int64_t j = 0; j < n; ++j)
-            c_b[args.offset(row0 + r, j, ldc)] = from_float<TC>(blk.c[args.offset(r, j, blk.ldc)]);
+        for (std::int64_t r = 0; r < t.rows; ++r)
+          for (std::int64_t j = 0; j < t.cols; ++j)
+            c_b[args.offset(t.row0 + r, t.col0 + j, ldc)] = from_float<TC>(t.c[args.offset(r, j, t.ldc)]);
       }
     };
-
-    if constexpr (gemm_uses_cblas()) {
-      std::vector<float> cbuf;  // fp32 block of a 16-bit C
-      for (std::int64_t blk = 0; blk < blocks; ++blk) run_block(blk, cbuf);
-    } else {
-      parallel_for(blocks, [&](std::int64_t blk) {
-        std::vector<float> cbuf;
-        run_block(blk, cbuf);
-      });
-    }
+    detail::use_single_threaded_blas();  // before any task starts (pthreads OpenBLAS: process-wide)
+    parallel_for(row_tiles * col_tiles, run_tile);
   }
 
   if constexpr (traits::bias_grad) {
     for (std::int64_t j = 0; j < n; ++j) {
       float s = ep.accumulate ? to_float(ep.bias_grad[j]) : 0.0f;
-      for (std::int64_t i = 0; i < args.batch * blocks * slices; ++i) s += colsums[i * n + j];
+      for (std::int64_t i = 0; i < args.batch * row_tiles; ++i) s += colsums[i * n + j];
       ep.bias_grad[j] = from_float<TE>(s);
     }
   }
