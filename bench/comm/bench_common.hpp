@@ -1,14 +1,21 @@
 // Shared by comm_bench (thread ranks) and comm_bench_mpi (OpenMPI): command line, nccl-tests
-// size conventions and bus-bandwidth factors, table rows, single-thread memcpy bandwidth.
+// size conventions and bus-bandwidth factors, table rows, single-thread memcpy bandwidth and the
+// ideal-traffic reference.
 #pragma once
 
 #include <algorithm>
+#include <barrier>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "support/report.hpp"
 
@@ -129,6 +136,90 @@ inline std::pair<double, double> memcpy_bandwidth(std::size_t bytes, int iters, 
   }
   if (b[bytes / 2] != 1) std::printf("memcpy check failed\n");
   return {static_cast<double>(bytes) / best / 1e9, static_cast<double>(bytes) / (total / trials) / 1e9};
+}
+
+// The op's memory traffic and nothing else, as a reference for what this machine allows: every
+// hardware thread takes a contiguous share of `stream_bytes`, and for each 64-byte line sums it
+// over `reads` input streams and stores the sum into `writes` output streams (streaming stores),
+// with no synchronisation between the threads. A shared-memory collective must read every input
+// and write every output at least once, so it cannot beat this by much: all_gather is 1 read
+// stream of `size` and `ranks` write streams; reduce_scatter `ranks` reads and 1 write; all_reduce
+// `ranks` of each (the thread backend's own traffic, see comm/threads.hpp). Returns the fastest
+// block's seconds per call, timed like the collectives.
+inline double ideal_traffic_seconds(int reads, int writes, std::size_t stream_bytes, int iters, int trials) {
+  const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::size_t floats = std::max<std::size_t>(stream_bytes / sizeof(float) / 64 * 64, 64);
+  std::vector<float*> in(static_cast<std::size_t>(reads)), out(static_cast<std::size_t>(writes));
+  for (auto& p : in) {
+    p = static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float)));
+    std::fill(p, p + floats, 1.0f);
+  }
+  for (auto& p : out) {
+    p = static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float)));
+    std::fill(p, p + floats, 0.0f);
+  }
+  auto lines = [&](std::size_t lo, std::size_t hi) {
+    const float* const* src = in.data();
+    float* const* dst = out.data();
+    for (std::size_t i = lo; i < hi; i += 16) {
+#if defined(__AVX512F__)
+      __m512 sum = _mm512_load_ps(src[0] + i);
+      for (int k = 1; k < reads; ++k) sum = _mm512_add_ps(sum, _mm512_load_ps(src[k] + i));
+      for (int o = 0; o < writes; ++o) _mm512_stream_ps(dst[o] + i, sum);
+#else
+      alignas(64) float sum[16];
+      for (int j = 0; j < 16; ++j) sum[j] = src[0][i + j];
+      for (int k = 1; k < reads; ++k)
+        for (int j = 0; j < 16; ++j) sum[j] += src[k][i + j];
+      for (int o = 0; o < writes; ++o) {
+#if defined(__AVX__)
+        _mm256_stream_ps(dst[o] + i, _mm256_load_ps(sum));
+        _mm256_stream_ps(dst[o] + i + 8, _mm256_load_ps(sum + 8));
+#elif defined(__SSE2__)
+        for (int j = 0; j < 16; j += 4) _mm_stream_ps(dst[o] + i + j, _mm_load_ps(sum + j));
+#else
+        std::memcpy(dst[o] + i, sum, sizeof sum);
+#endif
+      }
+#endif
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+  };
+  double best = 1e30;
+  std::barrier sync(threads);
+  auto body = [&](int t) {
+    const std::size_t lo = floats / 16 * t / threads * 16, hi = floats / 16 * (t + 1) / threads * 16;
+    for (int trial = -1; trial < trials; ++trial) {  // trial -1: warm-up
+      sync.arrive_and_wait();
+      const double t0 = now_seconds();
+      for (int i = 0; i < iters; ++i) lines(lo, hi);
+      sync.arrive_and_wait();
+      if (t == 0 && trial >= 0) best = std::min(best, (now_seconds() - t0) / iters);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  body(0);
+  for (auto& th : pool) th.join();
+  if (out[0][floats / 2] != static_cast<float>(reads)) std::printf("ideal traffic check failed\n");
+  for (auto* p : in) std::free(p);
+  for (auto* p : out) std::free(p);
+  return best;
+}
+
+// Read and write streams of the thread backend's op (see ideal_traffic_seconds), and the bytes of
+// each stream, for an op of nccl-tests size `bytes` on `ranks` ranks; {0, 0, 0} for other ops.
+struct Traffic {
+  int reads = 0, writes = 0;
+  std::size_t stream_bytes = 0;
+};
+inline Traffic op_traffic(const std::string& op, std::size_t bytes, int ranks) {
+  if (op == "all_gather") return {1, ranks, bytes};
+  if (op == "reduce_scatter") return {ranks, 1, bytes};
+  if (op == "all_reduce") return {ranks, ranks, bytes};
+  return {};
 }
 
 // Elements of `out` (out_count of them, on rank r of n) that differ from the closed form the

@@ -53,6 +53,7 @@ import glob, json, os, statistics, sys
 rows, memcpy = {}, {}
 for path in glob.glob(os.path.join(sys.argv[1], "*.json")):
     for r in json.load(open(path))["rows"]:
+        r["op"] = r["op"].removeprefix("ideal:")  # comm_bench's ideal-traffic rows, backend "ideal"
         best, mean = r["busbw"], r.get("busbw_mean", r["busbw"])
         if r["backend"] == "memcpy":
             memcpy.setdefault(int(r["bytes"]), []).append((best, mean))
@@ -78,4 +79,17 @@ for key in sorted(rows):
         tv, mv, tmv, mcv = med(t, i), med(m, i), med(tm, i), med(mc, i)
         cells.append(f"{tv:8.2f} {mv:8.2f} {tv / mv if m else float('nan'):5.1f}x {tmv:8.2f} {mcv:7.2f} {tv / mcv:6.0%}")
     print(f"{op:15} {n:5d} {size >> 20:4d}Mi | {cells[0]} | {cells[1]} | {wrong:.0f}")
+
+# The thread backend against the ideal traffic of its op (comm_bench's "ideal" rows, same runs:
+# the op's reads and writes alone on all hardware threads, no synchronisation), and the goal of
+# 50% of single-thread memcpy against that ideal: above 100%, no shared-memory algorithm gets there.
+print()
+print("# thread backend vs ideal traffic (busbw GB/s, best block, median over repeats)")
+print(f"{'op':15} {'ranks':>5} {'size':>6} | {'threads':>8} {'ideal':>8} {'thr/id':>7} | {'goal':>8} {'goal/id':>8}")
+for key in sorted(rows):
+    op, n, size = key
+    if "ideal" not in rows[key] or "threads" not in rows[key]:
+        continue
+    t, ideal, goal = med(rows[key]["threads"], 0), med(rows[key]["ideal"], 0), 0.5 * med(memcpy.get(size, []), 0)
+    print(f"{op:15} {n:5d} {size >> 20:4d}Mi | {t:8.2f} {ideal:8.2f} {t / ideal:7.0%} | {goal:8.2f} {goal / ideal:8.0%}")
 PY
