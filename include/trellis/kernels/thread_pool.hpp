@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -21,13 +22,20 @@ namespace trellis::kernels::host {
 
 class ThreadPool {
  public:
+  // How long a worker keeps polling for the next call, and the caller for the workers' last tasks,
+  // before sleeping on a condition variable. Sleeping at once costs two futex wake-ups per call
+  // (measured: 45 us per parallel_for on this VM, against ~1 us when both sides poll), and a
+  // training step makes hundreds of kernel calls; polling longer would take cores from other
+  // threads (rank threads outnumbering cores) the way OpenBLAS' 0.1 s spin does.
+  static constexpr std::chrono::microseconds poll_time{50};
+
   explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
     for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
   ~ThreadPool() {
     {
       std::lock_guard lock(mutex_);
-      stop_ = true;
+      stop_.store(true);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -53,18 +61,32 @@ class ThreadPool {
       count_ = count;
       next_.store(0);
       error_ = nullptr;
-      active_ = static_cast<int>(workers_.size());
-      ++generation_;
+      active_.store(static_cast<int>(workers_.size()));
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     run_tasks();
-    std::unique_lock lock(mutex_);
-    done_.wait(lock, [this] { return active_ == 0; });
+    if (!poll_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock lock(mutex_);
+      done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+    }
     task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
+  // Polls `ready` for up to poll_time; true once it holds.
+  template <class Ready>
+  static bool poll_until(Ready&& ready) {
+    const auto until = std::chrono::steady_clock::now() + poll_time;
+    for (int spins = 0;; ++spins) {
+      if (ready()) return true;
+      if ((spins & 63) == 63 && std::chrono::steady_clock::now() >= until) return ready();
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+      __builtin_ia32_pause();
+#endif
+    }
+  }
   void run_tasks() {
     for (;;) {
       std::int64_t i = next_.fetch_add(1);
@@ -81,16 +103,17 @@ class ThreadPool {
   void worker_loop() {
     std::uint64_t seen = 0;
     for (;;) {
-      {
+      auto called = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
+      if (!poll_until(called)) {
         std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        wake_.wait(lock, called);
       }
+      if (stop_.load()) return;
+      seen = generation_.load(std::memory_order_acquire);
       run_tasks();
-      {
-        std::lock_guard lock(mutex_);
-        if (--active_ == 0) done_.notify_one();
+      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard lock(mutex_);  // the caller tests active_ under the mutex before it sleeps
+        done_.notify_one();
       }
     }
   }
@@ -104,9 +127,9 @@ class ThreadPool {
   std::int64_t count_ = 0;
   std::atomic<std::int64_t> next_{0};
   std::exception_ptr error_;
-  int active_ = 0;
-  std::uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> active_{0};
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 // Threads the host kernels use: the hardware concurrency unless set_num_threads() said otherwise
