@@ -65,11 +65,7 @@ inline std::size_t parse_size(const std::string& s) {
   return static_cast<std::size_t>(v * static_cast<double>(mult));
 }
 
-inline std::string arg_value(int argc, char** argv, const char* flag, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
-  return fallback;
-}
+using trellis::bench::flag_value;
 
 struct Settings {
   std::vector<std::size_t> sizes;
@@ -82,11 +78,11 @@ struct Settings {
 
   static Settings parse(int argc, char** argv, const char* default_ops) {
     Settings s;
-    for (auto& v : parse_list(arg_value(argc, argv, "--sizes", "8K,64K,1M,16M,64M"))) s.sizes.push_back(parse_size(v));
-    s.ops = parse_list(arg_value(argc, argv, "--op", default_ops));
-    s.warmup = std::atoi(arg_value(argc, argv, "--warmup", "3").c_str());
-    s.min_iters = std::atoi(arg_value(argc, argv, "--iters", "5").c_str());
-    s.trials = std::max(1, std::atoi(arg_value(argc, argv, "--trials", "1").c_str()));
+    for (auto& v : parse_list(flag_value(argc, argv, "--sizes", "8K,64K,1M,16M,64M"))) s.sizes.push_back(parse_size(v));
+    s.ops = parse_list(flag_value(argc, argv, "--op", default_ops));
+    s.warmup = std::atoi(flag_value(argc, argv, "--warmup", "3").c_str());
+    s.min_iters = std::atoi(flag_value(argc, argv, "--iters", "5").c_str());
+    s.trials = std::max(1, std::atoi(flag_value(argc, argv, "--trials", "1").c_str()));
     s.json = json_path(argc, argv);
     return s;
   }

@@ -4,7 +4,7 @@
 //              [--json FILE]
 // Every size also gets a row of single-thread memcpy bandwidth (the machine's reference), so the
 // table says how close the collectives come to moving memory at one core's copy speed. all_gather,
-// reduce_scatter and all_reduce also get an "ideal" row: the op's reads and writes alone, on all
+// reduce_scatter and all_reduce of 4 MiB and more also get an "ideal" row: the op's reads and writes alone, on all
 // hardware threads with no synchronisation (cb::ideal_traffic_seconds), in busbw, which is about
 // what any shared-memory algorithm can reach on this machine (--no-ideal drops those rows).
 // Data are small integers so every result is exact: #wrong counts elements that differ from the
@@ -28,7 +28,7 @@ namespace cb = trellis::bench::comm;
 static bool is_reduction(const std::string& op) { return op == "all_reduce" || op == "reduce_scatter"; }
 
 int main(int argc, char** argv) {
-  const int ranks = std::atoi(cb::arg_value(argc, argv, "--ranks", "2").c_str());
+  const int ranks = std::atoi(cb::flag_value(argc, argv, "--ranks", "2").c_str());
   auto settings = cb::Settings::parse(argc, argv, "all_reduce,all_gather,reduce_scatter,all_to_all");
   const bool with_memcpy = !tb::has_flag(argc, argv, "--no-memcpy");
   const bool with_ideal = !tb::has_flag(argc, argv, "--no-ideal");
@@ -82,7 +82,8 @@ int main(int argc, char** argv) {
       json.add(cb::print_row("threads", op_name.c_str(), ranks, bytes, count, "float", is_reduction(op_name) ? "sum" : "none",
                              seconds, op.bus_factor(ranks), wrong.load(), mean_seconds));
       const cb::Traffic traffic = cb::op_traffic(op_name, bytes, ranks);
-      if (with_ideal && traffic.reads > 0) {
+      // Only where memory bandwidth rules: below 4 MiB the reference's own barriers dominate.
+      if (with_ideal && traffic.reads > 0 && bytes >= (std::size_t{4} << 20)) {
         const double ideal = cb::ideal_traffic_seconds(traffic.reads, traffic.writes, traffic.stream_bytes, iters,
                                                        settings.trials);
         json.add(cb::print_row("ideal", ("ideal:" + op_name).c_str(), ranks, bytes, count, "float", "-", ideal,

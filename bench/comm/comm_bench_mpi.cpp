@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
   auto settings = cb::Settings::parse(argc, argv, "all_reduce,all_gather,reduce_scatter,all_to_all");
-  const auto impls = cb::parse_list(cb::arg_value(argc, argv, "--impl", "openmpi,trellis_mpi"));
+  const auto impls = cb::parse_list(cb::flag_value(argc, argv, "--impl", "openmpi,trellis_mpi"));
   tb::JsonReport json("comm_bench_mpi");
   {
     // trellis communicators (each a duplicate of MPI_COMM_WORLD); destroyed before MPI_Finalize.

@@ -19,20 +19,8 @@
 #include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/metrics.hpp"
 
-namespace {
-
-long long int_flag(int argc, char** argv, const char* name, long long fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
-  return fallback;
-}
-double double_flag(int argc, char** argv, const char* name, double fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return std::atof(argv[i + 1]);
-  return fallback;
-}
-
-}  // namespace
+using trellis::bench::double_flag;
+using trellis::bench::int_flag;
 
 int main(int argc, char** argv) {
   const std::string json = trellis::bench::json_path(argc, argv);

@@ -129,15 +129,11 @@ std::vector<float> filled(std::size_t n, std::uint32_t seed) {
 
 }  // namespace
 
-extern "C" void openblas_set_num_threads(int);
-
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--threads") == 0) {
-      openblas_set_num_threads(std::atoi(argv[i + 1]));
-      host::set_num_threads(std::atoi(argv[i + 1]));
-    }
+  // --threads N: the kernel pool's threads; the reference's OpenBLAS gets as many (blas_peer.hpp).
+  if (const long long threads = tb::int_flag(argc, argv, "--threads", 0); threads > 0)
+    host::set_num_threads(static_cast<int>(threads));
   const std::int64_t heads = 4, d = 64;
   std::vector<std::int64_t> lengths = {512, 1024, 2048, 4096};
   if (quick) lengths = {512, 1024};

@@ -60,14 +60,9 @@ double cpu_seconds() {
 
 int main(int argc, char** argv) {
   const bool quick = tb::has_flag(argc, argv, "--quick");
-  int repeat = 1;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--threads") == 0) {
-      const int threads = std::atoi(argv[i + 1]);
-      host::set_num_threads(threads);
-    }
-    if (std::strcmp(argv[i], "--repeat") == 0) repeat = std::max(1, std::atoi(argv[i + 1]));
-  }
+  const int repeat = std::max(1, static_cast<int>(tb::int_flag(argc, argv, "--repeat", 1)));
+  if (const long long threads = tb::int_flag(argc, argv, "--threads", 0); threads > 0)
+    host::set_num_threads(static_cast<int>(threads));
   std::vector<Shape> shapes = {
       {256, 768, 768, "none", 20},       {1024, 3072, 768, "bias_gelu", 10}, {1024, 768, 3072, "bias", 10},
       {4096, 3072, 768, "bias_gelu", 5}, {4096, 768, 768, "bias", 8},        {4096, 3072, 768, "none", 5},

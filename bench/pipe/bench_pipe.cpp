@@ -78,22 +78,6 @@ class TimedStage {
   bool busy_;
 };
 
-int int_arg(int argc, char** argv, const char* flag, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return std::atoi(argv[i + 1]);
-  return fallback;
-}
-double double_arg(int argc, char** argv, const char* flag, double fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return std::atof(argv[i + 1]);
-  return fallback;
-}
-std::string string_arg(int argc, char** argv, const char* flag, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
-  return fallback;
-}
-
 pipe::Timeline run_once(const pipe::Schedule& s, const pipe::Costs& costs, bool busy) {
   std::vector<pipe::ExecutionResult> per_rank(s.stages);
   const auto origin = Clock::now();
@@ -137,12 +121,12 @@ pipe::Costs measured_costs(const pipe::Schedule& s, const pipe::Timeline& t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int p = int_arg(argc, argv, "--p", 4);
-  const int m = int_arg(argc, argv, "--m", 8);
-  const int iters = std::max(1, int_arg(argc, argv, "--iters", 5));
-  const double t = double_arg(argc, argv, "--t-ms", 5.0) * 1e-3;
+  const int p = static_cast<int>(bench::int_flag(argc, argv, "--p", 4));
+  const int m = static_cast<int>(bench::int_flag(argc, argv, "--m", 8));
+  const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
+  const double t = bench::double_flag(argc, argv, "--t-ms", 5.0) * 1e-3;
   const bool busy = bench::has_flag(argc, argv, "--busy");
-  const std::string svg_dir = string_arg(argc, argv, "--svg-dir", ".");
+  const std::string svg_dir = bench::flag_value(argc, argv, "--svg-dir", ".");
   std::filesystem::create_directories(svg_dir);  // the pictures go there; make it if missing
   const pipe::Costs costs{t, t, t, 0};
 

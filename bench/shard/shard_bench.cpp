@@ -34,11 +34,7 @@ using namespace trellis::shard;
 
 namespace {
 
-const char* arg_value(int argc, char** argv, const char* flag, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
-  return fallback;
-}
+using trellis::bench::int_flag;
 
 // One op, both variants, on one mesh axis of `n` ranks; rows of `cols` floats, `rows` = n * k.
 template <class Mesh>
@@ -122,8 +118,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string op = argv[at + 1], variant = argv[at + 2];
-    const long elements = std::atol(arg_value(argc, argv, "--elements", "262144"));
-    const int iters = std::atoi(arg_value(argc, argv, "--iters", "4"));
+    const long elements = static_cast<long>(int_flag(argc, argv, "--elements", 262144));
+    const int iters = static_cast<int>(int_flag(argc, argv, "--iters", 4));
     float sink = 0;
     comm::ThreadWorld(1).run([&](auto& world) {
       auto mesh = make_mesh<tp>(world, {1});
@@ -134,7 +130,7 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  const int ranks = std::atoi(arg_value(argc, argv, "--ranks", "2"));
+  const int ranks = static_cast<int>(int_flag(argc, argv, "--ranks", 2));
   bench::JsonReport report("shard_redistribute");
   std::printf("redistribute vs the bare collective, %d thread ranks, fp32 (time per call, us)\n", ranks);
   std::printf("%-15s %10s %12s %12s %12s %12s %9s\n", "op", "elements", "direct_min", "redist_min", "direct_med",

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -84,12 +85,23 @@ class JsonReport {
   std::vector<Row> rows_;
 };
 
-// Returns the value after `--json` in argv, or "".
-inline std::string json_path(int argc, char** argv) {
+// The value after `flag` in argv ("--iters 5"), or `fallback`.
+inline std::string flag_value(int argc, char** argv, const char* flag, const std::string& fallback = {}) {
   for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--json") == 0) return argv[i + 1];
-  return {};
+    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
+  return fallback;
 }
+inline long long int_flag(int argc, char** argv, const char* flag, long long fallback) {
+  const std::string v = flag_value(argc, argv, flag);
+  return v.empty() ? fallback : std::atoll(v.c_str());
+}
+inline double double_flag(int argc, char** argv, const char* flag, double fallback) {
+  const std::string v = flag_value(argc, argv, flag);
+  return v.empty() ? fallback : std::atof(v.c_str());
+}
+
+// Returns the value after `--json` in argv, or "".
+inline std::string json_path(int argc, char** argv) { return flag_value(argc, argv, "--json"); }
 
 inline bool has_flag(int argc, char** argv, const char* flag) {
   for (int i = 1; i < argc; ++i)

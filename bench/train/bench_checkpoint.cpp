@@ -21,17 +21,10 @@
 using namespace trellis;
 using namespace trellis::train;
 
-namespace {
-std::string arg_value(int argc, char** argv, const char* flag, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == flag) return argv[i + 1];
-  return fallback;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
-  const double mb = std::atof(arg_value(argc, argv, "--mb", "64").c_str());
-  const int iters = std::atoi(arg_value(argc, argv, "--iters", "3").c_str());
+  const double mb = trellis::bench::double_flag(argc, argv, "--mb", 64);
+  const int iters = static_cast<int>(trellis::bench::int_flag(argc, argv, "--iters", 3));
   const auto dir = std::filesystem::temp_directory_path() / ("trellis-bench-ckpt-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
 

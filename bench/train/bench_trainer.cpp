@@ -33,13 +33,6 @@ struct TorchResult {
   std::string note;
 };
 
-// --iters N (default 5): timed repetitions of each side; the minimum is reported (the least
-// disturbed run on a shared machine), the median beside it.
-int iters_flag(int argc, char** argv) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == "--iters") return std::max(1, std::atoi(argv[i + 1]));
-  return 5;
-}
 
 TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
   const char* env = std::getenv("TRELLIS_PYTHON");
@@ -79,7 +72,9 @@ int main(int argc, char** argv) {
   c.batch = 4;
   c.microbatches = 1;
   c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
-  const int warmup = 1, iters = quick ? 2 : iters_flag(argc, argv);
+  // --iters N (default 5): timed repetitions of each side; the minimum is reported (the least
+  // disturbed run on a shared machine), the median beside it.
+  const int warmup = 1, iters = quick ? 2 : std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
   const double tokens = static_cast<double>(c.batch * c.seq);
 
   const double floor_s = bench::gpt_sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
