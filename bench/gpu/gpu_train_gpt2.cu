@@ -1,4 +1,4 @@
-// GPT-2 124M training throughput on one GPU: train::FlatTrainer<nn::CudaOps> (bf16 compute, fp32
+// GPT-2 124M training throughput on one GPU: train::FlatTrainer<backend::Cuda> (bf16 compute, fp32
 // master weights, AdamW, clipping), synthetic tokens. Prints ms/step, tokens/s and MFU against the
 // GPU's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, 312 for A100; --peak-tflops to state another),
 // model FLOPs as llm.c counts them: 6 N + 12 L C T per token. llm.c reports about 50% MFU for this
@@ -15,7 +15,8 @@
 
 #include "support/cuda_device.hpp"
 #include "support/report.hpp"
-#include "trellis/nn/flat_gpt_cuda.cuh"
+#include "trellis/backend/cuda.cuh"
+#include "trellis/nn/flat_gpt.hpp"
 #include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/metrics.hpp"
 
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
   TRELLIS_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   trellis::bench::JsonReport report("gpu_train_gpt2");
   {
-    trellis::train::FlatTrainer<trellis::nn::CudaOps> trainer(cfg, trellis::nn::CudaOps(stream));
+    trellis::train::FlatTrainer<trellis::backend::Cuda> trainer(cfg, trellis::backend::Cuda(stream));
     const double n_params = static_cast<double>(trainer.model().parameter_count());
     std::printf("# gpu_train_gpt2 on %s: GPT-2 124M (%.1fM parameters), B=%lld T=%lld, bf16 compute, fp32 master\n",
                 prop.name, n_params / 1e6, (long long)cfg.batch, (long long)cfg.seq);
@@ -84,11 +85,11 @@ int main(int argc, char** argv) {
     std::printf("%10s %12s %10s %12s %8s | loss %.4f -> %.4f (same batch repeated)\n", "ms/step", "tokens/s",
                 "TFLOP/s", "peak TFLOP/s", "MFU", first_loss, last_loss);
     std::printf("%10.2f %12.0f %10.1f %12.0f %7.1f%%\n", median * 1e3, tok_s, fpt * tok_s / 1e12, peak / 1e12, mfu * 100);
-    std::printf("dGELU epilogue: %s\n", trainer.model().ops().dgelu_fused() ? "fused into cuBLASLt" : "separate pass (cuBLASLt refused it)");
+    std::printf("dGELU epilogue: %s\n", trainer.model().backend().dgelu_fused() ? "fused into cuBLASLt" : "separate pass (cuBLASLt refused it)");
     trellis::bench::Row row;
     row.add("batch", (long long)cfg.batch).add("seq", (long long)cfg.seq).add("ms_per_step", median * 1e3, "%.3f");
     row.add("tokens_per_s", tok_s, "%.0f").add("model_tflops", fpt * tok_s / 1e12).add("peak_tflops", peak / 1e12);
-    row.add("mfu", mfu, "%.4f").add("dgelu_fused", trainer.model().ops().dgelu_fused() ? 1LL : 0LL).add("loss_first", first_loss, "%.4f").add("loss_last", last_loss, "%.4f");
+    row.add("mfu", mfu, "%.4f").add("dgelu_fused", trainer.model().backend().dgelu_fused() ? 1LL : 0LL).add("loss_first", first_loss, "%.4f").add("loss_last", last_loss, "%.4f");
     report.add(row);
   }
   TRELLIS_CHECK_CUDA(cudaStreamSynchronize(stream));

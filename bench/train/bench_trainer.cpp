@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
   double f_min = 0, f_med = 0;
   {
-    train::FlatTrainer<nn::HostOps<float>> flat(c);
+    train::FlatTrainer<backend::Host<float>> flat(c);
     std::tie(f_min, f_med) = bench::time_min_median([&] { flat.step(b); }, warmup, iters);
   }
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);

@@ -1,11 +1,12 @@
-// train_gpt --backend cuda: the same training loop (run.hpp) driving train::FlatTrainer<nn::CudaOps>
+// train_gpt --backend cuda: the same training loop (run.hpp) driving train::FlatTrainer<backend::Cuda>
 // on one GPU (bf16 compute, fp32 master weights). Compiled only in CUDA builds.
 #include <cuda_runtime_api.h>
 
 #include <string>
 
 #include "run.hpp"
-#include "trellis/nn/flat_gpt_cuda.cuh"
+#include "trellis/backend/cuda.cuh"
+#include "trellis/nn/flat_gpt.hpp"
 #include "trellis/train/flat_trainer.hpp"
 
 namespace train_gpt {
@@ -31,7 +32,7 @@ Outcome run_cuda(const Options& o, const Data& data) {
   TRELLIS_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Outcome out;
   {
-    train::FlatTrainer<nn::CudaOps> trainer(trainer_config(o), nn::CudaOps(stream));
+    train::FlatTrainer<backend::Cuda> trainer(trainer_config(o), backend::Cuda(stream));
     std::printf("device: %s\n", prop.name);
     run_training(trainer, true, 0, static_cast<double>(trainer.model().parameter_count()), o, data, peak,
                  "one GPU, no", out);

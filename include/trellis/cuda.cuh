@@ -2,6 +2,7 @@
 // and the CUDA kernels.
 #pragma once
 
+#include "trellis/backend/cuda.cuh"
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
 #include "trellis/kernels_cuda.cuh"

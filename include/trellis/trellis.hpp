@@ -6,6 +6,7 @@
 #include "trellis/comm.hpp"
 #include "trellis/shard.hpp"
 #include "trellis/kernels.hpp"
+#include "trellis/backend.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
 #include "trellis/nn.hpp"

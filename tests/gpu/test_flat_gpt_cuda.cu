@@ -1,11 +1,11 @@
-// The CUDA trainer path (nn::FlatGpt / train::FlatTrainer with CudaOps: bf16 compute, fp32 master
+// The CUDA trainer path (nn::FlatGpt / train::FlatTrainer with backend::Cuda: bf16 compute, fp32 master
 // weights) against the host fp32 reference (nn::GptModel, train::Trainer on one thread rank):
 //  - the same config and seed give bit-identical initial fp32 parameters on the device;
 //  - one forward + backward: loss within 5e-3 relative, every gradient within 5e-2 norm-relative;
 //  - two training steps (AdamW, clipping, LR schedule): both losses within 5e-3 relative and the
 //    trained weights within 2e-2 norm-relative per tensor (5e-2 for the zero-initialised biases).
 // The same tolerances hold for bf16 rounding alone: tests/train/test_flat_trainer.cpp runs the
-// identical comparison with HostOps<bfloat16> on the host.
+// identical comparison with backend::Host<bfloat16> on the host.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -16,10 +16,11 @@
 
 #include "support/gpu_test.hpp"
 #include "train/test_trainer_support.hpp"
-#include "trellis/nn/flat_gpt_cuda.cuh"
+#include "trellis/backend/cuda.cuh"
+#include "trellis/nn/flat_gpt.hpp"
 #include "trellis/train/flat_trainer.hpp"
 
-using trellis::nn::CudaOps;
+using CudaBackend = trellis::backend::Cuda;
 using trellis::nn::FlatGpt;
 using trellis::train::FlatTrainer;
 using trellis_gpu_test::Stream;
@@ -63,7 +64,7 @@ TEST_CASE("CUDA FlatGpt: loss and gradients of one step match the host fp32 mode
   });
 
   Stream stream;
-  FlatGpt<CudaOps> gpu(cfg.model, cfg.options, CudaOps(stream));
+  FlatGpt<CudaBackend> gpu(cfg.model, cfg.options, CudaBackend(stream));
   for (const auto& t : gpu.tensors()) {
     INFO(t.name);
     CHECK(gpu.value(t.name) == ref_values.at(t.name));
@@ -87,7 +88,7 @@ TEST_CASE("CUDA FlatTrainer: two steps match the host Trainer within bf16 tolera
   train(cfg, steps, ref, ref_weights);
 
   Stream stream;
-  FlatTrainer<CudaOps> t(cfg, CudaOps(stream));
+  FlatTrainer<CudaBackend> t(cfg, CudaBackend(stream));
   trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
   for (int s = 0; s < steps; ++s) {
     const double loss = t.step(loader.next()).loss;
@@ -99,4 +100,49 @@ TEST_CASE("CUDA FlatTrainer: two steps match the host Trainer within bf16 tolera
     INFO(ten.name << ": norm-relative weight error " << err);
     CHECK(err <= 2e-2);
   }
+}
+
+TEST_CASE("backend::Cuda head permutes equal backend::Host's, both row orders", "[gpu][backend]") {
+  Stream stream;
+  CudaBackend gpu(stream);
+  trellis::backend::Host<trellis::bfloat16> host;
+  const std::int64_t B = 2, T = 7, H = 3, D = 8, ld = 3 * H * D;
+  const auto values = trellis_gpu_test::random_vector<float>(static_cast<std::size_t>(B * T * ld), 5);
+  std::vector<trellis::bfloat16> rows(values.begin(), values.end());
+  for (auto order : {trellis::kernels::RowOrder::sequence_major, trellis::kernels::RowOrder::batch_major}) {
+    const trellis::kernels::HeadsLayout l{B, T, H, D, order};
+    std::vector<trellis::bfloat16> want(static_cast<std::size_t>(l.elements()));
+    host.rows_to_heads(l, rows.data() + H * D, ld, want.data());
+    auto d_rows = trellis_gpu_test::to_device(rows, stream);
+    trellis::Buffer<trellis::bfloat16, trellis::Cuda> d_heads(want.size(), stream, true);
+    gpu.rows_to_heads(l, d_rows.data() + H * D, ld, d_heads.data());
+    const auto got = trellis_gpu_test::to_host(d_heads);
+    for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(got[i].bits == want[i].bits);
+    // and back into zeroed rows: exactly the head columns reappear
+    trellis::Buffer<trellis::bfloat16, trellis::Cuda> d_back(rows.size(), stream, true);
+    gpu.heads_to_rows(l, d_heads.data(), d_back.data() + H * D, ld);
+    const auto back = trellis_gpu_test::to_host(d_back);
+    for (std::int64_t r = 0; r < B * T; ++r)
+      for (std::int64_t c = 0; c < ld; ++c) {
+        const auto i = static_cast<std::size_t>(r * ld + c);
+        const bool head_column = c >= H * D && c < 2 * H * D;
+        REQUIRE(back[i].bits == (head_column ? rows[i].bits : trellis::bfloat16(0.0f).bits));
+      }
+  }
+}
+
+TEST_CASE("backend::Cuda refuses a kernel whose workspace was not reserved at set-up", "[gpu][backend]") {
+  Stream stream;
+  CudaBackend gpu(stream);
+  const std::int64_t rows = 64, cols = 256;
+  const std::size_t need = gpu.column_sums_workspace(rows, cols);
+  REQUIRE(need > 0);
+  trellis::Buffer<trellis::bfloat16, trellis::Cuda> x(static_cast<std::size_t>(rows * cols), stream, true);
+  trellis::Buffer<float, trellis::Cuda> sums(static_cast<std::size_t>(cols), stream, true);
+  CHECK_THROWS_WITH(gpu.column_sums(rows, cols, cols, x.data(), sums.data()),
+                    Catch::Contains("column_sums needs") && Catch::Contains("reserve_workspace"));
+  gpu.reserve_workspace(need);
+  CHECK(gpu.workspace_reserved() >= need);
+  CHECK_NOTHROW(gpu.column_sums(rows, cols, cols, x.data(), sums.data()));
+  gpu.synchronize();
 }

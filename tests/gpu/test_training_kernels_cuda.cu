@@ -220,7 +220,7 @@ TEST_CASE("CUDA vocab-parallel cross-entropy pieces match the host (two shards o
 
 TEST_CASE("CUDA embedding matches the host (repeated tokens, positions, vocab shards)", "[gpu][embedding]") {
   Stream stream;
-  k::host::EmbeddingArgs args;
+  k::EmbeddingArgs args;
   args.batch = 3, args.seq = 17, args.dim = 96, args.vocab_rows = 50, args.positions = 20;
   std::vector<std::int32_t> tokens(args.batch * args.seq);
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7) % 11);  // repeats
@@ -305,7 +305,7 @@ TEST_CASE("CUDA multi-tensor AdamW and grad norm match the host", "[gpu][adamw]"
     gv.push_back(to_device(v.back(), stream));
     gg.push_back(to_device(g.back(), stream));
   }
-  std::vector<k::host::AdamWTensor<bfloat16>> host_tensors, dev_tensors;
+  std::vector<k::AdamWTensor<bfloat16>> host_tensors, dev_tensors;
   std::vector<std::span<const bfloat16>> host_grads, dev_grads;
   for (int t = 0; t < tensors; ++t) {
     float decay = t % 3 == 0 ? 0.0f : 1.0f;
@@ -324,12 +324,12 @@ TEST_CASE("CUDA multi-tensor AdamW and grad norm match the host", "[gpu][adamw]"
   const double got = to_host(gnorm)[0];
   REQUIRE(std::fabs(got - norm2) <= 1e-9 * norm2);
 
-  k::host::AdamWConfig config;
+  k::AdamWConfig config;
   config.lr = 1e-3f, config.weight_decay = 0.1f;
   const float scale = k::host::clip_scale(std::sqrt(norm2), 1.0);
   for (std::int64_t step = 1; step <= 3; ++step) {
     k::host::adamw_step(host_tensors, config, step, scale);
-    k::cuda::adamw_step(std::span<const k::host::AdamWTensor<bfloat16>>(dev_tensors), config, step, scale, stream);
+    k::cuda::adamw_step(std::span<const k::AdamWTensor<bfloat16>>(dev_tensors), config, step, scale, stream);
   }
   for (int t = 0; t < tensors; ++t) {
     INFO("tensor " << t);

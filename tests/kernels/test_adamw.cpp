@@ -14,7 +14,7 @@ using trellis_test::require_close;
 
 TEST_CASE("adamw multi-tensor step vs double reference over 5 steps", "[kernels][adamw]") {
   const std::vector<std::size_t> sizes = {1, 100, 70000};  // one tensor spans several chunks
-  host::AdamWConfig cfg;
+  kernels::AdamWConfig cfg;
   cfg.lr = 3e-3f, cfg.beta1 = 0.9f, cfg.beta2 = 0.95f, cfg.eps = 1e-8f, cfg.weight_decay = 0.1f;
   std::vector<std::vector<float>> p, g, m, v;
   std::vector<std::vector<double>> rp, rm, rv;
@@ -30,7 +30,7 @@ TEST_CASE("adamw multi-tensor step vs double reference over 5 steps", "[kernels]
   const float decay_mult[] = {0.0f, 1.0f, 1.0f};
   const float grad_scale = 0.5f;
   for (int step = 1; step <= 5; ++step) {
-    std::vector<host::AdamWTensor<float>> tensors;
+    std::vector<kernels::AdamWTensor<float>> tensors;
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       g[t] = random_vector<float>(sizes[t], 100 * step + t, -2.0f, 2.0f);
       tensors.push_back({p[t], g[t], m[t], v[t], decay_mult[t]});
@@ -59,18 +59,18 @@ TEST_CASE("adamw with bfloat16 gradients equals fp32 gradients of the same value
   auto p1 = random_vector<float>(5000, 4);
   auto p2 = p1;
   std::vector<float> m1(5000), v1(5000), m2(5000), v2(5000);
-  host::AdamWConfig cfg;
-  host::adamw_step(std::vector<host::AdamWTensor<bfloat16>>{{p1, g16, m1, v1}}, cfg, 1);
-  host::adamw_step(std::vector<host::AdamWTensor<float>>{{p2, g32, m2, v2}}, cfg, 1);
+  kernels::AdamWConfig cfg;
+  host::adamw_step(std::vector<kernels::AdamWTensor<bfloat16>>{{p1, g16, m1, v1}}, cfg, 1);
+  host::adamw_step(std::vector<kernels::AdamWTensor<float>>{{p2, g32, m2, v2}}, cfg, 1);
   REQUIRE(p1 == p2);
   REQUIRE(v1 == v2);
 }
 
 TEST_CASE("adamw rejects mismatched tensors and step 0", "[kernels][adamw]") {
   std::vector<float> p(4), g(3), m(4), v(4);
-  REQUIRE_THROWS_AS(host::adamw_step(std::vector<host::AdamWTensor<float>>{{p, g, m, v}}, {}, 1), Error);
+  REQUIRE_THROWS_AS(host::adamw_step(std::vector<kernels::AdamWTensor<float>>{{p, g, m, v}}, {}, 1), Error);
   std::vector<float> g4(4);
-  REQUIRE_THROWS_AS(host::adamw_step(std::vector<host::AdamWTensor<float>>{{p, g4, m, v}}, {}, 0), Error);
+  REQUIRE_THROWS_AS(host::adamw_step(std::vector<kernels::AdamWTensor<float>>{{p, g4, m, v}}, {}, 0), Error);
 }
 
 TEST_CASE("global gradient norm (fp64) and clip factor", "[kernels][adamw]") {

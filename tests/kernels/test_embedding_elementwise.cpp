@@ -16,7 +16,7 @@ using trellis_test::random_vector;
 using trellis_test::require_close;
 
 TEST_CASE("embedding forward and backward (repeated tokens) vs plain loops", "[kernels][embedding]") {
-  host::EmbeddingArgs a;
+  kernels::EmbeddingArgs a;
   a.batch = 3, a.seq = 17, a.dim = 130, a.vocab_rows = 11, a.positions = 20;
   std::vector<std::int32_t> tokens(a.batch * a.seq);
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * i + 3) % 11);
@@ -50,7 +50,7 @@ TEST_CASE("embedding forward and backward (repeated tokens) vs plain loops", "[k
 }
 
 TEST_CASE("vocab-sharded embedding: the sum over shards equals the full table", "[kernels][embedding]") {
-  host::EmbeddingArgs full;
+  kernels::EmbeddingArgs full;
   full.batch = 2, full.seq = 9, full.dim = 16, full.vocab_rows = 10, full.positions = 9;
   std::vector<std::int32_t> tokens(full.batch * full.seq);
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((5 * i + 1) % 10);

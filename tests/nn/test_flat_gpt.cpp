@@ -1,9 +1,9 @@
 // nn::FlatGpt (the one-device GPT-2 the CUDA backend runs) against nn::GptModel on one thread rank
 // (the reference model, itself checked against a double-precision reference in test_gpt.cpp):
 //  - the same config and seed give bit-identical initial parameters (names, shapes, values);
-//  - HostOps<float>: loss within 1e-5 relative, every gradient within 1e-4 (norm-relative) —
+//  - backend::Host<float>: loss within 1e-5 relative, every gradient within 1e-4 (norm-relative) —
 //    only the summation orders differ (batch-major rows here, sequence-major there);
-//  - HostOps<bfloat16>: the CUDA path's rounding points (bf16 activations and GEMM operands, fp32
+//  - backend::Host<bfloat16>: the CUDA path's rounding points (bf16 activations and GEMM operands, fp32
 //    accumulation, statistics and gradients) on the host: loss within 2e-3 relative, gradients
 //    within 3e-2 norm-relative (measured: 1e-5 and 0.5-0.8%). These are the tolerances the GPU test (tests/gpu/test_flat_gpt_cuda.cu)
 //    uses for CudaOps, so they are shown here to hold for bf16 rounding alone;
@@ -30,7 +30,7 @@ using trellis::nn::FlatShape;
 using trellis::nn::GptConfig;
 using trellis::nn::GptModel;
 using trellis::nn::GptOptions;
-using trellis::nn::HostOps;
+namespace backend = trellis::backend;
 
 using nn_test::norm_relative;
 
@@ -108,11 +108,11 @@ void compare_with_reference(double loss_tol, double grad_tol) {
 }  // namespace
 
 TEST_CASE("FlatGpt fp32 on the host equals the single-rank GptModel", "[nn][flat_gpt]") {
-  compare_with_reference<HostOps<float>>(1e-5, 1e-4);
+  compare_with_reference<backend::Host<float>>(1e-5, 1e-4);
 }
 
 TEST_CASE("FlatGpt with bf16 activations stays within bf16 tolerance of the fp32 model", "[nn][flat_gpt][bf16]") {
-  compare_with_reference<HostOps<bfloat16>>(2e-3, 3e-2);
+  compare_with_reference<backend::Host<bfloat16>>(2e-3, 3e-2);
 }
 
 TEST_CASE("FlatGpt accumulates microbatches: two halves equal the whole batch", "[nn][flat_gpt]") {
@@ -122,7 +122,7 @@ TEST_CASE("FlatGpt accumulates microbatches: two halves equal the whole batch", 
   auto targets = ids("targets", B * T, cfg.vocab);
   targets[3] = -1;  // an ignored position: excluded from the loss and the token count
   const double count = B * T - 1;
-  FlatGpt<HostOps<float>> whole(cfg), halves(cfg);
+  FlatGpt<backend::Host<float>> whole(cfg), halves(cfg);
   whole.zero_grad(), halves.zero_grad();
   const double l_whole = whole.forward_backward({B, T}, tokens.data(), targets.data(), count);
   const double l_halves = halves.forward_backward({B / 2, T}, tokens.data(), targets.data(), count) +
@@ -133,13 +133,13 @@ TEST_CASE("FlatGpt accumulates microbatches: two halves equal the whole batch", 
     CHECK(norm_relative(halves.grad(t.name), whole.grad(t.name)) <= 1e-5);
   }
   // evaluate() is the forward of forward_backward
-  FlatGpt<HostOps<float>> fresh(cfg);
+  FlatGpt<backend::Host<float>> fresh(cfg);
   CHECK(std::fabs(fresh.evaluate({B, T}, tokens.data(), targets.data(), count) - l_whole) <= 1e-6 * l_whole);
 }
 
 TEST_CASE("FlatGpt refuses bad input with a message", "[nn][flat_gpt][errors]") {
   const GptConfig cfg = tiny();
-  FlatGpt<HostOps<float>> flat(cfg);
+  FlatGpt<backend::Host<float>> flat(cfg);
   std::vector<std::int32_t> tokens(16, 1), targets(16, 2);
   tokens[5] = 96;
   CHECK_THROWS_WITH(flat.forward_backward({1, 16}, tokens.data(), targets.data(), 16),
@@ -149,6 +149,6 @@ TEST_CASE("FlatGpt refuses bad input with a message", "[nn][flat_gpt][errors]") 
                     Catch::Contains("sequence must be in 1..16"));
   GptOptions drop;
   drop.dropout = 0.1f;
-  CHECK_THROWS_WITH(FlatGpt<HostOps<float>>(cfg, drop), Catch::Contains("dropout is not supported"));
+  CHECK_THROWS_WITH(FlatGpt<backend::Host<float>>(cfg, drop), Catch::Contains("dropout is not supported"));
   CHECK_THROWS_WITH(flat.value("h.9.ln_1.weight"), Catch::Contains("no parameter named 'h.9.ln_1.weight'"));
 }

@@ -376,6 +376,7 @@ namespace {
 class LoggingComm {
  public:
   using request_type = comm::ThreadComm::request_type;
+  using space = Host;
   LoggingComm(Comm& inner, std::vector<std::string>& log) : inner_(&inner), log_(&log) {}
   int rank() const { return inner_->rank(); }
   int size() const { return inner_->size(); }

@@ -30,6 +30,7 @@ struct LoopbackRequest {
 // One rank, device buffers: every collective is a device-to-device copy on the default stream.
 struct DeviceLoopbackComm {
   using request_type = LoopbackRequest;
+  using space = trellis::Cuda;
   int* calls;
   int rank() const { return 0; }
   int size() const { return 1; }

@@ -25,6 +25,7 @@ struct CountingRequest {
 
 struct CountingComm {
   using request_type = CountingRequest;
+  using space = trellis::Host;
   struct Counts {
     int all_reduce = 0, all_gather = 0, reduce_scatter = 0, all_to_all = 0, broadcast = 0, other = 0;
     int total() const { return all_reduce + all_gather + reduce_scatter + all_to_all + broadcast + other; }

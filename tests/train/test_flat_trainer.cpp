@@ -1,7 +1,7 @@
 // train::FlatTrainer (the one-device trainer the CUDA backend runs) against train::Trainer, fp32 on
 // the host: same config, same data => the same losses for 6 steps (1e-5 relative) and the same final
 // weights (1e-4 norm-relative per tensor), on one rank and data parallel over 2 thread ranks with
-// 2 microbatches; with bf16 activations (HostOps<bfloat16>, the CUDA path's rounding) within the
+// 2 microbatches; with bf16 activations (backend::Host<bfloat16>, the CUDA path's rounding) within the
 // GPU test's tolerances; layouts it cannot run are refused before any work.
 #include <catch2/catch.hpp>
 
@@ -16,7 +16,7 @@
 #include "trellis/train/flat_trainer.hpp"
 
 using trellis::comm::ThreadComm;
-using trellis::nn::HostOps;
+namespace backend = trellis::backend;
 using trellis::train::FlatTrainer;
 using namespace trainer_test;
 
@@ -29,7 +29,7 @@ struct FlatRun {
   std::map<std::string, std::vector<float>> weights;
 };
 
-template <class Ops = HostOps<float>>
+template <class Ops = backend::Host<float>>
 FlatRun train_flat(const TrainerConfig& cfg, int steps) {
   FlatRun out;
   std::mutex mutex;
@@ -95,7 +95,7 @@ TEST_CASE("FlatTrainer with bf16 activations: two steps within bf16 tolerance of
   RunResult ref;
   nn_test::Collector ref_weights;
   train(cfg, 2, ref, ref_weights);
-  const FlatRun flat = train_flat<HostOps<trellis::bfloat16>>(cfg, 2);
+  const FlatRun flat = train_flat<backend::Host<trellis::bfloat16>>(cfg, 2);
   for (int s = 0; s < 2; ++s) {
     INFO("step " << s << ": bf16 " << flat.losses[s] << " fp32 " << ref.losses[s]);
     CHECK(std::fabs(flat.losses[s] - ref.losses[s]) <= 5e-3 * std::fabs(ref.losses[s]));
@@ -122,7 +122,7 @@ TEST_CASE("FlatTrainer checkpoints interoperate with Trainer layouts", "[train][
 
   std::vector<double> flat_losses;
   {
-    FlatTrainer<HostOps<float>> t(cfg);
+    FlatTrainer<backend::Host<float>> t(cfg);
     trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
     loader.restore(t.load(dir.path / "a").data);
     CHECK(t.step_count() == 3);
@@ -137,7 +137,7 @@ TEST_CASE("FlatTrainer checkpoints interoperate with Trainer layouts", "[train][
   RunResult third;
   nn_test::Collector w3;
   train(cfg_tp2, 2, third, w3, dir.path / "b");
-  FlatTrainer<HostOps<float>> t(cfg);
+  FlatTrainer<backend::Host<float>> t(cfg);
   trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
   loader.restore(t.load(dir.path / "b").data);
   for (int s = 0; s < 2; ++s) {
@@ -149,11 +149,11 @@ TEST_CASE("FlatTrainer checkpoints interoperate with Trainer layouts", "[train][
 TEST_CASE("FlatTrainer refuses layouts it cannot run", "[train][flat][errors]") {
   TrainerConfig c = tiny_config();
   c.tp = 2;
-  CHECK_THROWS_WITH(FlatTrainer<HostOps<float>>(c), Catch::Contains("use --pp 1 --tp 1"));
+  CHECK_THROWS_WITH(FlatTrainer<backend::Host<float>>(c), Catch::Contains("use --pp 1 --tp 1"));
   c = tiny_config();
   c.zero1 = true;
-  CHECK_THROWS_WITH(FlatTrainer<HostOps<float>>(c), Catch::Contains("--zero1 is not supported"));
+  CHECK_THROWS_WITH(FlatTrainer<backend::Host<float>>(c), Catch::Contains("--zero1 is not supported"));
   c = tiny_config();
   c.model.heads = 3;
-  CHECK_THROWS_WITH(FlatTrainer<HostOps<float>>(c), Catch::Contains("not divisible by --heads 3"));
+  CHECK_THROWS_WITH(FlatTrainer<backend::Host<float>>(c), Catch::Contains("not divisible by --heads 3"));
 }

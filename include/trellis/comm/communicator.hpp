@@ -10,6 +10,7 @@
 #include <span>
 
 #include "trellis/core/dtype.hpp"
+#include "trellis/core/space.hpp"
 
 namespace trellis::comm {
 
@@ -62,8 +63,12 @@ struct P2POp {
 //  split(color, key)               sub-communicator of the ranks with the same color, ordered
 //                                  by key then rank (MPI_Comm_split semantics).
 // avg divides the sum by size() after reducing (integers: truncating division).
+// Every communicator names the memory space of the buffers it takes (C::space: Host for thread
+// ranks and MPI, Cuda for NCCL), so a layer can check at compile time that its compute backend
+// and its communicator agree (backend::CompatibleWith). Requests also have wait_on(stream): the
+// stream waits for the operation (NCCL: an event; host: a plain wait on HostStream).
 template <class C>
-concept Communicator = requires(C& c, const C& cc, const float* in, float* out, std::size_t n,
+concept Communicator = MemorySpace<typename C::space> && requires(C& c, const C& cc, const float* in, float* out, std::size_t n,
                                 int peer, ReduceOp op, std::span<const std::size_t> counts,
                                 std::span<const P2POp> ops, std::chrono::milliseconds timeout) {
   typename C::request_type;

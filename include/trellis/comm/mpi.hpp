@@ -636,6 +636,9 @@ class MpiRequest {
     state_->finish(std::move(pending_));
   }
 
+  // The host has one implicit stream: waiting "on" it is waiting.
+  void wait_on(HostStream) { wait(); }
+
   bool test() {
     if (!pending_) return true;
     const std::uint64_t seq = pending_->call.seq;
@@ -678,6 +681,7 @@ class MpiRequest {
 class MpiComm {
  public:
   using request_type = MpiRequest;
+  using space = Host;  // buffers are host memory
 
   // Duplicates `comm` (collective over it). `label` names the communicator in errors and dumps.
   explicit MpiComm(MPI_Comm comm, std::string label = "mpi")

@@ -329,6 +329,7 @@ class NcclGroup {
 class NcclComm {
  public:
   using request_type = NcclRequest;
+  using space = Cuda;  // buffers are device memory of this communicator's GPU
 
   // One communicator per listed local GPU, in one process (ncclCommInitAll); each gets its own
   // non-blocking stream on its device.

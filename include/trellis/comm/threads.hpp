@@ -1181,6 +1181,9 @@ class ThreadRequest {
     if (first) std::rethrow_exception(first);
   }
 
+  // The host has one implicit stream: waiting "on" it is waiting.
+  void wait_on(HostStream) { wait(); }
+
   bool test() {
     if (!owner_) return true;
     for (auto& part : parts_)
@@ -1202,6 +1205,7 @@ class ThreadRequest {
 class ThreadComm {
  public:
   using request_type = ThreadRequest;
+  using space = Host;  // buffers are host memory
 
   // Sends of at most this many bytes are copied and complete at once (no rendezvous).
   static constexpr std::size_t eager_limit = 64 * 1024;

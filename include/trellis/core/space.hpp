@@ -16,4 +16,10 @@ struct Cuda {
 template <class S>
 concept MemorySpace = std::is_same_v<S, Host> || std::is_same_v<S, Cuda>;
 
+// The host's stream and event: work issued on the host has finished when the call returns, so
+// "wait for this on a stream" is a plain wait and recording an event records nothing. They let
+// code written for CUDA streams (cudaStream_t, cudaEvent_t) run unchanged on the host.
+struct HostStream {};
+struct HostEvent {};
+
 }  // namespace trellis

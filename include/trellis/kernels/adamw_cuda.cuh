@@ -24,9 +24,6 @@
 
 namespace trellis::kernels::cuda {
 
-using host::AdamWConfig;
-using host::AdamWTensor;
-
 inline constexpr int kAdamWTensorsPerLaunch = 32;
 inline constexpr std::int64_t kOptimChunk = 8192;  // elements per block
 inline constexpr int kOptimThreads = 256;
@@ -115,7 +112,7 @@ inline int chunks_of(std::int64_t n) { return static_cast<int>((n + kOptimChunk 
 template <class G>
 void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
                 float grad_scale, cudaStream_t stream) {
-  const host::detail::AdamWScalars scalars = host::detail::adamw_prepare(tensors, config, step);
+  const kernels::detail::AdamWScalars scalars = kernels::detail::adamw_prepare(tensors, config, step);
   const float step_size = scalars.step_size, inv_sqrt_bc2 = scalars.inv_sqrt_bc2;
   device::MultiTensorBatch<G> batch;
   auto flush = [&] {

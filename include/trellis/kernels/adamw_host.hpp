@@ -21,27 +21,11 @@
 
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
+#include "trellis/kernels/adamw.hpp"
 #include "trellis/kernels/host_math.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 
 namespace trellis::kernels::host {
-
-struct AdamWConfig {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.01f;
-};
-
-template <class G = float>
-struct AdamWTensor {
-  std::span<float> param;
-  std::span<const G> grad;
-  std::span<float> m;
-  std::span<float> v;
-  float decay_mult = 1.0f;  // 0 for tensors without weight decay (biases, norms)
-};
 
 namespace detail {
 inline constexpr std::int64_t optim_chunk = 1 << 15;
@@ -56,33 +40,12 @@ std::vector<std::pair<std::int64_t, std::int64_t>> tensor_chunks(std::span<const
   return chunks;
 }
 
-// Checks an AdamW call and returns its bias-corrected scalars; shared by the host and CUDA steps so
-// both validate alike and use the very same step_size / inv_sqrt_bc2 (computed in fp64).
-struct AdamWScalars {
-  float step_size;     // lr / (1 - beta1^t)
-  float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^t)
-};
-template <class G>
-AdamWScalars adamw_prepare(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step) {
-  TRELLIS_CHECK(step >= 1, "adamw_step: step counts from 1, got ", step);
-  TRELLIS_CHECK(config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
-                "adamw_step: betas must be in [0, 1), got ", config.beta1, ", ", config.beta2);
-  for (std::size_t t = 0; t < tensors.size(); ++t) {
-    const auto& x = tensors[t];
-    TRELLIS_CHECK(x.grad.size() == x.param.size() && x.m.size() == x.param.size() && x.v.size() == x.param.size(),
-                  "adamw_step: tensor ", t, " has param/grad/m/v of sizes ", x.param.size(), "/", x.grad.size(), "/",
-                  x.m.size(), "/", x.v.size());
-  }
-  const double bc1 = 1.0 - std::pow(static_cast<double>(config.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(config.beta2), static_cast<double>(step));
-  return {static_cast<float>(config.lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2))};
-}
 }  // namespace detail
 
 template <class G>
 void adamw_step(std::span<const AdamWTensor<G>> tensors, const AdamWConfig& config, std::int64_t step,
                 float grad_scale = 1.0f) {
-  const detail::AdamWScalars scalars = detail::adamw_prepare(tensors, config, step);
+  const kernels::detail::AdamWScalars scalars = kernels::detail::adamw_prepare(tensors, config, step);
   const float step_size = scalars.step_size, inv_sqrt_bc2 = scalars.inv_sqrt_bc2;
   const float b1 = config.beta1, b2 = config.beta2, eps = config.eps;
   auto chunks = detail::tensor_chunks<AdamWTensor<G>>(

@@ -19,8 +19,6 @@
 
 namespace trellis::kernels::cuda {
 
-using host::EmbeddingArgs;
-
 namespace device {
 // grid (batch * seq, ceil(dim / 256))
 template <class T, class W>

@@ -16,20 +16,11 @@
 
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
+#include "trellis/kernels/embedding.hpp"
 #include "trellis/kernels/host_math.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 
 namespace trellis::kernels::host {
-
-struct EmbeddingArgs {
-  std::int64_t batch = 1;
-  std::int64_t seq = 0;
-  std::int64_t dim = 0;
-  std::int64_t vocab_rows = 0;   // rows of wte held here
-  std::int64_t vocab_start = 0;  // global id of row 0 of wte
-  std::int64_t positions = 0;    // rows of wpe (>= seq when wpe is given)
-  bool sharded = false;
-};
 
 namespace detail {
 inline void check_embedding(const EmbeddingArgs& a, const std::int32_t* tokens, const void* wpe) {

@@ -93,8 +93,8 @@ class VocabParallelEmbedding {
 
  private:
   // Lookup of `rows` ids (sequence-major) in this rank's wte rows, without positions.
-  kernels::host::EmbeddingArgs token_args(index_t rows) const {
-    kernels::host::EmbeddingArgs a;
+  kernels::EmbeddingArgs token_args(index_t rows) const {
+    kernels::EmbeddingArgs a;
     a.batch = 1;
     a.seq = rows;
     a.dim = width_;

@@ -28,7 +28,7 @@ struct AdamW {
   float eps = 1e-8f;
   float weight_decay = 0.01f;
 
-  kernels::host::AdamWConfig config(float lr_now) const { return {lr_now, beta1, beta2, eps, weight_decay}; }
+  kernels::AdamWConfig config(float lr_now) const { return {lr_now, beta1, beta2, eps, weight_decay}; }
 };
 
 // Checkpoint names of the moments of parameter `param` (e.g. "optimizer.m.h.0.attn.c_attn.weight").
@@ -76,14 +76,14 @@ class AdamWState {
                   " params and ", grads.size(), " grads for a state of ", tensors(), " tensors");
     TRELLIS_CHECK(decay_mults.empty() || decay_mults.size() == tensors(), "AdamW update: ", decay_mults.size(),
                   " decay multipliers for ", tensors(), " tensors");
-    std::vector<kernels::host::AdamWTensor<G>> work;
+    std::vector<kernels::AdamWTensor<G>> work;
     work.reserve(tensors());
     for (std::size_t i = 0; i < tensors(); ++i) {
       TRELLIS_CHECK(params[i].size() == m_[i].size(), "AdamW update: tensor ", i, " has ", params[i].size(),
                     " parameters but the state holds ", m_[i].size());
       work.push_back({params[i], grads[i], m(i), v(i), decay_mults.empty() ? 1.0f : decay_mults[i]});
     }
-    kernels::host::adamw_step<G>(std::span<const kernels::host::AdamWTensor<G>>(work), hp.config(lr_now),
+    kernels::host::adamw_step<G>(std::span<const kernels::AdamWTensor<G>>(work), hp.config(lr_now),
                                  step_ + 1, grad_scale);
     ++step_;
   }

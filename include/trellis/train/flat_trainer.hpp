@@ -1,15 +1,15 @@
-// train::FlatTrainer<Ops>: training steps of an nn::FlatGpt (a whole GPT-2 per rank, one device),
-// optionally data parallel over a communicator whose memory space matches Ops (ThreadComm or
-// MpiComm with HostOps, NcclComm with CudaOps):
+// train::FlatTrainer<B>: training steps of an nn::FlatGpt (a whole GPT-2 per rank, one device),
+// optionally data parallel over a communicator whose memory space matches the backend B
+// (ThreadComm or MpiComm with backend::Host, NcclComm with backend::Cuda; checked at compile time):
 //
-//   FlatTrainer<nn::CudaOps> t(cfg, ops);           // cfg: TrainerConfig with pp = tp = 1, no ZeRO
+//   FlatTrainer<backend::Cuda> t(cfg, be);           // cfg: TrainerConfig with pp = tp = 1, no ZeRO
 //   StepResult r = t.step(batch);                   // one GPU
 //   StepResult r = t.step(batch, &nccl_dp_comm);    // dp ranks, gradients all-reduced (sum)
 //
 // A step: per microbatch forward + backward into the flat fp32 gradient (loss normalised by the
 // global token count, as train::Trainer); dp: during the last microbatch's backward each block's
 // gradient range starts an asynchronous all-reduce as soon as the block is done (overlapping the
-// earlier blocks' backward), wte/wpe/ln_f at the end; NcclComm: give it the Ops stream
+// earlier blocks' backward), wte/wpe/ln_f at the end; NcclComm: give it the backend's stream
 // (set_stream) so each reduction is ordered after the kernels that wrote its range; global
 // gradient norm, clip factor and AdamW (fp32 master weights and moments, weight decay on matrices
 // only, warm-up + cosine LR at the optimizer's step count); then the act_t weight copy is
@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "trellis/backend/backend.hpp"
 #include "trellis/comm/communicator.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/adamw_host.hpp"
@@ -59,23 +60,24 @@ inline std::vector<std::string> flat_config_problems(const TrainerConfig& c) {
   return out;
 }
 
-template <class Ops>
+template <backend::Backend B>
 class FlatTrainer {
  public:
-  explicit FlatTrainer(const TrainerConfig& cfg, Ops ops = {}) : cfg_(cfg), model_(checked(cfg), cfg.options, ops) {
-    auto& o = model_.ops();
+  explicit FlatTrainer(const TrainerConfig& cfg, B be = {}) : cfg_(cfg), model_(checked(cfg), cfg.options, be) {
+    auto& o = model_.backend();
     const auto n = static_cast<std::size_t>(model_.flat_size());
     m_ = o.template allocate<float>(n);
     v_ = o.template allocate<float>(n);
   }
 
-  nn::FlatGpt<Ops>& model() { return model_; }
+  nn::FlatGpt<B>& model() { return model_; }
   const TrainerConfig& config() const { return cfg_; }
   std::int64_t step_count() const { return step_; }
 
   // One optimizer step on one rank's rows (batch.rows = global batch / dp).
   StepResult step(const Batch& batch) { return step_impl(batch, static_cast<NoComm*>(nullptr)); }
   template <comm::Communicator C>
+    requires backend::CompatibleWith<B, C>
   StepResult step(const Batch& batch, C* dp) {
     return step_impl(batch, dp);
   }
@@ -87,7 +89,7 @@ class FlatTrainer {
     CheckpointWriter w(root, step_, 0, 1);
     std::vector<std::vector<float>> keep;  // host copies, alive until finish()
     keep.reserve(3 * model_.tensors().size());
-    auto& o = model_.ops();
+    auto& o = model_.backend();
     for (const nn::FlatTensor& t : model_.tensors()) {
       const Box box = full_box(t.shape);
       const auto n = static_cast<std::size_t>(t.numel);
@@ -112,7 +114,7 @@ class FlatTrainer {
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck(step_dir);
     TrainState s = load_train_state(ck, 0);
-    auto& o = model_.ops();
+    auto& o = model_.backend();
     for (const nn::FlatTensor& t : model_.tensors()) {
       const Box box = full_box(t.shape);
       std::vector<float> host(static_cast<std::size_t>(t.numel));
@@ -131,6 +133,7 @@ class FlatTrainer {
   // Global mean loss of a batch without training.
   double evaluate(const Batch& batch) { return evaluate_impl(batch, static_cast<NoComm*>(nullptr)); }
   template <comm::Communicator C>
+    requires backend::CompatibleWith<B, C>
   double evaluate(const Batch& batch, C* dp) {
     return evaluate_impl(batch, dp);
   }
@@ -154,7 +157,7 @@ class FlatTrainer {
       return x;
     } else {
       if (dp == nullptr || dp->size() == 1) return x;
-      auto& o = model_.ops();
+      auto& o = model_.backend();
       auto buf = o.template allocate<double>(1);  // in the communicator's memory space
       o.upload(buf.data(), &x, 1);
       dp->all_reduce(buf.data(), buf.data(), 1, comm::ReduceOp::sum);
@@ -222,24 +225,22 @@ class FlatTrainer {
       }
     }
     if (!last_done) loss += microbatch(last, nn::NoBlockHook{});
-    auto& o = model_.ops();
+    auto& o = model_.backend();
     StepResult r;
     r.loss = all_reduce_scalar(loss, dp);
-    std::vector<std::span<const float>> grads;
-    for (const nn::FlatTensor& t : model_.tensors())
-      grads.emplace_back(model_.grads() + t.offset, static_cast<std::size_t>(t.numel));
+    const auto grads = model_.grad_tensors();
     r.grad_norm = std::sqrt(o.sum_of_squares(std::span<const std::span<const float>>(grads)));
     r.clip_scale = cfg_.clip > 0 ? kernels::host::clip_scale(r.grad_norm, cfg_.clip) : 1.0f;
     const float lr = static_cast<float>(cfg_.lr(step_));
     r.lr = lr;
-    std::vector<kernels::host::AdamWTensor<float>> work;
+    std::vector<kernels::AdamWTensor<float>> work;
     for (const nn::FlatTensor& t : model_.tensors()) {
       const auto n = static_cast<std::size_t>(t.numel);
       work.push_back({std::span<float>(model_.params() + t.offset, n), std::span<const float>(model_.grads() + t.offset, n),
                       std::span<float>(m_.data() + t.offset, n), std::span<float>(v_.data() + t.offset, n),
                       t.decay ? 1.0f : 0.0f});
     }
-    o.adamw(std::span<const kernels::host::AdamWTensor<float>>(work), cfg_.adamw.config(lr), step_ + 1, r.clip_scale);
+    o.adamw(std::span<const kernels::AdamWTensor<float>>(work), cfg_.adamw.config(lr), step_ + 1, r.clip_scale);
     ++step_;
     model_.refresh_low_precision();
     r.step = step_;
@@ -263,8 +264,8 @@ class FlatTrainer {
   }
 
   TrainerConfig cfg_;
-  nn::FlatGpt<Ops> model_;
-  typename Ops::template buffer<float> m_, v_;
+  nn::FlatGpt<B> model_;
+  typename B::template buffer<float> m_, v_;
   std::int64_t step_ = 0;
 };
 

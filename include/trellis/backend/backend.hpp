@@ -1,0 +1,100 @@
+// The compute-backend concept: the one interface through which layers, models and trainers run
+// kernels and hold memory. A backend names
+//   - its memory space (trellis::Host or trellis::Cuda) and activation type act_t (the GEMM
+//     operand and activation dtype: fp32, or bf16 with fp32 accumulation and statistics);
+//   - buffers (owning, zeroed), copies in and out of its memory, a stream and events (empty
+//     types on the host, where every call has finished when it returns);
+//   - CUB-style workspace queries, asked at set-up for the largest shapes, then one
+//     reserve_workspace(max): no scratch grows in the middle of a step;
+//   - the kernels the layers call, with backend-neutral contracts (kernels::GemmArgs and
+//     epilogues, AttentionArgs, HeadsLayout, EmbeddingArgs, AdamWTensor/AdamWConfig).
+// Backends: backend::Host<float>, backend::Host<bfloat16> (backend/host.hpp) and backend::Cuda
+// (backend/cuda.cuh, bf16). docs/backend.md says why the layers take a backend and what it owns.
+//
+// A layer runs collectives on the activations it computes, so its communicator must live in the
+// same memory space: CompatibleWith<B, C> is checked at compile time (ThreadComm and MpiComm are
+// host communicators, NcclComm a CUDA one).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "trellis/core/space.hpp"
+#include "trellis/core/tensor.hpp"
+#include "trellis/kernels/adamw.hpp"
+#include "trellis/kernels/attention.hpp"
+#include "trellis/kernels/embedding.hpp"
+#include "trellis/kernels/epilogue.hpp"
+#include "trellis/kernels/heads.hpp"
+
+namespace trellis::backend {
+
+template <class B>
+concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const float* cf, float* f,
+                           typename B::act_t* x, const typename B::act_t* cx, const std::int32_t* ids,
+                           const kernels::GemmArgs& gemm, const kernels::AttentionArgs& attn,
+                           const kernels::HeadsLayout& heads, const kernels::EmbeddingArgs& emb,
+                           std::span<const std::span<const float>> grads,
+                           std::span<const kernels::AdamWTensor<float>> adamw, const kernels::AdamWConfig& cfg) {
+  typename B::space;
+  requires MemorySpace<typename B::space>;
+  typename B::act_t;
+  typename B::stream_type;
+  typename B::event_type;
+  typename B::template buffer<float>;
+  typename B::template buffer<typename B::act_t>;
+  { cb.stream() } -> std::same_as<typename B::stream_type>;
+  { cb.record_event() } -> std::same_as<typename B::event_type>;
+  cb.synchronize();
+  // memory
+  { cb.template allocate<float>(n) } -> std::same_as<typename B::template buffer<float>>;
+  cb.upload(f, cf, n);
+  cb.download(f, cf, n);
+  cb.copy(f, cf, n);
+  cb.fill_zero(f, n);
+  // workspace
+  { cb.layernorm_backward_workspace(i, i) } -> std::same_as<std::size_t>;
+  { cb.attention_backward_workspace(attn) } -> std::same_as<std::size_t>;
+  { cb.column_sums_workspace(i, i) } -> std::same_as<std::size_t>;
+  { cb.sum_of_squares_workspace(grads) } -> std::same_as<std::size_t>;
+  b.reserve_workspace(n);
+  { cb.workspace_reserved() } -> std::same_as<std::size_t>;
+  // kernels
+  b.convert(n, cf, x);
+  b.gemm(gemm, cx, cx, x);
+  b.gemm(gemm, cx, cx, f);
+  b.layernorm_forward(i, i, cx, cf, cf, x, f, f, 1e-5f);
+  b.layernorm_backward(i, i, cx, cx, cf, cf, cf, x, f, f, true);
+  b.attention_forward(attn, cx, cx, cx, x, f);
+  b.attention_backward(attn, cx, cx, cx, cx, cx, cf, x, x, x);
+  b.rows_to_heads(heads, cx, i, x);
+  b.heads_to_rows(heads, cx, x, i);
+  b.xent_forward_backward(i, i, i, x, ids, f, 1.0f);
+  b.xent_forward(i, i, i, cx, ids, f);
+  b.xent_partial_max(i, i, i, cx, f);
+  b.xent_partial_sumexp(i, i, i, cx, cf, f);
+  b.xent_partial_target(i, i, i, cx, ids, i, f);
+  b.xent_finish(i, cf, cf, cf, ids, f, f);
+  b.xent_backward_sharded(i, i, i, cx, ids, i, cf, 1.0f, x, i);
+  b.embedding_forward(emb, ids, cf, cf, x);
+  b.embedding_backward(emb, ids, cx, f, f);
+  b.gelu_forward(i, cx, x);
+  b.gelu_backward(i, cx, cx, x);
+  b.add(i, cx, cx, x);
+  b.column_sums(i, i, i, cx, f);
+  { b.sum_of_squares(grads) } -> std::convertible_to<double>;
+  { b.sum(cf, n) } -> std::convertible_to<double>;
+  b.adamw(adamw, cfg, std::int64_t{1}, 1.0f);
+};
+
+// A communicator names the memory space its buffers live in (C::space).
+template <class C>
+using space_of = typename C::space;
+
+// Layers built on backend B run collectives of communicator C on B's buffers.
+template <class B, class C>
+concept CompatibleWith = Backend<B> && std::same_as<typename B::space, space_of<C>>;
+
+}  // namespace trellis::backend

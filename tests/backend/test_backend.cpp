@@ -1,0 +1,90 @@
+// backend::Host<float | bfloat16> and the Backend / CompatibleWith concepts.
+//  - compile time: both host backends model Backend; a host backend agrees with ThreadComm and
+//    refuses a communicator whose buffers live in CUDA memory;
+//  - the head permutes against the index formula written out here (both row orders), and their
+//    round trip;
+//  - Host<bfloat16>::convert rounds like bfloat16's own conversion (round to nearest even);
+//  - workspace: queries answer 0 on the host, reserve_workspace only grows.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <vector>
+
+#include "trellis/backend.hpp"
+#include "trellis/comm/threads.hpp"
+
+using namespace trellis;
+
+namespace {
+
+// A communicator type that names CUDA memory (only its space matters to CompatibleWith).
+struct CudaSpaceComm {
+  using space = trellis::Cuda;
+};
+
+static_assert(backend::Backend<backend::Host<float>>);
+static_assert(backend::Backend<backend::Host<bfloat16>>);
+static_assert(backend::CompatibleWith<backend::Host<float>, comm::ThreadComm>);
+static_assert(backend::CompatibleWith<backend::Host<bfloat16>, comm::ThreadComm>);
+static_assert(!backend::CompatibleWith<backend::Host<float>, CudaSpaceComm>);
+static_assert(!backend::Backend<int>);
+
+// Row of token (b, t) as the layers and FlatGpt lay them out.
+std::int64_t expected_row(kernels::RowOrder order, std::int64_t B, std::int64_t T, std::int64_t b, std::int64_t t) {
+  return order == kernels::RowOrder::sequence_major ? t * B + b : b * T + t;
+}
+
+}  // namespace
+
+TEST_CASE("head permutes follow the [batch, heads, seq, head_dim] formula in both row orders", "[backend]") {
+  const std::int64_t B = 3, T = 5, H = 2, D = 4, ld = 3 * H * D + 2;  // a q/k/v-packed row with padding
+  backend::Host<float> be;
+  for (auto order : {kernels::RowOrder::sequence_major, kernels::RowOrder::batch_major}) {
+    const kernels::HeadsLayout l{B, T, H, D, order};
+    std::vector<float> rows(static_cast<std::size_t>(B * T * ld));
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) + 0.5f;
+    const std::int64_t col0 = H * D;  // the k columns of the packed row
+    std::vector<float> heads(static_cast<std::size_t>(l.elements()), -1.0f);
+    be.rows_to_heads(l, rows.data() + col0, ld, heads.data());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t d = 0; d < D; ++d) {
+            const std::int64_t i = ((b * H + h) * T + t) * D + d;
+            const std::int64_t r = expected_row(order, B, T, b, t);
+            REQUIRE(heads[static_cast<std::size_t>(i)] == rows[static_cast<std::size_t>(r * ld + col0 + h * D + d)]);
+            // the device kernels use HeadsLayout::row_offset: it must be the same map
+            REQUIRE(l.row_offset(i, ld) == r * ld + h * D + d);
+          }
+    std::vector<float> back(rows.size(), 0.0f);
+    be.heads_to_rows(l, heads.data(), back.data() + col0, ld);
+    for (std::int64_t r = 0; r < B * T; ++r)
+      for (std::int64_t c = 0; c < H * D; ++c)
+        REQUIRE(back[static_cast<std::size_t>(r * ld + col0 + c)] == rows[static_cast<std::size_t>(r * ld + col0 + c)]);
+    REQUIRE(back[0] == 0.0f);  // columns outside the heads are not written
+  }
+}
+
+TEST_CASE("Host<bfloat16>::convert rounds to nearest even like bfloat16", "[backend]") {
+  backend::Host<bfloat16> be;
+  // 1 + 2^-8 is halfway between two bf16 values: ties go to the even mantissa (1.0);
+  // 1 + 3 * 2^-8 ties upward to 1 + 2^-6.
+  const std::vector<float> x{1.0f + 0x1.0p-8f, 1.0f + 3 * 0x1.0p-8f, -2.5f, 3.0e-3f, 65504.0f};
+  std::vector<bfloat16> y(x.size());
+  be.convert(x.size(), x.data(), y.data());
+  CHECK(static_cast<float>(y[0]) == 1.0f);
+  CHECK(static_cast<float>(y[1]) == 1.0f + 0x1.0p-6f);
+  for (std::size_t i = 0; i < x.size(); ++i) CHECK(y[i].bits == bfloat16(x[i]).bits);
+}
+
+TEST_CASE("host workspace: queries are 0 and reservations only grow", "[backend]") {
+  backend::Host<float> be;
+  kernels::AttentionArgs a;
+  a.batch = 2, a.q_heads = a.kv_heads = 4, a.q_len = a.kv_len = 64, a.head_dim = 16;
+  CHECK(be.attention_backward_workspace(a) == 0);
+  CHECK(be.layernorm_backward_workspace(128, 64) == 0);
+  CHECK(be.workspace_reserved() == 0);
+  be.reserve_workspace(100);
+  be.reserve_workspace(10);
+  CHECK(be.workspace_reserved() == 100);
+}
