@@ -11,6 +11,7 @@
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/linear.hpp"
 #include "trellis/nn/mlp.hpp"
+#include "trellis/nn/operand.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/pipeline_stage.hpp"
 #include "trellis/nn/tensor_parallel.hpp"

@@ -239,7 +239,11 @@ class Cuda {
   void gelu_backward(index_t n, const act_t* x, const act_t* dout, act_t* dx) const {
     kernels::cuda::gelu_backward(n, x, dout, dx, stream_);
   }
-  void add(index_t n, const act_t* a, const act_t* b, act_t* out) const { kernels::cuda::add(n, a, b, out, stream_); }
+  // out = a + b elementwise: activations (bf16) or fp32 gradients.
+  template <class T>
+  void add(index_t n, const T* a, const T* b, T* out) const {
+    kernels::cuda::add(n, a, b, out, stream_);
+  }
   void column_sums(index_t rows, index_t cols, index_t ld, const act_t* x, float* sums) const {
     const std::size_t bytes = column_sums_workspace(rows, cols);
     kernels::cuda::column_sums(rows, cols, ld, x, sums, workspace(bytes, "column_sums"), bytes, stream_, true);

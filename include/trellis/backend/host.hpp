@@ -140,7 +140,11 @@ class Host {
   void gelu_backward(index_t n, const Act* x, const Act* dout, Act* dx) const {
     kernels::host::gelu_backward(n, x, dout, dx);
   }
-  void add(index_t n, const Act* a, const Act* b, Act* out) const { kernels::host::add(n, a, b, out); }
+  // out = a + b elementwise: activations (Act) or fp32 gradients.
+  template <class T>
+  void add(index_t n, const T* a, const T* b, T* out) const {
+    kernels::host::add(n, a, b, out);
+  }
   // sums[j] += sum_i x[i, j]
   void column_sums(index_t rows, index_t cols, index_t ld, const Act* x, float* sums) const {
     kernels::host::column_sums(rows, cols, ld, x, sums, true);

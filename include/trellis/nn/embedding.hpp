@@ -1,29 +1,33 @@
-// Vocab-parallel token embedding (Megatron) plus GPT-2's learned position embedding.
+// Vocab-parallel token embedding (Megatron) plus GPT-2's learned position embedding, over a
+// compute backend B (fp32 tables and gradients, B::act_t output).
 //   wte: (vocab, width), rows split over tp (rank r holds ids chunk(vocab, tp, r));
 //   wpe: (positions, width), replicated.
 // Forward: each rank looks up the ids it owns (zeros elsewhere), the partial rows are all-reduced
 // (with sequence parallelism reduce-scattered into this rank's sequence shard), then wpe[t] is
 // added. Backward: the full output gradient (all-gathered under sp) is scatter-added into this
 // rank's wte rows and into wpe, so wpe's gradient is complete on every tp rank.
-// Token rows go through kernels/embedding_host.hpp (vocab-sharded lookup / scatter-add) with the
-// ids permuted to the layers' sequence-major row order; positions are added here by row.
+// Both lookups go through the backend's embedding kernel (vocab-sharded for wte; for wpe the ids
+// are the rows' positions, t = row / batch in the layers' sequence-major row order).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "trellis/kernels/embedding_host.hpp"
+#include "trellis/backend/host.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
 
 namespace trellis::nn {
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class VocabParallelEmbedding {
  public:
-  VocabParallelEmbedding(index_t vocab, index_t positions, index_t width, TensorParallel<C> tp)
-      : vocab_(vocab), positions_(positions), width_(width), tp_(tp) {
+  using act_t = typename B::act_t;
+
+  VocabParallelEmbedding(index_t vocab, index_t positions, index_t width, TensorParallel<C> tp, B be = {})
+      : vocab_(vocab), positions_(positions), width_(width), tp_(tp), be_(std::move(be)) {
     tp_.check();
     TRELLIS_CHECK(vocab >= tp_.size() && positions > 0 && width > 0, "VocabParallelEmbedding: vocab ", vocab,
                   " positions ", positions, " width ", width, " with tp ", tp_.size());
@@ -40,58 +44,71 @@ class VocabParallelEmbedding {
     f(wpe_);
   }
 
-  // tokens: (batch, seq) row-major ids -> y: (local_rows, width), row = t * batch + b.
-  void forward(int mb, const TokenShape& shape, const std::int32_t* tokens, float* y) {
+  // tokens: (batch, seq) row-major host ids -> y: (local_rows, width), row = t * batch + b.
+  void forward(int mb, const TokenShape& shape, const std::int32_t* tokens, act_t* y) {
     TRELLIS_CHECK(shape.seq <= positions_, "embedding: sequence length ", shape.seq, " exceeds the ", positions_,
                   " learned positions");
-    const index_t B = shape.batch, T = shape.seq, local = tp_.local_rows(shape);
-    for (index_t i = 0; i < B * T; ++i)
+    const index_t Bt = shape.batch, T = shape.seq, local = tp_.local_rows(shape);
+    for (index_t i = 0; i < Bt * T; ++i)
       TRELLIS_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "embedding: token id ", tokens[i], " at index ", i,
                     " outside the vocabulary 0..", vocab_ - 1);
     Saved& s = store_.create(mb);
-    s.row_tokens.resize(static_cast<std::size_t>(B * T));
-    for (index_t r = 0; r < B * T; ++r) s.row_tokens[r] = tokens[(r % B) * T + r / B];
-    auto produce = [&](index_t row0, index_t n, float* dst) {
-      kernels::host::embedding_forward(token_args(n), s.row_tokens.data() + row0, wte_.value.data(),
-                                       static_cast<const float*>(nullptr), dst);
+    std::vector<std::int32_t> row_tokens(static_cast<std::size_t>(Bt * T));
+    for (index_t r = 0; r < Bt * T; ++r) row_tokens[r] = tokens[(r % Bt) * T + r / Bt];
+    s.row_tokens = upload(row_tokens);
+    auto produce = [&](index_t row0, index_t n, act_t* dst) {
+      be_.embedding_forward(token_args(n), s.row_tokens.data() + row0, wte_.value.data(),
+                            static_cast<const float*>(nullptr), dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, local, width_, y, produce);
-    else detail::produce_then_all_reduce(tp_, B * T, width_, y, produce);
+    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, be_, local, width_, y, produce);
+    else detail::produce_then_all_reduce(tp_, Bt * T, width_, y, produce);
     const index_t first = tp_.sequence_parallel ? tp_.rank() * local : 0;
-    for (index_t i = 0; i < local; ++i) {
-      const index_t t = (first + i) / B;
-      for (index_t j = 0; j < width_; ++j) y[i * width_ + j] += wpe_.value[t * width_ + j];
-    }
+    const auto positions = upload(position_ids(first, local, Bt));
+    auto pos = be_.template allocate<act_t>(static_cast<std::size_t>(local * width_));
+    be_.embedding_forward(position_args(local), positions.data(), wpe_.value.data(),
+                          static_cast<const float*>(nullptr), pos.data());
+    be_.add(local * width_, y, pos.data(), y);
   }
 
   // dy: (local_rows, width). Gathers the full gradient (sp) for backward_weight.
-  void backward_input(int mb, const TokenShape& shape, const float* dy) {
+  void backward_input(int mb, const TokenShape& shape, const act_t* dy) {
     Saved& s = store_.at(mb, "VocabParallelEmbedding::backward_input");
     const index_t local = tp_.local_rows(shape);
     s.batch = shape.batch;
     s.seq = shape.seq;
-    s.dy.resize(static_cast<std::size_t>(shape.rows() * width_));
-    if (tp_.sequence_parallel) detail::gather_rows_then(tp_, dy, local, width_, s.dy.data(), [](index_t, index_t) {});
-    else std::copy(dy, dy + shape.rows() * width_, s.dy.data());
+    s.dy = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * width_));
+    if (tp_.sequence_parallel) detail::gather_rows_then(tp_, be_, dy, local, width_, s.dy.data(), [](index_t, index_t) {});
+    else be_.copy(s.dy.data(), dy, s.dy.size());
   }
 
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "VocabParallelEmbedding::backward_weight");
     TRELLIS_CHECK(!s.dy.empty(), "VocabParallelEmbedding::backward_weight before backward_input (microbatch ", mb, ")");
-    const index_t B = s.batch, T = s.seq;
-    kernels::host::embedding_backward(token_args(B * T), s.row_tokens.data(), s.dy.data(), wte_.grad.data(),
-                                      static_cast<float*>(nullptr));
-    for (index_t r = 0; r < B * T; ++r) {
-      const float* g = s.dy.data() + r * width_;
-      float* gp = wpe_.grad.data() + (r / B) * width_;
-      for (index_t j = 0; j < width_; ++j) gp[j] += g[j];
-    }
+    const index_t rows = s.batch * s.seq;
+    be_.embedding_backward(token_args(rows), s.row_tokens.data(), s.dy.data(), wte_.grad.data(),
+                           static_cast<float*>(nullptr));
+    const auto positions = upload(position_ids(0, rows, s.batch));
+    be_.embedding_backward(position_args(rows), positions.data(), s.dy.data(), wpe_.grad.data(),
+                           static_cast<float*>(nullptr));
     store_.erase(mb);
   }
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
  private:
+  using ids = typename B::template buffer<std::int32_t>;
+
+  ids upload(const std::vector<std::int32_t>& host) const {
+    auto out = be_.template allocate<std::int32_t>(host.size());
+    be_.upload(out.data(), host.data(), host.size());
+    return out;
+  }
+  // Positions of `rows` consecutive sequence-major rows starting at global row `first`.
+  static std::vector<std::int32_t> position_ids(index_t first, index_t rows, index_t batch) {
+    std::vector<std::int32_t> out(static_cast<std::size_t>(rows));
+    for (index_t i = 0; i < rows; ++i) out[i] = static_cast<std::int32_t>((first + i) / batch);
+    return out;
+  }
   // Lookup of `rows` ids (sequence-major) in this rank's wte rows, without positions.
   kernels::EmbeddingArgs token_args(index_t rows) const {
     kernels::EmbeddingArgs a;
@@ -103,14 +120,24 @@ class VocabParallelEmbedding {
     a.sharded = true;
     return a;
   }
+  // Lookup of `rows` position ids in the whole wpe table.
+  kernels::EmbeddingArgs position_args(index_t rows) const {
+    kernels::EmbeddingArgs a;
+    a.batch = 1;
+    a.seq = rows;
+    a.dim = width_;
+    a.vocab_rows = positions_;
+    return a;
+  }
 
   struct Saved {
-    std::vector<std::int32_t> row_tokens;  // ids in row order (row = t * batch + b)
+    ids row_tokens;  // ids in row order (row = t * batch + b)
     index_t batch = 0, seq = 0;
-    std::vector<float> dy;  // (rows, width): full output gradient
+    typename B::template buffer<act_t> dy;  // (rows, width): full output gradient
   };
   index_t vocab_, positions_, width_;
   TensorParallel<C> tp_;
+  B be_;
   shard::Chunk rows_;
   Parameter wte_, wpe_;
   MicrobatchStore<Saved> store_;

@@ -1,12 +1,14 @@
 // Column- and row-parallel linear layers (Megatron), with GPT-2's Conv1D weight layout
-// (weight: in x out, y = x W + b).
+// (weight: in x out, y = x W + b), over a compute backend B (activations B::act_t, fp32 weights
+// and gradients).
 //
 //   ColumnParallelLinear  W split by output columns. Forward: (sp: all-gather rows) then
 //                         y = x W_r + b_r [+ GELU]. backward_input: dx = dy W_r^T, all-reduced
 //                         (sp: reduce-scattered) over tp.
 //   RowParallelLinear     W split by input rows; input arrives split by columns (the output of a
-//                         column-parallel layer). Forward: y = all-reduce(x_r W_r) + b (sp:
-//                         reduce-scatter). backward_input: (sp: all-gather dy) dx_r = dy W_r^T.
+//                         column-parallel layer). Forward: y = all-reduce(x_r W_r + [b on tp rank
+//                         0]) (sp: reduce-scatter): the bias enters the sum once, in the GEMM's
+//                         epilogue. backward_input: (sp: all-gather dy) dx_r = dy W_r^T.
 // Each layer exposes forward / backward_input / backward_weight with per-microbatch saved state;
 // backward_weight accumulates into Parameter::grad and frees the microbatch's state.
 //
@@ -15,12 +17,13 @@
 // column groups: rank r holds units chunk(units, tp, r) of every group.
 #pragma once
 
-#include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include "trellis/kernels/elementwise_host.hpp"
+#include "trellis/backend/host.hpp"
 #include "trellis/kernels/epilogue.hpp"
+#include "trellis/nn/operand.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
 
@@ -37,10 +40,14 @@ struct LinearConfig {
   Activation activation = Activation::none;  // column-parallel only: fused GELU (GPT-2 MLP)
 };
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class ColumnParallelLinear {
  public:
-  ColumnParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp) : cfg_(cfg), tp_(tp) {
+  using act_t = typename B::act_t;
+
+  ColumnParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp, B be = {})
+      : cfg_(cfg), tp_(tp), be_(std::move(be)) {
     tp_.check();
     TRELLIS_CHECK(cfg.in > 0 && cfg.out > 0 && cfg.unit > 0 && cfg.groups > 0, name,
                   ": bad linear sizes in=", cfg.in, " out=", cfg.out);
@@ -75,69 +82,76 @@ class ColumnParallelLinear {
   }
 
   // x: (local_rows, in) (sp: this rank's sequence shard; else all rows) -> y: (rows, local_out).
-  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+  void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
     const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), in = cfg_.in;
     s.rows = rows;
-    s.x.resize(static_cast<std::size_t>(rows * in));
-    if (cfg_.activation == Activation::gelu_tanh) s.pre.resize(static_cast<std::size_t>(rows * out_local_));
+    s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in));
+    if (cfg_.activation == Activation::gelu_tanh)
+      s.pre = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out_local_));
+    const act_t* w = w_.of(be_, weight_);
+    const act_t* b = cfg_.bias ? b_.of(be_, bias_) : nullptr;
     auto compute = [&](index_t row0, index_t n) {
-      const float* xr = s.x.data() + row0 * in;
-      float* yr = y + row0 * out_local_;
+      const act_t* xr = s.x.data() + row0 * in;
+      act_t* yr = y + row0 * out_local_;
       if (cfg_.activation == Activation::gelu_tanh) {
-        kernels::epilogue::BiasGelu<float> ep{bias_.value.data(), s.pre.data() + row0 * out_local_};
-        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr, ep);
+        kernels::epilogue::BiasGelu<act_t> ep{b, s.pre.data() + row0 * out_local_};
+        detail::matmul(be_, n, out_local_, in, xr, w, yr, ep);
       } else if (cfg_.bias) {
-        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr, kernels::epilogue::Bias<float>{bias_.value.data()});
+        detail::matmul(be_, n, out_local_, in, xr, w, yr, kernels::epilogue::Bias<act_t>{b});
       } else {
-        detail::matmul(n, out_local_, in, xr, weight_.value.data(), yr);
+        detail::matmul(be_, n, out_local_, in, xr, w, yr);
       }
     };
     if (tp_.sequence_parallel) {
-      detail::gather_rows_then(tp_, x, local, in, s.x.data(), compute);
+      detail::gather_rows_then(tp_, be_, x, local, in, s.x.data(), compute);
       if (tp_.size() > 1) {
         // Megatron: keep only this rank's rows; backward_input gathers them again, overlapped
         // with its dX product.
-        s.x_local.assign(x, x + local * in);
+        s.x_local = be_.template allocate<act_t>(static_cast<std::size_t>(local * in));
+        be_.copy(s.x_local.data(), x, s.x_local.size());
         s.x = {};
       }
     } else {
-      std::copy(x, x + rows * in, s.x.data());
+      be_.copy(s.x.data(), x, static_cast<std::size_t>(rows * in));
       compute(0, rows);
     }
   }
 
   // dy: (rows, local_out) -> dx: (local_rows, in), summed over tp.
-  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+  void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
     Saved& s = store_.at(mb, "ColumnParallelLinear::backward_input");
     const index_t rows = s.rows, local = tp_.local_rows(shape), in = cfg_.in;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "ColumnParallelLinear::backward_input: token shape differs from forward");
-    s.dz.assign(dy, dy + rows * out_local_);
-    s.backward_done = true;
+    s.dz = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out_local_));
     if (cfg_.activation == Activation::gelu_tanh)
-      kernels::host::gelu_backward(rows * out_local_, s.pre.data(), s.dz.data(), s.dz.data());
-    auto produce = [&](index_t row0, index_t n, float* dst) {
-      detail::matmul_bt(n, in, out_local_, s.dz.data() + row0 * out_local_, weight_.value.data(), dst);
+      be_.gelu_backward(rows * out_local_, s.pre.data(), dy, s.dz.data());
+    else
+      be_.copy(s.dz.data(), dy, s.dz.size());
+    s.backward_done = true;
+    const act_t* w = w_.of(be_, weight_);
+    auto produce = [&](index_t row0, index_t n, act_t* dst) {
+      detail::matmul_bt(be_, n, in, out_local_, s.dz.data() + row0 * out_local_, w, dst);
     };
     if (!s.x_local.empty()) {
-      s.x.resize(static_cast<std::size_t>(rows * in));
+      s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in));
       auto regather = tp_.comm->all_gather_async(s.x_local.data(), s.x.data(), s.x_local.size());
-      detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
+      detail::produce_then_reduce_scatter(tp_, be_, local, in, dx, produce);
       regather.wait();
       s.x_local = {};
     } else if (tp_.sequence_parallel) {
-      detail::produce_then_reduce_scatter(tp_, local, in, dx, produce);
+      detail::produce_then_reduce_scatter(tp_, be_, local, in, dx, produce);
     } else {
       detail::produce_then_all_reduce(tp_, rows, in, dx, produce);
     }
   }
 
-  // dW += x^T dz, db += column sums of dz; frees the microbatch's state.
+  // dW += x^T dz, db += column sums of dz (fp32); frees the microbatch's state.
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "ColumnParallelLinear::backward_weight");
     TRELLIS_CHECK(s.backward_done, "ColumnParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
-    detail::matmul_at_acc(cfg_.in, out_local_, s.rows, s.x.data(), s.dz.data(), weight_.grad.data());
-    if (cfg_.bias) detail::add_column_sums(s.rows, out_local_, s.dz.data(), bias_.grad.data());
+    detail::matmul_at_acc(be_, cfg_.in, out_local_, s.rows, s.x.data(), s.dz.data(), weight_.grad.data());
+    if (cfg_.bias) be_.column_sums(s.rows, out_local_, out_local_, s.dz.data(), bias_.grad.data());
     store_.erase(mb);
   }
   // Drops a microbatch's state without gradients (activation recompute discards forward state).
@@ -145,25 +159,32 @@ class ColumnParallelLinear {
   std::size_t saved_microbatches() const { return store_.size(); }
 
  private:
+  using buffer = typename B::template buffer<act_t>;
   struct Saved {
     index_t rows = 0;
     bool backward_done = false;
-    std::vector<float> x;        // (rows, in): the (gathered) input, from backward_input on under sp
-    std::vector<float> x_local;  // (local_rows, in): under sp, this rank's input rows until backward_input
-    std::vector<float> pre;  // (rows, local_out): pre-activation, with GELU
-    std::vector<float> dz;   // (rows, local_out): grad of the pre-activation output
+    buffer x;        // (rows, in): the (gathered) input, from backward_input on under sp
+    buffer x_local;  // (local_rows, in): under sp, this rank's input rows until backward_input
+    buffer pre;      // (rows, local_out): pre-activation, with GELU
+    buffer dz;       // (rows, local_out): grad of the pre-activation output
   };
   LinearConfig cfg_;
   TensorParallel<C> tp_;
+  B be_;
   index_t group_local_ = 0, out_local_ = 0;
   Parameter weight_, bias_;
+  Operand<B> w_, b_;
   MicrobatchStore<Saved> store_;
 };
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class RowParallelLinear {
  public:
-  RowParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp) : cfg_(cfg), tp_(tp) {
+  using act_t = typename B::act_t;
+
+  RowParallelLinear(std::string name, const LinearConfig& cfg, TensorParallel<C> tp, B be = {})
+      : cfg_(cfg), tp_(tp), be_(std::move(be)) {
     tp_.check();
     TRELLIS_CHECK(cfg.in > 0 && cfg.out > 0 && cfg.unit > 0 && cfg.in % cfg.unit == 0, name,
                   ": bad linear sizes in=", cfg.in, " out=", cfg.out, " unit=", cfg.unit);
@@ -186,35 +207,39 @@ class RowParallelLinear {
   }
 
   // x: (rows, local_in) -> y: (local_rows, out), reduced over tp, plus bias.
-  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+  void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
     const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), out = cfg_.out;
     s.rows = rows;
-    s.x.assign(x, x + rows * in_local_);
-    auto produce = [&](index_t row0, index_t n, float* dst) {
-      detail::matmul(n, out, in_local_, s.x.data() + row0 * in_local_, weight_.value.data(), dst);
+    s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in_local_));
+    be_.copy(s.x.data(), x, s.x.size());
+    const act_t* w = w_.of(be_, weight_);
+    // The bias joins tp rank 0's partial sums, so the reduction adds it exactly once.
+    const act_t* b = cfg_.bias && tp_.rank() == 0 ? b_.of(be_, bias_) : nullptr;
+    auto produce = [&](index_t row0, index_t n, act_t* dst) {
+      const act_t* xr = s.x.data() + row0 * in_local_;
+      if (b) detail::matmul(be_, n, out, in_local_, xr, w, dst, kernels::epilogue::Bias<act_t>{b});
+      else detail::matmul(be_, n, out, in_local_, xr, w, dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, local, out, y, produce);
+    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, be_, local, out, y, produce);
     else detail::produce_then_all_reduce(tp_, rows, out, y, produce);
-    if (cfg_.bias)
-      for (index_t i = 0; i < local; ++i)
-        for (index_t j = 0; j < out; ++j) y[i * out + j] += bias_.value[j];
   }
 
   // dy: (local_rows, out) -> dx: (rows, local_in).
-  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+  void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
     Saved& s = store_.at(mb, "RowParallelLinear::backward_input");
     const index_t rows = s.rows, local = tp_.local_rows(shape), out = cfg_.out;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "RowParallelLinear::backward_input: token shape differs from forward");
-    s.dy.resize(static_cast<std::size_t>(rows * out));
+    s.dy = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out));
     s.backward_done = true;
+    const act_t* w = w_.of(be_, weight_);
     auto compute = [&](index_t row0, index_t n) {
-      detail::matmul_bt(n, in_local_, out, s.dy.data() + row0 * out, weight_.value.data(), dx + row0 * in_local_);
+      detail::matmul_bt(be_, n, in_local_, out, s.dy.data() + row0 * out, w, dx + row0 * in_local_);
     };
     if (tp_.sequence_parallel) {
-      detail::gather_rows_then(tp_, dy, local, out, s.dy.data(), compute);
+      detail::gather_rows_then(tp_, be_, dy, local, out, s.dy.data(), compute);
     } else {
-      std::copy(dy, dy + rows * out, s.dy.data());
+      be_.copy(s.dy.data(), dy, s.dy.size());
       compute(0, rows);
     }
   }
@@ -222,24 +247,27 @@ class RowParallelLinear {
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "RowParallelLinear::backward_weight");
     TRELLIS_CHECK(s.backward_done, "RowParallelLinear::backward_weight before backward_input (microbatch ", mb, ")");
-    detail::matmul_at_acc(in_local_, cfg_.out, s.rows, s.x.data(), s.dy.data(), weight_.grad.data());
-    if (cfg_.bias) detail::add_column_sums(s.rows, cfg_.out, s.dy.data(), bias_.grad.data());
+    detail::matmul_at_acc(be_, in_local_, cfg_.out, s.rows, s.x.data(), s.dy.data(), weight_.grad.data());
+    if (cfg_.bias) be_.column_sums(s.rows, cfg_.out, cfg_.out, s.dy.data(), bias_.grad.data());
     store_.erase(mb);
   }
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
  private:
+  using buffer = typename B::template buffer<act_t>;
   struct Saved {
     index_t rows = 0;
     bool backward_done = false;
-    std::vector<float> x;   // (rows, local_in)
-    std::vector<float> dy;  // (rows, out): the full (gathered) output gradient
+    buffer x;   // (rows, local_in)
+    buffer dy;  // (rows, out): the full (gathered) output gradient
   };
   LinearConfig cfg_;
   TensorParallel<C> tp_;
+  B be_;
   index_t in_local_ = 0;
   Parameter weight_, bias_;
+  Operand<B> w_, b_;
   MicrobatchStore<Saved> store_;
 };
 

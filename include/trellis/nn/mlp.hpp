@@ -10,28 +10,32 @@
 
 namespace trellis::nn {
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class Mlp {
  public:
-  // name: e.g. "h.0.mlp"; hidden = 4 * width in GPT-2.
-  Mlp(const std::string& name, index_t width, index_t hidden, TensorParallel<C> tp)
-      : c_fc_(name + ".c_fc", LinearConfig{width, hidden, true, 1, 1, Activation::gelu_tanh}, tp),
-        c_proj_(name + ".c_proj", LinearConfig{hidden, width, true, 1, 1}, tp) {}
+  using act_t = typename B::act_t;
 
-  ColumnParallelLinear<C>& c_fc() { return c_fc_; }
-  RowParallelLinear<C>& c_proj() { return c_proj_; }
+  // name: e.g. "h.0.mlp"; hidden = 4 * width in GPT-2.
+  Mlp(const std::string& name, index_t width, index_t hidden, TensorParallel<C> tp, B be = {})
+      : be_(be),
+        c_fc_(name + ".c_fc", LinearConfig{width, hidden, true, 1, 1, Activation::gelu_tanh}, tp, be),
+        c_proj_(name + ".c_proj", LinearConfig{hidden, width, true, 1, 1}, tp, be) {}
+
+  ColumnParallelLinear<C, B>& c_fc() { return c_fc_; }
+  RowParallelLinear<C, B>& c_proj() { return c_proj_; }
   template <class F> void for_each_parameter(F&& f) {
     c_fc_.for_each_parameter(f);
     c_proj_.for_each_parameter(f);
   }
 
-  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
-    std::vector<float> h(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
+  void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
+    auto h = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
     c_fc_.forward(mb, shape, x, h.data());
     c_proj_.forward(mb, shape, h.data(), y);
   }
-  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
-    std::vector<float> dh(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
+  void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
+    auto dh = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
     c_proj_.backward_input(mb, shape, dy, dh.data());
     c_fc_.backward_input(mb, shape, dh.data(), dx);
   }
@@ -46,8 +50,9 @@ class Mlp {
   std::size_t saved_microbatches() const { return c_fc_.saved_microbatches() + c_proj_.saved_microbatches(); }
 
  private:
-  ColumnParallelLinear<C> c_fc_;
-  RowParallelLinear<C> c_proj_;
+  B be_;
+  ColumnParallelLinear<C, B> c_fc_;
+  RowParallelLinear<C, B> c_proj_;
 };
 
 }  // namespace trellis::nn

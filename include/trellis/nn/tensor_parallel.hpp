@@ -1,5 +1,6 @@
 // What every tensor-parallel layer shares: the tp communicator, the sequence-parallel and overlap
-// options, the token-row geometry, and thin GEMM helpers over kernels/gemm_host.hpp.
+// options, the token-row geometry, and thin GEMM helpers over the layer's compute backend
+// (backend/backend.hpp): activations are B::act_t, weight gradients fp32.
 //
 // Activations are 2-D: rows are tokens in sequence-major order, row = t * batch + b (Megatron's
 // [s, b, h]), columns are features. With sequence parallelism (sp) the norm/residual regions hold
@@ -20,7 +21,7 @@
 #include "trellis/comm/communicator.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
-#include "trellis/kernels/gemm_host.hpp"
+#include "trellis/backend/host.hpp"
 #include "trellis/shard/layout.hpp"
 
 namespace trellis::nn {
@@ -83,32 +84,32 @@ class MicrobatchStore {
 namespace detail {
 
 // y (m, n) = x (m, k) . w (k, n), all row-major, with an epilogue; beta = 1 accumulates.
-template <class E = kernels::epilogue::None>
-void matmul(index_t m, index_t n, index_t k, const float* x, const float* w, float* y, E ep = {}, float beta = 0.0f,
-            index_t ldy = 0) {
+template <class B, class TC, class E = kernels::epilogue::None>
+void matmul(const B& be, index_t m, index_t n, index_t k, const typename B::act_t* x, const typename B::act_t* w,
+            TC* y, E ep = {}, float beta = 0.0f, index_t ldy = 0) {
   auto a = kernels::gemm_args(m, n, k, kernels::Op::none, kernels::Op::none, 1.0f, beta);
   a.ldc = ldy;
-  kernels::host::gemm(a, x, w, y, ep);
+  be.gemm(a, x, w, y, ep);
 }
 // dx (m, k) = dy (m, n) . w^T, w stored (k, n).
-inline void matmul_bt(index_t m, index_t k, index_t n, const float* dy, const float* w, float* dx, float beta = 0.0f) {
-  kernels::host::gemm(kernels::gemm_args(m, k, n, kernels::Op::none, kernels::Op::transpose, 1.0f, beta), dy, w, dx);
+template <class B>
+void matmul_bt(const B& be, index_t m, index_t k, index_t n, const typename B::act_t* dy,
+               const typename B::act_t* w, typename B::act_t* dx) {
+  be.gemm(kernels::gemm_args(m, k, n, kernels::Op::none, kernels::Op::transpose), dy, w, dx);
 }
-// dw (k, n) += x^T (k, m) . dy (m, n), x stored (m, k).
-inline void matmul_at_acc(index_t k, index_t n, index_t m, const float* x, const float* dy, float* dw) {
-  kernels::host::gemm(kernels::gemm_args(k, n, m, kernels::Op::transpose, kernels::Op::none, 1.0f, 1.0f), x, dy, dw);
-}
-// db (n) += column sums of dy (m, n).
-inline void add_column_sums(index_t m, index_t n, const float* dy, float* db) {
-  for (index_t i = 0; i < m; ++i)
-    for (index_t j = 0; j < n; ++j) db[j] += dy[i * n + j];
+// dw (k, n) += x^T (k, m) . dy (m, n), x stored (m, k); fp32 gradient.
+template <class B>
+void matmul_at_acc(const B& be, index_t k, index_t n, index_t m, const typename B::act_t* x,
+                   const typename B::act_t* dy, float* dw) {
+  be.gemm(kernels::gemm_args(k, n, m, kernels::Op::transpose, kernels::Op::none, 1.0f, 1.0f), x, dy, dw);
 }
 
 // The rows of chunk j of `local` rows split into `chunks` (the library's uneven rule).
 inline shard::Chunk row_chunk(index_t local, int chunks, int j) { return shard::chunk(local, chunks, j); }
 
 // ---- the three communication patterns of tensor-parallel layers, each with optional overlap ----
-// Chunking never crosses ranks: chunk j of every rank's rows travels in collective j.
+// Chunking never crosses ranks: chunk j of every rank's rows travels in collective j. T is the
+// activation type; buffers are the backend's.
 inline int effective_chunks(int requested, index_t rows) {
   return static_cast<int>(std::max<index_t>(1, std::min<index_t>(requested, rows)));
 }
@@ -116,12 +117,12 @@ inline int effective_chunks(int requested, index_t rows) {
 // all-gather of row shards (local: local_rows x width) into full (size*local_rows x width), then
 // compute(row0, rows) on each arrived block of full rows. With overlap, block j+1 is in flight
 // while compute runs on block j.
-template <class C, class F>
-void gather_rows_then(TensorParallel<C>& tp, const float* local, index_t local_rows, index_t width, float* full,
+template <class C, class B, class T, class F>
+void gather_rows_then(TensorParallel<C>& tp, const B& be, const T* local, index_t local_rows, index_t width, T* full,
                       F&& compute) {
   const int n = tp.size();
   if (n == 1) {
-    if (full != local) std::copy(local, local + local_rows * width, full);
+    if (full != local) be.copy(full, local, static_cast<std::size_t>(local_rows * width));
     compute(index_t{0}, local_rows);
     return;
   }
@@ -131,13 +132,14 @@ void gather_rows_then(TensorParallel<C>& tp, const float* local, index_t local_r
     compute(index_t{0}, n * local_rows);
     return;
   }
-  std::vector<std::vector<float>> staging(static_cast<std::size_t>(chunks));
+  std::vector<typename B::template buffer<T>> staging;
   std::vector<typename C::request_type> inflight;
+  staging.reserve(static_cast<std::size_t>(chunks));
   inflight.reserve(static_cast<std::size_t>(chunks));
   auto start = [&](int j) {
     const auto c = row_chunk(local_rows, chunks, j);
-    staging[j].resize(static_cast<std::size_t>(n * c.size * width));
-    inflight.push_back(tp.comm->all_gather_async(local + c.offset * width, staging[j].data(),
+    staging.push_back(be.template allocate<T>(static_cast<std::size_t>(n * c.size * width)));
+    inflight.push_back(tp.comm->all_gather_async(local + c.offset * width, staging.back().data(),
                                                  static_cast<std::size_t>(c.size * width)));
   };
   start(0);
@@ -147,8 +149,7 @@ void gather_rows_then(TensorParallel<C>& tp, const float* local, index_t local_r
     const auto c = row_chunk(local_rows, chunks, j);
     for (int r = 0; r < n; ++r) {
       const index_t row0 = r * local_rows + c.offset;
-      std::copy(staging[j].data() + r * c.size * width, staging[j].data() + (r + 1) * c.size * width,
-                full + row0 * width);
+      be.copy(full + row0 * width, staging[j].data() + r * c.size * width, static_cast<std::size_t>(c.size * width));
       compute(row0, c.size);
     }
   }
@@ -157,8 +158,9 @@ void gather_rows_then(TensorParallel<C>& tp, const float* local, index_t local_r
 // produce(row0, rows, dst) writes this rank's partial sums of full rows [row0, row0 + rows)
 // (dst: rows x width, contiguous); they are reduce-scattered so that `local` (local_rows x width)
 // gets the sum of this rank's row shard. With overlap, chunk j is reduced while chunk j+1 computes.
-template <class C, class F>
-void produce_then_reduce_scatter(TensorParallel<C>& tp, index_t local_rows, index_t width, float* local, F&& produce) {
+template <class C, class B, class T, class F>
+void produce_then_reduce_scatter(TensorParallel<C>& tp, const B& be, index_t local_rows, index_t width, T* local,
+                                 F&& produce) {
   const int n = tp.size();
   if (n == 1) {
     produce(index_t{0}, local_rows, local);
@@ -166,17 +168,18 @@ void produce_then_reduce_scatter(TensorParallel<C>& tp, index_t local_rows, inde
   }
   const int chunks = effective_chunks(tp.overlap_chunks, local_rows);
   if (chunks == 1) {
-    std::vector<float> partial(static_cast<std::size_t>(n * local_rows * width));
+    auto partial = be.template allocate<T>(static_cast<std::size_t>(n * local_rows * width));
     produce(index_t{0}, n * local_rows, partial.data());
     tp.comm->reduce_scatter(partial.data(), local, static_cast<std::size_t>(local_rows * width), comm::ReduceOp::sum);
     return;
   }
-  std::vector<std::vector<float>> staging(static_cast<std::size_t>(chunks));
+  std::vector<typename B::template buffer<T>> staging;
   std::vector<typename C::request_type> inflight;
+  staging.reserve(static_cast<std::size_t>(chunks));
   inflight.reserve(static_cast<std::size_t>(chunks));
   for (int j = 0; j < chunks; ++j) {
     const auto c = row_chunk(local_rows, chunks, j);
-    staging[j].resize(static_cast<std::size_t>(n * c.size * width));
+    staging.push_back(be.template allocate<T>(static_cast<std::size_t>(n * c.size * width)));
     for (int r = 0; r < n; ++r) produce(r * local_rows + c.offset, c.size, staging[j].data() + r * c.size * width);
     inflight.push_back(tp.comm->reduce_scatter_async(staging[j].data(), local + c.offset * width,
                                                      static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));
@@ -186,8 +189,8 @@ void produce_then_reduce_scatter(TensorParallel<C>& tp, index_t local_rows, inde
 
 // produce(row0, rows, dst) writes partial sums of rows [row0, row0 + rows) of out (rows x width)
 // in place; they are all-reduced over tp. With overlap, chunk j is reduced while chunk j+1 computes.
-template <class C, class F>
-void produce_then_all_reduce(TensorParallel<C>& tp, index_t rows, index_t width, float* out, F&& produce) {
+template <class C, class T, class F>
+void produce_then_all_reduce(TensorParallel<C>& tp, index_t rows, index_t width, T* out, F&& produce) {
   const int n = tp.size();
   const int chunks = n == 1 ? 1 : effective_chunks(tp.overlap_chunks, rows);
   if (chunks == 1) {
@@ -199,7 +202,7 @@ void produce_then_all_reduce(TensorParallel<C>& tp, index_t rows, index_t width,
   inflight.reserve(static_cast<std::size_t>(chunks));
   for (int j = 0; j < chunks; ++j) {
     const auto c = row_chunk(rows, chunks, j);
-    float* dst = out + c.offset * width;
+    T* dst = out + c.offset * width;
     produce(c.offset, c.size, dst);
     inflight.push_back(tp.comm->all_reduce_async(dst, dst, static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));
   }
