@@ -6,6 +6,8 @@
 // last pipeline stage) must agree to 1e-6. Layouts: dp2; tp2; tp2+sp; pp2 with every schedule of
 // pipe/ that trains the GPT (gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v) at 4
 // microbatches; dp2.tp2.pp2; ZeRO-1 (dp2, and dp2.tp2.pp2); dp2 with 2 microbatches.
+// With dropout 0.1 (masks per global sample, nn/dropout.hpp) dp2, dp2 m2, tp2+sp, recompute, pp2
+// and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
 #include <catch2/catch.hpp>
 
 #include "test_trainer_support.hpp"
@@ -16,19 +18,26 @@ namespace {
 
 constexpr int kSteps = 6;
 
+constexpr float kDropout = 0.1f;
+
 struct Reference {
   nn_test::Collector weights;
   RunResult run;
-  Reference() { train(tiny_config(), kSteps, run, weights); }
+  explicit Reference(float dropout) { train(with_layout(tiny_config(), {.dropout = dropout}), kSteps, run, weights); }
 };
 Reference& reference() {
-  static Reference r;
+  static Reference r(0.0f);
+  return r;
+}
+Reference& dropout_reference() {
+  static Reference r(kDropout);
   return r;
 }
 
 void check_against_reference(const Layout& l, const char* label) {
-  INFO("layout " << label);
-  auto& ref = reference();
+  INFO("layout " << label << " dropout " << l.dropout);
+  auto& ref = l.dropout > 0 ? dropout_reference() : reference();
+  REQUIRE(l.dropout == (l.dropout > 0 ? kDropout : 0.0f));
   nn_test::Collector weights;
   RunResult got;
   train(with_layout(tiny_config(), l), kSteps, got, weights);
@@ -75,6 +84,45 @@ TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]
   check_against_reference(
       {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
       "dp2.tp2+sp.pp2 zero1 zb_v");
+}
+
+TEST_CASE("with dropout every layout equals one rank (masks per global sample)", "[train][trainer][parity][dropout]") {
+  auto& ref = dropout_reference();
+  REQUIRE(ref.run.losses.size() == kSteps);
+  for (int s = 0; s < kSteps; ++s)  // the masks change the losses: the test is not vacuous
+    CHECK(std::fabs(ref.run.losses[s] - reference().run.losses[s]) > 1e-4);
+  check_against_reference({.dp = 2, .dropout = kDropout}, "dp2");
+  check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout}, "dp2 m2");
+  check_against_reference({.tp = 2, .sp = true, .dropout = kDropout}, "tp2+sp");
+  check_against_reference({.dropout = kDropout, .recompute = true}, "recompute");
+  check_against_reference({.pp = 2, .schedule = "1f1b", .microbatches = 4, .dropout = kDropout}, "pp2 1f1b");
+  check_against_reference({.pp = 2, .schedule = "zb_v", .microbatches = 4, .dropout = kDropout}, "pp2 zb_v");
+  check_against_reference(
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .schedule = "1f1b", .microbatches = 2, .dropout = kDropout},
+      "dp2.tp2+sp.pp2");
+}
+
+// With lr 0 the weights never move, so two steps on the same batch differ only by their masks.
+// (Before the step seed existed every step drew step 0's masks and the losses were equal.)
+TEST_CASE("dropout draws new masks every step; evaluate() has none", "[train][trainer][dropout]") {
+  auto cfg = with_layout(tiny_config(), {.dp = 2, .dropout = 0.5f});
+  cfg.lr.max_lr = cfg.lr.min_lr = 0.0;
+  auto no_dropout = cfg;
+  no_dropout.options.dropout = 0.0f;
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, cfg), plain(comm, no_dropout);  // same init seed: same weights
+    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, t.mesh().coord<trellis::dp>(), cfg.dp});
+    const auto batch = loader.next();
+    const double eval_before = t.evaluate(batch);
+    const double first = t.step(batch).loss, second = t.step(batch).loss;
+    const double eval_after = t.evaluate(batch), eval_plain = plain.evaluate(batch);  // collectives: not in RANK_CHECK
+    RANK_CHECK(std::fabs(first - second) > 1e-3 * std::fabs(first));
+    // evaluation is deterministic and equals the same weights without dropout, exactly
+    RANK_CHECK(eval_after == eval_before);
+    RANK_CHECK(eval_after == eval_plain);
+    // and the training steps did drop (their loss is not the dropout-free one)
+    RANK_CHECK(std::fabs(first - eval_plain) > 1e-3);
+  });
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

@@ -71,6 +71,8 @@ struct Layout {
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   int microbatches = 1;
+  float dropout = 0.0f;
+  bool recompute = false;
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -81,6 +83,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.zero1 = l.zero1;
   c.schedule = l.schedule;
   c.microbatches = l.microbatches;
+  c.options.dropout = l.dropout;
+  c.options.recompute = l.recompute;
   return c;
 }
 
