@@ -8,9 +8,13 @@
 // microbatches; dp2.tp2.pp2; ZeRO-1 (dp2, and dp2.tp2.pp2); dp2 with 2 microbatches.
 // With dropout 0.1 (masks per global sample, nn/dropout.hpp) dp2, dp2 m2, tp2+sp, recompute, pp2
 // and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
+// Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
+// generator bitwise, a hand-written all-F-then-B-then-W one equals one rank; a bad one is refused.
 #include <catch2/catch.hpp>
 
+#include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
+#include "trellis/pipe/text.hpp"
 
 using namespace trainer_test;
 
@@ -123,6 +127,47 @@ TEST_CASE("dropout draws new masks every step; evaluate() has none", "[train][tr
     // and the training steps did drop (their loss is not the dropout-free one)
     RANK_CHECK(std::fabs(first - eval_plain) > 1e-3);
   });
+}
+
+TEST_CASE("a text schedule from a file trains like the generator's", "[train][trainer][parity][pipe]") {
+  // pp2, m4, the given schedule; the generator name is unused, and a name no generator has proves it.
+  auto text_layout = [](const trellis::pipe::Schedule& s, float dropout = 0.0f) {
+    return Layout{.pp = 2, .schedule = "no such generator", .microbatches = 4, .dropout = dropout, .custom_schedule = s};
+  };
+  TempDir dir("trainer-schedule");
+  auto load = [&](const std::string& text) {
+    const auto path = (dir.path / "schedule.txt").string();
+    std::ofstream(path) << text;
+    return trellis::pipe::load_schedule(path);
+  };
+  // Written by hand (compute actions only; the parser inserts the sends and receives).
+  const auto mine = load(
+      "# 1F1B for 2 ranks and 4 microbatches, by hand\n"
+      "@ name=mine backward=full\n"
+      "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3\n"
+      "F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3\n");
+  RunResult generated, custom;
+  nn_test::Collector w1, w2;
+  train(with_layout(tiny_config(), {.pp = 2, .schedule = "1f1b", .microbatches = 4}), kSteps, generated, w1);
+  train(with_layout(tiny_config(), text_layout(mine)), kSteps, custom, w2);
+  REQUIRE(custom.losses.size() == generated.losses.size());
+  for (std::size_t s = 0; s < custom.losses.size(); ++s) CHECK(custom.losses[s] == generated.losses[s]);
+  check_against_reference(text_layout(mine), "text 1F1B");
+  // Another order than any generator's: every F, then every B, then every W (split backward).
+  const auto deferred = load(
+      "@ name=deferred backward=split\n"
+      "F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\n"
+      "F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\n");
+  check_against_reference(text_layout(deferred), "text F-B-W");
+  check_against_reference(text_layout(deferred, kDropout), "text F-B-W with dropout");
+  // One that cannot run: rank 1 never runs W3.
+  const auto broken = load("F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\nF0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2\n");
+  auto cfg = with_layout(tiny_config(), text_layout(broken));
+  auto problems = trellis::train::config_problems(cfg);
+  REQUIRE(problems.size() == 1);
+  INFO(problems[0]);
+  CHECK(problems[0].find("does not verify") != std::string::npos);
+  CHECK(problems[0].find("rank 1: backward-weight of microbatch 3, chunk 0 (W3.0) never runs") != std::string::npos);
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

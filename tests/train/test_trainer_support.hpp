@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,7 @@ struct Layout {
   int microbatches = 1;
   float dropout = 0.0f;
   bool recompute = false;
+  std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -85,6 +87,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.microbatches = l.microbatches;
   c.options.dropout = l.dropout;
   c.options.recompute = l.recompute;
+  c.custom_schedule = l.custom_schedule;
   return c;
 }
 

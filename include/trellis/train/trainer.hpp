@@ -79,7 +79,7 @@ struct TrainerConfig {
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
   // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
-  std::optional<pipe::Schedule> custom_schedule;
+  std::optional<pipe::Schedule> custom_schedule{};
   int virtual_chunks = 2;         // v of interleaved_1f1b (vee schedules always hold 2)
   int microbatches = 1;
   index_t batch = 8;  // rows of the GLOBAL batch
@@ -155,6 +155,9 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
     add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
         " (each dp rank cuts its rows into equal microbatches)");
+  if (!(c.options.dropout >= 0.0f && c.options.dropout < 1.0f))
+    add("--dropout is a probability in [0, 1), got ", c.options.dropout);
+  if (c.options.overlap_chunks < 1) add("--overlap must be >= 1 (1: no overlap), got ", c.options.overlap_chunks);
   if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
     add("--sp needs the sequence length ", c.seq, " divisible by --tp ", c.tp);
   if (c.custom_schedule) {
