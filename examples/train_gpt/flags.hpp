@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "trellis/core/error.hpp"
+#include "trellis/pipe/text.hpp"
 #include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/trainer.hpp"
 
@@ -26,7 +27,12 @@ struct Options {
   int dp = 1, tp = 1, pp = 1;
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
+  bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
+  std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
   int chunks = 2;
+  int overlap = 1;              // tp collectives split into this many chunks, overlapped with GEMMs
+  bool recompute = false;       // per-block activation recompute
+  double dropout = 0.0;         // embedding + residual dropout
   std::string backend = "host";
   bool mpi = false;
   // data
@@ -64,6 +70,12 @@ layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
+           --schedule-file FILE (a pipeline schedule of your own in the text format of
+           include/trellis/pipe/text.hpp, one line per pipeline rank; replaces --schedule, needs
+           --pp > 1; its ranks and microbatches must match --pp and --microbatches; verified first)
+           --overlap N (1; N > 1 splits each tp collective into N chunks overlapped with the GEMMs;
+           needs --tp > 1) --recompute (re-run each block's forward in its backward: less memory)
+           --dropout P (0; embedding + residual dropout in [0, 1); evaluation runs without it)
 backend:   --backend host|cuda (host; cuda: one GPU, bf16 compute with fp32 master weights, needs a
            CUDA build; dp = tp = pp = 1, head size 64 or 128)
            --mpi (one rank per MPI process instead of threads)
@@ -139,8 +151,17 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.sp = true;
     else if (f == "--zero1")
       o.zero1 = true;
-    else if (f == "--schedule")
+    else if (f == "--schedule") {
       o.schedule = value();
+      o.schedule_given = true;
+    } else if (f == "--schedule-file")
+      o.schedule_file = value();
+    else if (f == "--overlap")
+      int_flag(o.overlap);
+    else if (f == "--recompute")
+      o.recompute = true;
+    else if (f == "--dropout")
+      dbl_flag(o.dropout);
     else if (f == "--chunks")
       int_flag(o.chunks);
     else if (f == "--backend")
@@ -191,6 +212,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
   return o;
 }
 
+// The trainer's configuration; loads --schedule-file (throws naming the file, line and column:
+// problems() reports that first).
 inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   trellis::train::TrainerConfig c;
   c.model.layers = o.layers;
@@ -199,11 +222,15 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.model.vocab = o.vocab;
   c.model.positions = o.context;
   c.options.sequence_parallel = o.sp;
+  c.options.overlap_chunks = o.overlap;
+  c.options.recompute = o.recompute;
+  c.options.dropout = static_cast<float>(o.dropout);
   c.options.seed = o.seed;
   c.pp = o.pp;
   c.dp = o.dp;
   c.tp = o.tp;
   c.schedule = o.schedule;
+  if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;
   c.microbatches = o.microbatches;
   c.batch = o.batch;
@@ -224,6 +251,24 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
 // change; `world_size`: the ranks the run has (MPI) or nothing (threads: dp x tp x pp are made).
 inline std::vector<std::string> problems(const Options& o, std::optional<int> world_size = std::nullopt) {
   std::vector<std::string> out;
+  // The schedule file first: the layout checks below run on the loaded schedule, or without it
+  // when it cannot be used at all.
+  Options checked = o;
+  if (!o.schedule_file.empty()) {
+    if (o.pp <= 1) {
+      out.push_back("--schedule-file " + o.schedule_file + " is a pipeline schedule: it needs --pp > 1");
+      checked.schedule_file.clear();
+    } else {
+      try {
+        trellis::pipe::load_schedule(o.schedule_file);
+      } catch (const trellis::Error& e) {
+        out.push_back("--schedule-file: " + e.message());
+        checked.schedule_file.clear();
+      }
+    }
+    if (o.schedule_given)
+      out.push_back("--schedule and --schedule-file both name the pipeline schedule: give one of them");
+  }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
   if (o.backend == "cuda") {
@@ -241,7 +286,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
                     std::to_string(o.width) + " / --heads " + std::to_string(o.heads) + " = " +
                     std::to_string(o.width / o.heads) + ": change --heads (e.g. --heads " +
                     std::to_string(std::max(1, o.width / 64)) + ")");
-    for (auto& p : trellis::train::flat_layout_problems(trainer_config(o))) out.push_back(p);
+    for (auto& p : trellis::train::flat_layout_problems(trainer_config(checked))) out.push_back(p);
   }
   if (o.steps < 1) out.push_back("--steps must be >= 1");
   if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");
@@ -254,7 +299,9 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
   if (o.zero1 && o.dp == 1) out.push_back("--zero1 shards the optimizer over dp ranks: it needs --dp > 1");
-  for (auto& p : trellis::train::config_problems(trainer_config(o))) out.push_back(p);
+  if (o.overlap > 1 && o.tp == 1)
+    out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
+  for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);
   if (world_size && *world_size != o.dp * o.tp * o.pp)
     out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp = " +
                   std::to_string(o.dp * o.tp * o.pp) + ": start that many or change --dp/--tp/--pp");

@@ -119,10 +119,15 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     bar = std::make_unique<train::ProgressBar>(std::cout);
     std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
                 o.heads, o.width, o.vocab, o.context, n_params / 1e6);
+    const std::string schedule = o.pp == 1                  ? "(none, pp=1)"
+                                 : o.schedule_file.empty() ? o.schedule
+                                                           : cfg.custom_schedule->name + " from " + o.schedule_file;
     std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n",
-                o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "",
-                o.pp > 1 ? o.schedule.c_str() : "(none, pp=1)", o.microbatches,
+                o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "", schedule.c_str(), o.microbatches,
                 static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str());
+    if (o.dropout > 0 || o.recompute || o.overlap > 1)
+      std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
+                  o.recompute ? "on" : "off", o.overlap);
     std::printf(
         "data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f "
         "GFLOP/s%s\n",

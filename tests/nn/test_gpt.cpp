@@ -138,7 +138,7 @@ struct ModelRun {
   int stages = 1;
   int microbatches = 1;
   bool deferred_w = false;  // all B passes (reverse order) before any W
-  float dropout = 0.0f;     // microbatch mb's masks: seed splitmix64(kDropoutSeed + mb), as GptPipelineStage
+  float dropout = 0.0f;     // masks: seed kDropoutSeed, microbatch mb = samples mb * kBatch.., as GptPipelineStage
   index_t vocab = 96;
 };
 
@@ -163,7 +163,7 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
         for (index_t i = 0; i < p->numel(); ++i) out.put("init:" + p->name, p->global_numel(), p->global_index(i), p->value[i]);
         if (randomize_scale > 0) nn_test::randomize(*p, randomize_scale);
       }
-    auto shape_of = [](int mb) { return TokenShape{kBatch, kSeq, nn::detail::splitmix64(kDropoutSeed + mb)}; };
+    auto shape_of = [](int mb) { return TokenShape{kBatch, kSeq, kDropoutSeed, mb * kBatch}; };
     const TokenShape shape{kBatch, kSeq};
     const index_t act = stages[0]->local_rows(shape) * cfg.width;
     // acts[mb][s]: output of stage s; grads[mb][s]: gradient of stage s's input.
@@ -344,8 +344,9 @@ TEST_CASE("GPT-2 with dropout: tp / sp / overlap / recompute equal the 1-rank mo
 
 TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]") {
   Dropout d(0.25f, "h.0.mlp");
+  const TokenShape shape{10, 100, 7};  // 1000 rows, row = t * 10 + b
   std::vector<float> x(64 * 1000, 1.0f);
-  d.apply(7, 0, 1000, 64, x.data());
+  d.apply(shape, 0, 1000, 64, x.data());
   double kept = 0;
   int bad = 0;
   for (float v : x) {
@@ -354,16 +355,40 @@ TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]")
   }
   CHECK(bad == 0);
   CHECK(kept / x.size() == Approx(0.75).margin(0.01));  // 64000 draws: sd 0.0017
-  // Applying to rows [500, 1000) alone gives the same mask as the full tensor's rows 500..999.
+  // Element (row, c) is kept iff keep(seed, sample b, position t, c).
+  int mismatch = 0;
+  for (index_t row = 0; row < 1000; ++row)
+    for (index_t c = 0; c < 64; ++c) mismatch += (x[row * 64 + c] != 0.0f) != d.keep(7, row % 10, row / 10, c);
+  CHECK(mismatch == 0);
+  // Applying to rows [500, 1000) alone (a sequence shard) gives the full tensor's rows 500..999.
   std::vector<float> part(64 * 500, 1.0f);
-  d.apply(7, 500, 500, 64, part.data());
+  d.apply(shape, 500, 500, 64, part.data());
   CHECK(std::equal(part.begin(), part.end(), x.begin() + 64 * 500));
-  // Another seed or site draws another mask; p = 0 is the identity.
-  int differ = 0;
-  for (index_t c = 0; c < 64; ++c) differ += d.keep(7, 3, c) != d.keep(8, 3, c);
-  CHECK(differ > 10);  // expected 64 * 2 * 0.25 * 0.75 = 24
+  // A microbatch holding global samples 5..9 (another dp rank or microbatch) draws their masks.
+  std::vector<float> half(64 * 500, 1.0f);
+  d.apply(TokenShape{5, 100, 7, 5}, 0, 500, 64, half.data());
+  mismatch = 0;
+  for (index_t t = 0; t < 100; ++t)
+    for (index_t b = 0; b < 5; ++b)
+      for (index_t c = 0; c < 64; ++c) mismatch += half[(t * 5 + b) * 64 + c] != x[(t * 10 + 5 + b) * 64 + c];
+  CHECK(mismatch == 0);
+  // Another seed (step), sample or site draws another mask; p = 0 and evaluation are the identity.
+  int seed_differ = 0, sample_differ = 0, site_differ = 0;
+  Dropout other_site(0.25f, "h.0.attn");
+  for (index_t c = 0; c < 64; ++c) {
+    seed_differ += d.keep(7, 3, 0, c) != d.keep(8, 3, 0, c);
+    sample_differ += d.keep(7, 3, 0, c) != d.keep(7, 4, 0, c);
+    site_differ += d.keep(7, 3, 0, c) != other_site.keep(7, 3, 0, c);
+  }
+  CHECK(seed_differ > 10);  // expected 64 * 2 * 0.25 * 0.75 = 24
+  CHECK(sample_differ > 10);
+  CHECK(site_differ > 10);
   std::vector<float> y(10, 2.0f);
-  Dropout(0.0f, "x").apply(7, 0, 1, 10, y.data());
+  Dropout(0.0f, "x").apply(TokenShape{1, 1, 7}, 0, 1, 10, y.data());
+  CHECK(y == std::vector<float>(10, 2.0f));
+  TokenShape eval{1, 1, 7};
+  eval.train = false;
+  Dropout(0.5f, "x").apply(eval, 0, 1, 10, y.data());
   CHECK(y == std::vector<float>(10, 2.0f));
   CHECK_THROWS_AS(Dropout(1.0f, "x"), Error);
 }
@@ -544,7 +569,7 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
     }
     for (int mb = 0; mb < microbatches; ++mb) tok_ptr.push_back(tokens[mb].data()), tgt_ptr.push_back(targets[mb].data());
     GptPipelineStage<Comm> stage(chunks, TokenShape{kBatch, kSeq});
-    stage.set_batch(tok_ptr, tgt_ptr, token_count, kDropoutSeed);
+    stage.set_batch(tok_ptr, tgt_ptr, token_count, DropoutContext{kDropoutSeed});
     pipe::execute(pp_comm, schedule, stage);
     stage.all_reduce_tied_wte_grad(pp_comm);
     for (auto* m : chunks) {

@@ -6,9 +6,15 @@
 // last pipeline stage) must agree to 1e-6. Layouts: dp2; tp2; tp2+sp; pp2 with every schedule of
 // pipe/ that trains the GPT (gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v) at 4
 // microbatches; dp2.tp2.pp2; ZeRO-1 (dp2, and dp2.tp2.pp2); dp2 with 2 microbatches.
+// With dropout 0.1 (masks per global sample, nn/dropout.hpp) dp2, dp2 m2, tp2+sp, recompute, pp2
+// and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
+// Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
+// generator bitwise, a hand-written all-F-then-B-then-W one equals one rank; a bad one is refused.
 #include <catch2/catch.hpp>
 
+#include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
+#include "trellis/pipe/text.hpp"
 
 using namespace trainer_test;
 
@@ -16,19 +22,26 @@ namespace {
 
 constexpr int kSteps = 6;
 
+constexpr float kDropout = 0.1f;
+
 struct Reference {
   nn_test::Collector weights;
   RunResult run;
-  Reference() { train(tiny_config(), kSteps, run, weights); }
+  explicit Reference(float dropout) { train(with_layout(tiny_config(), {.dropout = dropout}), kSteps, run, weights); }
 };
 Reference& reference() {
-  static Reference r;
+  static Reference r(0.0f);
+  return r;
+}
+Reference& dropout_reference() {
+  static Reference r(kDropout);
   return r;
 }
 
 void check_against_reference(const Layout& l, const char* label) {
-  INFO("layout " << label);
-  auto& ref = reference();
+  INFO("layout " << label << " dropout " << l.dropout);
+  auto& ref = l.dropout > 0 ? dropout_reference() : reference();
+  REQUIRE(l.dropout == (l.dropout > 0 ? kDropout : 0.0f));
   nn_test::Collector weights;
   RunResult got;
   train(with_layout(tiny_config(), l), kSteps, got, weights);
@@ -75,6 +88,86 @@ TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]
   check_against_reference(
       {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
       "dp2.tp2+sp.pp2 zero1 zb_v");
+}
+
+TEST_CASE("with dropout every layout equals one rank (masks per global sample)", "[train][trainer][parity][dropout]") {
+  auto& ref = dropout_reference();
+  REQUIRE(ref.run.losses.size() == kSteps);
+  for (int s = 0; s < kSteps; ++s)  // the masks change the losses: the test is not vacuous
+    CHECK(std::fabs(ref.run.losses[s] - reference().run.losses[s]) > 1e-4);
+  check_against_reference({.dp = 2, .dropout = kDropout}, "dp2");
+  check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout}, "dp2 m2");
+  check_against_reference({.tp = 2, .sp = true, .dropout = kDropout}, "tp2+sp");
+  check_against_reference({.dropout = kDropout, .recompute = true}, "recompute");
+  check_against_reference({.pp = 2, .schedule = "1f1b", .microbatches = 4, .dropout = kDropout}, "pp2 1f1b");
+  check_against_reference({.pp = 2, .schedule = "zb_v", .microbatches = 4, .dropout = kDropout}, "pp2 zb_v");
+  check_against_reference(
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .schedule = "1f1b", .microbatches = 2, .dropout = kDropout},
+      "dp2.tp2+sp.pp2");
+}
+
+// With lr 0 the weights never move, so two steps on the same batch differ only by their masks.
+// (Before the step seed existed every step drew step 0's masks and the losses were equal.)
+TEST_CASE("dropout draws new masks every step; evaluate() has none", "[train][trainer][dropout]") {
+  auto cfg = with_layout(tiny_config(), {.dp = 2, .dropout = 0.5f});
+  cfg.lr.max_lr = cfg.lr.min_lr = 0.0;
+  auto no_dropout = cfg;
+  no_dropout.options.dropout = 0.0f;
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, cfg), plain(comm, no_dropout);  // same init seed: same weights
+    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, t.mesh().coord<trellis::dp>(), cfg.dp});
+    const auto batch = loader.next();
+    const double eval_before = t.evaluate(batch);
+    const double first = t.step(batch).loss, second = t.step(batch).loss;
+    const double eval_after = t.evaluate(batch), eval_plain = plain.evaluate(batch);  // collectives: not in RANK_CHECK
+    RANK_CHECK(std::fabs(first - second) > 1e-3 * std::fabs(first));
+    // evaluation is deterministic and equals the same weights without dropout, exactly
+    RANK_CHECK(eval_after == eval_before);
+    RANK_CHECK(eval_after == eval_plain);
+    // and the training steps did drop (their loss is not the dropout-free one)
+    RANK_CHECK(std::fabs(first - eval_plain) > 1e-3);
+  });
+}
+
+TEST_CASE("a text schedule from a file trains like the generator's", "[train][trainer][parity][pipe]") {
+  // pp2, m4, the given schedule; the generator name is unused, and a name no generator has proves it.
+  auto text_layout = [](const trellis::pipe::Schedule& s, float dropout = 0.0f) {
+    return Layout{.pp = 2, .schedule = "no such generator", .microbatches = 4, .dropout = dropout, .custom_schedule = s};
+  };
+  TempDir dir("trainer-schedule");
+  auto load = [&](const std::string& text) {
+    const auto path = (dir.path / "schedule.txt").string();
+    std::ofstream(path) << text;
+    return trellis::pipe::load_schedule(path);
+  };
+  // Written by hand (compute actions only; the parser inserts the sends and receives).
+  const auto mine = load(
+      "# 1F1B for 2 ranks and 4 microbatches, by hand\n"
+      "@ name=mine backward=full\n"
+      "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3\n"
+      "F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3\n");
+  RunResult generated, custom;
+  nn_test::Collector w1, w2;
+  train(with_layout(tiny_config(), {.pp = 2, .schedule = "1f1b", .microbatches = 4}), kSteps, generated, w1);
+  train(with_layout(tiny_config(), text_layout(mine)), kSteps, custom, w2);
+  REQUIRE(custom.losses.size() == generated.losses.size());
+  for (std::size_t s = 0; s < custom.losses.size(); ++s) CHECK(custom.losses[s] == generated.losses[s]);
+  check_against_reference(text_layout(mine), "text 1F1B");
+  // Another order than any generator's: every F, then every B, then every W (split backward).
+  const auto deferred = load(
+      "@ name=deferred backward=split\n"
+      "F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\n"
+      "F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\n");
+  check_against_reference(text_layout(deferred), "text F-B-W");
+  check_against_reference(text_layout(deferred, kDropout), "text F-B-W with dropout");
+  // One that cannot run: rank 1 never runs W3.
+  const auto broken = load("F0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2 W3\nF0 F1 F2 F3 B0 B1 B2 B3 W0 W1 W2\n");
+  auto cfg = with_layout(tiny_config(), text_layout(broken));
+  auto problems = trellis::train::config_problems(cfg);
+  REQUIRE(problems.size() == 1);
+  INFO(problems[0]);
+  CHECK(problems[0].find("does not verify") != std::string::npos);
+  CHECK(problems[0].find("rank 1: backward-weight of microbatch 3, chunk 0 (W3.0) never runs") != std::string::npos);
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

@@ -1,10 +1,13 @@
 // train_gpt's command line (examples/train_gpt/flags.hpp) and the trainer's layout checks: every
 // bad flag or inconsistent layout is refused with a message naming what to change.
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "temp_dir.hpp"
 #include "train_gpt/flags.hpp"
+#include "trellis/pipe/generators.hpp"
 
 using train_gpt::Options;
 using train_gpt::parse_flags;
@@ -78,4 +81,71 @@ TEST_CASE("check_config counts the ranks", "[train][flags][errors]") {
   CHECK_NOTHROW(trellis::train::check_config(c, 2));
   CHECK_THROWS_WITH(trellis::train::check_config(c, 3),
                     Catch::Contains("start 2 ranks or change the layout"));
+}
+
+TEST_CASE("layer options reach the trainer", "[train][flags]") {
+  auto o = parse_flags({"--tp", "2", "--dropout", "0.1", "--recompute", "--overlap", "3"});
+  CHECK(o.dropout == Approx(0.1));
+  CHECK(o.recompute);
+  CHECK(o.overlap == 3);
+  const auto c = train_gpt::trainer_config(o);
+  CHECK(c.options.dropout == 0.1f);
+  CHECK(c.options.recompute);
+  CHECK(c.options.overlap_chunks == 3);
+  CHECK(!c.custom_schedule);
+  CHECK(error_of({"--tp", "2", "--dropout", "0.1", "--recompute", "--overlap", "3"}).empty());
+  for (const char* u : {"--dropout", "--recompute", "--overlap", "--schedule-file"})
+    CHECK(contains(train_gpt::usage(), u));
+}
+
+TEST_CASE("layer options out of range are refused", "[train][flags][errors]") {
+  CHECK(contains(error_of({"--dropout", "1"}), "--dropout is a probability in [0, 1), got 1"));
+  CHECK(contains(error_of({"--dropout", "-0.1"}), "--dropout is a probability in [0, 1)"));
+  CHECK(contains(error_of({"--dropout", "nan"}), "--dropout"));
+  CHECK(contains(error_of({"--overlap", "2"}),
+                 "--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1"));
+  CHECK(contains(error_of({"--tp", "2", "--overlap", "0"}), "--overlap must be >= 1"));
+  CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--dropout", "0.1"}),
+                 "--dropout is not supported by the one-device GPT"));
+  CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--recompute"}), "--recompute, --sp and --overlap"));
+}
+
+TEST_CASE("--schedule-file loads, checks and refuses bad files naming the problem", "[train][flags][pipe]") {
+  TempDir dir("flags-schedule");
+  auto write = [&](const std::string& name, const std::string& text) {
+    const auto path = (dir.path / name).string();
+    std::ofstream(path) << text;
+    return path;
+  };
+  // The generator's 1F1B written out by pipe's text writer reads back as the same schedule.
+  const auto generated = trellis::pipe::one_f_one_b(2, 4);
+  const auto good = write("1f1b.txt", trellis::pipe::to_text(generated));
+  const auto o = parse_flags({"--pp", "2", "--microbatches", "4", "--schedule-file", good});
+  CHECK(o.schedule_file == good);
+  CHECK(error_of({"--pp", "2", "--microbatches", "4", "--schedule-file", good}).empty());
+  const auto c = train_gpt::trainer_config(o);
+  REQUIRE(c.custom_schedule.has_value());
+  CHECK(trellis::pipe::same_schedule(*c.custom_schedule, generated));
+
+  // without a pipeline, with --schedule too, or with another shape than the flags
+  CHECK(contains(error_of({"--schedule-file", good}),
+                 "--schedule-file " + good + " is a pipeline schedule: it needs --pp > 1"));
+  CHECK(contains(error_of({"--pp", "2", "--microbatches", "4", "--schedule-file", good, "--schedule", "gpipe"}),
+                 "give one of them"));
+  CHECK(contains(error_of({"--pp", "2", "--microbatches", "2", "--schedule-file", good}),
+                 "has 4 microbatches but --microbatches is 2"));
+  CHECK(contains(error_of({"--pp", "4", "--microbatches", "4", "--schedule-file", good}),
+                 "has 2 rank lines but --pp is 4"));
+  // a missing file, a syntax error (file, line and column named), a schedule that cannot run
+  const auto missing = (dir.path / "nope.txt").string();
+  CHECK(contains(error_of({"--pp", "2", "--schedule-file", missing}), "cannot open '" + missing + "'"));
+  const auto typo = write("typo.txt", "# two ranks\nF0 F1 B0 W0 B1 W1\nF0 B0 W0 F1 X1 W1\n");
+  CHECK(contains(error_of({"--pp", "2", "--schedule-file", typo}),
+                 "--schedule-file: load_schedule '" + typo + "': schedule text, line 3, column 13: "
+                 "unknown action 'X1'"));
+  CHECK_THROWS_WITH(train_gpt::trainer_config(parse_flags({"--pp", "2", "--schedule-file", typo})),
+                    Catch::Contains("line 3"));
+  const auto incomplete = write("incomplete.txt", "F0 F1 B0 W0 B1 W1\nF0 B0 W0 F1 B1\n");
+  CHECK(contains(error_of({"--pp", "2", "--schedule-file", incomplete}),
+                 "does not verify: pipe schedule 'text': rank 1: backward-weight of microbatch 1"));
 }

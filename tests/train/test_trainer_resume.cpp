@@ -1,6 +1,7 @@
 // Trainer checkpoints:
 //  - resume: 6 steps straight == 3 steps, save, a NEW world/trainer loads, 3 more steps: losses
-//    and final weights bitwise equal (tp2.pp2 zb_h1, and dp2 ZeRO-1);
+//    and final weights bitwise equal (tp2.pp2 zb_h1, dp2 ZeRO-1, and with dropout 0.1:
+//    tp2+sp.pp2 zb_h1 and dp2 m2, whose masks come from the restored step count);
 //  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
 //    as the straight run (other layouts sum in another order, so not bitwise).
@@ -25,8 +26,10 @@ void straight(const Layout& l, Straight& s) { train(with_layout(tiny_config(), l
 
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   for (const Layout& l :
-       {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true}}) {
-    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
+       {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true},
+        Layout{.pp = 2, .tp = 2, .sp = true, .schedule = "zb_h1", .microbatches = 2, .dropout = 0.1f},
+        Layout{.dp = 2, .microbatches = 2, .dropout = 0.1f}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " dropout " << l.dropout);
     Straight s;
     straight(l, s);
     TempDir dir("trainer-resume");

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,9 @@ struct Layout {
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   int microbatches = 1;
+  float dropout = 0.0f;
+  bool recompute = false;
+  std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -81,6 +85,9 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.zero1 = l.zero1;
   c.schedule = l.schedule;
   c.microbatches = l.microbatches;
+  c.options.dropout = l.dropout;
+  c.options.recompute = l.recompute;
+  c.custom_schedule = l.custom_schedule;
   return c;
 }
 

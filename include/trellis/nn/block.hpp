@@ -1,6 +1,7 @@
 // Pre-norm transformer block (GPT-2):  x2 = x + attn(ln_1(x));  y = x2 + mlp(ln_2(x2)).
 // With `dropout` > 0 the attention and MLP outputs are dropped before the residual add (masks in
-// nn/dropout.hpp; TokenShape::seed picks the microbatch's mask).
+// nn/dropout.hpp: TokenShape's seed and first_sample pick the masks; TokenShape::train = false
+// turns dropout off).
 // Residual and norms run on the norm-region rows (with sequence parallelism, this rank's sequence
 // shard). Options: sequence parallelism and overlap come with the TensorParallel handle; with
 // `recompute` the forward keeps only the block input and backward_input runs the forward again.
@@ -78,7 +79,7 @@ class TransformerBlock {
     const float* dmlp = dy;
     if (drop_mlp_.active()) {
       dropped.assign(dy, dy + n);
-      drop_mlp_.apply(shape.seed, row0, rows, cfg_.width, dropped.data());
+      drop_mlp_.apply(shape, row0, rows, cfg_.width, dropped.data());
       dmlp = dropped.data();
     }
     mlp_.backward_input(mb, shape, dmlp, dh.data());
@@ -87,7 +88,7 @@ class TransformerBlock {
     const float* dattn = dx2.data();
     if (drop_attn_.active()) {
       dropped.assign(dx2.begin(), dx2.end());
-      drop_attn_.apply(shape.seed, row0, rows, cfg_.width, dropped.data());
+      drop_attn_.apply(shape, row0, rows, cfg_.width, dropped.data());
       dattn = dropped.data();
     }
     attn_.backward_input(mb, shape, dattn, dh.data());
@@ -125,11 +126,11 @@ class TransformerBlock {
     std::vector<float> h(static_cast<std::size_t>(n)), x2(static_cast<std::size_t>(n));
     ln_1_.forward(mb, shape, x, h.data());
     attn_.forward(mb, shape, h.data(), x2.data());
-    drop_attn_.apply(shape.seed, row0, rows, cfg_.width, x2.data());
+    drop_attn_.apply(shape, row0, rows, cfg_.width, x2.data());
     for (index_t i = 0; i < n; ++i) x2[i] += x[i];
     ln_2_.forward(mb, shape, x2.data(), h.data());
     mlp_.forward(mb, shape, h.data(), y);
-    drop_mlp_.apply(shape.seed, row0, rows, cfg_.width, y);
+    drop_mlp_.apply(shape, row0, rows, cfg_.width, y);
     for (index_t i = 0; i < n; ++i) y[i] += x2[i];
   }
   void release_sublayers(int mb) {

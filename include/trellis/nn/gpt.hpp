@@ -44,7 +44,7 @@ struct GptOptions {
   bool sequence_parallel = false;
   int overlap_chunks = 1;    // > 1: Oases-style chunked overlap of tp collectives
   bool recompute = false;    // per-block activation recompute
-  float dropout = 0.0f;      // embedding + residual dropout (GPT-2 embd/resid_pdrop); masks from TokenShape::seed
+  float dropout = 0.0f;      // embedding + residual dropout (GPT-2 embd/resid_pdrop); masks: nn/dropout.hpp
   std::uint64_t seed = 1234;
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
 };
@@ -152,7 +152,7 @@ class GptModel {
     if (embedding_) {
       TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
       embedding_->forward(mb, shape, in.tokens, x.data());
-      drop_embedding_.apply(shape.seed, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
+      drop_embedding_.apply(shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
     } else {
       TRELLIS_CHECK(in.activation != nullptr, "GptModel::forward: stage without embedding needs an input activation");
       std::copy(in.activation, in.activation + n, x.data());
@@ -188,7 +188,7 @@ class GptModel {
       std::swap(g, h);
     }
     if (embedding_) {
-      drop_embedding_.apply(shape.seed, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
+      drop_embedding_.apply(shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
       embedding_->backward_input(mb, shape, g.data());
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");

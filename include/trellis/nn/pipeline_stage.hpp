@@ -3,7 +3,8 @@
 // through pipe::execute. Chunk c of the rank is the GptModel built for the schedule's virtual
 // stage held by (rank, c) (Schedule::virtual_stage), e.g. with GptStage::of(vs, p * v, layers).
 //
-// Per step: set_batch() gives the microbatches' tokens/targets and the global token count, then
+// Per step: set_batch() gives the microbatches' tokens/targets, the global token count and the
+// dropout context (seed, global sample offset, train/eval), then
 // pipe::execute runs F/B/W; loss() is this rank's summed loss contributions (non-zero only where
 // the last virtual stage lives). Afterwards the trainer sums the tied wte gradient over the
 // ranks holding the first and last virtual stage (see GptModel::tied_wte).
@@ -17,6 +18,13 @@
 
 namespace trellis::nn {
 
+// What a step's dropout masks depend on besides the layer and the token (nn/dropout.hpp).
+struct DropoutContext {
+  std::uint64_t seed = 0;    // the step's seed: a new one every step (train::dropout_seed)
+  index_t first_sample = 0;  // global batch index of microbatch 0's first sample
+  bool train = true;         // false: evaluation, no dropout
+};
+
 template <comm::Communicator C>
 class GptPipelineStage {
  public:
@@ -29,11 +37,12 @@ class GptPipelineStage {
   }
 
   // tokens[mb], targets[mb]: (batch, seq) ids of microbatch mb (only read by the chunks holding
-  // the embedding / the head); token_count: the loss normaliser for the whole step.
-  // dropout_seed: the step's seed; microbatch mb uses a seed derived from (dropout_seed, mb).
+  // the embedding / the head); token_count: the loss normaliser for the whole step; dropout: the
+  // step's seed and where microbatch 0 sits in the global batch (microbatch mb's samples follow
+  // at first_sample + mb * batch), or train = false for evaluation.
   void set_batch(std::vector<const std::int32_t*> tokens, std::vector<const std::int32_t*> targets, double token_count,
-                 std::uint64_t dropout_seed = 0) {
-    dropout_seed_ = dropout_seed;
+                 const DropoutContext& dropout = {}) {
+    dropout_ = dropout;
     tokens_ = std::move(tokens);
     targets_ = std::move(targets);
     token_count_ = token_count;
@@ -91,7 +100,9 @@ class GptPipelineStage {
   }
   TokenShape shape_of(int mb) const {
     TokenShape s = shape_;
-    s.seed = detail::splitmix64(dropout_seed_ + static_cast<std::uint64_t>(mb));
+    s.seed = dropout_.seed;
+    s.first_sample = dropout_.first_sample + static_cast<index_t>(mb) * shape_.batch;
+    s.train = dropout_.train;
     return s;
   }
   std::size_t activation_size(GptModel<C>& m) const {
@@ -107,7 +118,7 @@ class GptPipelineStage {
   TokenShape shape_;
   std::vector<const std::int32_t*> tokens_, targets_;
   double token_count_ = 0;
-  std::uint64_t dropout_seed_ = 0;
+  DropoutContext dropout_;
   double loss_ = 0;
 };
 

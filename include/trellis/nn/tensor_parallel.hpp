@@ -26,11 +26,16 @@
 
 namespace trellis::nn {
 
-// One microbatch's token geometry.
+// One microbatch's token geometry, and what its dropout masks depend on (nn/dropout.hpp): the
+// step's seed and the global batch index of the microbatch's sample b = 0, so that a token's mask
+// is the same whatever dp rank or microbatch holds it. `train` = false (evaluation, generation)
+// turns dropout off.
 struct TokenShape {
   index_t batch = 1;
   index_t seq = 1;
-  std::uint64_t seed = 0;  // this microbatch's randomness (dropout masks); fixed across F/B/recompute
+  std::uint64_t seed = 0;    // the step's dropout seed; fixed across F/B/recompute
+  index_t first_sample = 0;  // global batch index of sample b = 0 (sample b is first_sample + b)
+  bool train = true;         // false: no dropout
   index_t rows() const { return batch * seq; }
 };
 

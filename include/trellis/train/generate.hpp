@@ -40,7 +40,9 @@ class Generator {
     std::vector<float> out(T * static_cast<std::size_t>(W));
     nn::StageInput in;
     in.tokens = window.data();
-    model_.forward(0, nn::TokenShape{1, static_cast<index_t>(T)}, in, out.data());
+    nn::TokenShape shape{1, static_cast<index_t>(T)};
+    shape.train = false;  // inference: no dropout, whatever options a caller's model was built with
+    model_.forward(0, shape, in, out.data());
     model_.release(0);
     const float* x = out.data() + (T - 1) * static_cast<std::size_t>(W);  // rows are t * batch + b
     double mean = 0, var = 0;

@@ -32,6 +32,9 @@
 //     the whole world with ZeRO-1, where dp ranks hold different partitions); clip factor fused
 //     into AdamW; lr from warm-up + cosine at the optimizer's step count.
 // The reported loss is the global mean (sum over pp and dp of the last stage's contributions).
+// Dropout (options.dropout): step s uses dropout_seed(seed, s), and a token's mask depends on its
+// global sample index, so every layout of the same global batch drops the same elements and a
+// resumed run draws the uninterrupted run's masks; evaluate() runs without dropout.
 //
 // Checkpoints (train/checkpoint.hpp, train_state.hpp): every parameter by its GPT-2 name and
 // global shape, each box written once (dp rank 0, tp rank 0 for replicated tensors, the
@@ -74,6 +77,9 @@ struct TrainerConfig {
   nn::GptOptions options{};
   int pp = 1, dp = 1, tp = 1;
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
+  // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
+  // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
+  std::optional<pipe::Schedule> custom_schedule{};
   int virtual_chunks = 2;         // v of interleaved_1f1b (vee schedules always hold 2)
   int microbatches = 1;
   index_t batch = 8;  // rows of the GLOBAL batch
@@ -83,8 +89,45 @@ struct TrainerConfig {
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
   std::size_t bucket_elements = std::size_t{1} << 18;
-  std::uint64_t seed = 1234;  // Rng streams (one per rank); the model's init seed is options.seed
+  std::uint64_t seed = 1234;  // Rng streams (one per rank) and dropout masks; the model's init seed is options.seed
 };
+
+// The dropout seed of optimizer step `step` (0-based) of a run with seed `run_seed`: every step
+// draws new masks, and a resumed run (same seed, restored step count) draws the uninterrupted
+// run's. Which elements drop also depends on the token's global sample index (nn/dropout.hpp),
+// not on the dp rank or microbatch that holds it.
+inline std::uint64_t dropout_seed(std::uint64_t run_seed, std::int64_t step) {
+  return nn::detail::splitmix64(nn::detail::splitmix64(run_seed ^ nn::detail::name_hash("dropout")) +
+                                static_cast<std::uint64_t>(step));
+}
+
+// Problems of a custom pipeline schedule for this config (empty: usable).
+inline std::vector<std::string> custom_schedule_problems(const TrainerConfig& c, const pipe::Schedule& s) {
+  std::vector<std::string> out;
+  const std::string what = "the custom schedule '" + s.name + "'";
+  if (c.pp <= 1) {
+    out.push_back(what + " is a pipeline schedule: it needs --pp > 1");
+    return out;
+  }
+  if (s.stages != c.pp)
+    out.push_back(what + " has " + std::to_string(s.stages) + " rank lines but --pp is " + std::to_string(c.pp));
+  if (s.microbatches != c.microbatches)
+    out.push_back(what + " has " + std::to_string(s.microbatches) + " microbatches but --microbatches is " +
+                  std::to_string(c.microbatches));
+  if (s.local_learning)
+    out.push_back(what + " uses local losses (loss=local), which the GPT model does not have");
+  if (s.chunks >= 1 && c.model.layers < static_cast<index_t>(s.stages) * s.chunks)
+    out.push_back("--layers " + std::to_string(c.model.layers) + " is fewer than the " +
+                  std::to_string(s.stages * s.chunks) + " virtual pipeline stages of " + what);
+  if (out.empty()) {
+    try {
+      pipe::verify(s);
+    } catch (const Error& e) {
+      out.push_back(what + " does not verify: " + e.message());
+    }
+  }
+  return out;
+}
 
 // Every problem with a layout, each saying what to change; empty when the config is usable.
 inline std::vector<std::string> config_problems(const TrainerConfig& c) {
@@ -112,9 +155,14 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
     add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
         " (each dp rank cuts its rows into equal microbatches)");
+  if (!(c.options.dropout >= 0.0f && c.options.dropout < 1.0f))
+    add("--dropout is a probability in [0, 1), got ", c.options.dropout);
+  if (c.options.overlap_chunks < 1) add("--overlap must be >= 1 (1: no overlap), got ", c.options.overlap_chunks);
   if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
     add("--sp needs the sequence length ", c.seq, " divisible by --tp ", c.tp);
-  if (c.pp > 1) {
+  if (c.custom_schedule) {
+    for (auto& p : custom_schedule_problems(c, *c.custom_schedule)) out.push_back(std::move(p));
+  } else if (c.pp > 1) {
     const auto names = pipe::schedule_names();
     if (std::find(names.begin(), names.end(), c.schedule) == names.end()) {
       std::string known;
@@ -227,7 +275,8 @@ class Trainer {
     const int pp_rank = mesh_.template coord<trellis::pp>();
     int chunks = 1, stages = 1;
     if (cfg_.pp > 1) {
-      schedule_ = pipe::make_schedule(cfg_.schedule, cfg_.pp, cfg_.microbatches, cfg_.virtual_chunks);
+      schedule_ = cfg_.custom_schedule ? *cfg_.custom_schedule
+                                       : pipe::make_schedule(cfg_.schedule, cfg_.pp, cfg_.microbatches, cfg_.virtual_chunks);
       chunks = schedule_->chunks;
       stages = schedule_->virtual_stages();
     } else {
@@ -302,7 +351,7 @@ class Trainer {
     check_batch(batch);
     for (auto& m : models_) m->zero_grad();
     const double token_count = global_token_count(batch);
-    set_microbatches(batch, token_count);
+    set_microbatches(batch, token_count, true);
     w_done_.assign(models_.size(), 0);
     overlapped_ = 0;
     if (cfg_.pp > 1) {
@@ -329,11 +378,11 @@ class Trainer {
     return r;
   }
 
-  // Global mean loss of a batch without training (forward only, activations released).
+  // Global mean loss of a batch without training (forward only, activations released, no dropout).
   double evaluate(const Batch& batch) {
     check_batch(batch);
     const double token_count = global_token_count(batch);
-    set_microbatches(batch, token_count);
+    set_microbatches(batch, token_count, false);
     double loss = 0;
     const int pp_rank = mesh_.template coord<trellis::pp>();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
@@ -477,14 +526,20 @@ class Trainer {
     dp_comm_->all_reduce(&local, &total, 1, comm::ReduceOp::sum);
     return total;
   }
-  void set_microbatches(const Batch& b, double token_count) {
+  // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
+  // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
+  void set_microbatches(const Batch& b, double token_count, bool train) {
     std::vector<const std::int32_t*> tokens, targets;
     const index_t per = shape_.rows();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       tokens.push_back(b.inputs.data() + mb * per);
       targets.push_back(b.targets.data() + mb * per);
     }
-    stage_->set_batch(std::move(tokens), std::move(targets), token_count);
+    nn::DropoutContext dropout;
+    dropout.seed = dropout_seed(cfg_.seed, state_.step());
+    dropout.first_sample = static_cast<index_t>(mesh_.template coord<trellis::dp>()) * (cfg_.batch / cfg_.dp);
+    dropout.train = train;
+    stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout);
   }
 
   void run_local_loop() {
