@@ -6,7 +6,7 @@
 //  - backend::Host<bfloat16>: the CUDA path's rounding points (bf16 activations and GEMM operands, fp32
 //    accumulation, statistics and gradients) on the host: loss within 2e-3 relative, gradients
 //    within 3e-2 norm-relative (measured: 1e-5 and 0.5-0.8%). These are the tolerances the GPU test (tests/gpu/test_flat_gpt_cuda.cu)
-//    uses for CudaOps, so they are shown here to hold for bf16 rounding alone;
+//    uses for backend::Cuda, so they are shown here to hold for bf16 rounding alone;
 //  - microbatches accumulate: two halves equal the whole batch;
 //  - bad tokens, shapes and options are refused with a message.
 #include <catch2/catch.hpp>
