@@ -15,12 +15,12 @@
 
 #include "flags.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/report/loss_curve.hpp"
+#include "trellis/report/progress.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/generate.hpp"
-#include "trellis/train/loss_curve.hpp"
 #include "trellis/train/metrics.hpp"
-#include "trellis/train/progress.hpp"
 #include "trellis/train/trainer.hpp"
 #if defined(TRELLIS_HAS_CBLAS)
 #include <cblas.h>
@@ -110,13 +110,13 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
   const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, o.context);
   const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
   std::unique_ptr<train::MetricsWriter> metrics;
-  std::unique_ptr<train::ProgressBar> bar;
+  std::unique_ptr<report::ProgressBar> bar;
   if (lead) {
     if (!o.log.empty()) {
       if (fs::path(o.log).has_parent_path()) fs::create_directories(fs::path(o.log).parent_path());
       metrics = std::make_unique<train::MetricsWriter>(o.log, o.resume);
     }
-    bar = std::make_unique<train::ProgressBar>(std::cout);
+    bar = std::make_unique<report::ProgressBar>(std::cout);
     std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
                 o.heads, o.width, o.vocab, o.context, n_params / 1e6);
     std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n",
@@ -164,7 +164,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
       m.elapsed_s = elapsed;
       m.val_loss = val_now;
       if (metrics) metrics->write(m);
-      train::ProgressInfo p;
+      report::ProgressInfo p;
       p.step = r.step;
       p.total = o.steps;
       p.loss = r.loss;
@@ -207,7 +207,7 @@ void run_rank(Comm& comm, const Options& o, const Data& data, double peak, Outco
 }
 
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.
-inline void report(const Options& o, const Data& data, const Outcome& out) {
+inline void final_report(const Options& o, const Data& data, const Outcome& out) {
   std::printf(
       "\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f "
       "(%s)\n",
@@ -216,13 +216,13 @@ inline void report(const Options& o, const Data& data, const Outcome& out) {
   if (!o.log.empty()) {
     fs::path svg = fs::path(o.log).replace_extension(".svg");
     auto curves = train::loss_curves_from_metrics(o.log);
-    train::LossCurveOptions lo;
+    report::LossCurveOptions lo;
     std::ostringstream title;
     title << "train_gpt: " << o.layers << " layers, width " << o.width << ", dp" << o.dp << " tp" << o.tp
           << " pp" << o.pp;
     lo.title = title.str();
     lo.baseline = data.unigram;
-    train::write_loss_curve_svg(svg, curves.train, curves.val, lo);
+    report::write_loss_curve_svg(svg, curves.train, curves.val, lo);
     std::printf("metrics: %s, loss curve: %s\n", o.log.c_str(), svg.string().c_str());
   }
   std::printf("checkpoint: %s\n", out.checkpoint.c_str());

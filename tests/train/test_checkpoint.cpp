@@ -18,6 +18,7 @@
 #endif
 
 using namespace trellis;
+using namespace trellis::io;
 using namespace trellis::train;
 
 namespace {

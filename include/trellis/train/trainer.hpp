@@ -170,7 +170,7 @@ struct StepResult {
 
 // Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
 inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const float> local) {
-  std::vector<float> out(static_cast<std::size_t>(shape_elements(pc.shape)));
+  std::vector<float> out(static_cast<std::size_t>(io::shape_elements(pc.shape)));
   const std::size_t r = pc.shape.size();
   std::vector<index_t> idx(r, 0);
   for (std::size_t k = 0; k < out.size(); ++k) {
@@ -204,7 +204,7 @@ inline void read_parameter_shaped(const Checkpoint& ck, const std::string& name,
                                   std::span<float> local) {
   ck.expect(name, DType::f32, p.global_shape);
   for (const auto& pc : p.pieces()) {
-    std::vector<float> piece(static_cast<std::size_t>(shape_elements(pc.shape)));
+    std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
     ck.read(name, DType::f32, Box{pc.offsets, pc.shape}, piece.data());
     scatter_piece(pc, piece, local);
   }
