@@ -20,6 +20,7 @@
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/generate.hpp"
+#include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/metrics.hpp"
 #include "trellis/train/trainer.hpp"
 #if defined(TRELLIS_HAS_CBLAS)
@@ -106,6 +107,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     auto state = trainer.load(*latest);
     loader.restore(state.data);
     if (lead) std::cout << "resumed from " << latest->string() << " at step " << state.step << "\n";
+  }
+  if (!o.init_from.empty()) {  // every rank reads its own pieces
+    trainer.init_from_hf(o.init_from);
+    if (lead) std::cout << "initialised from " << o.init_from << " (fresh optimizer, step 0)\n";
   }
   const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, o.context);
   const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
@@ -226,6 +231,11 @@ inline void final_report(const Options& o, const Data& data, const Outcome& out)
     std::printf("metrics: %s, loss curve: %s\n", o.log.c_str(), svg.string().c_str());
   }
   std::printf("checkpoint: %s\n", out.checkpoint.c_str());
+  if (!o.export_hf.empty()) {
+    train::export_hf_gpt2(train::Checkpoint(out.checkpoint), trainer_config(o).model, o.export_hf,
+                          trainer_config(o).options);
+    std::printf("Hugging Face GPT-2: %s (config.json, model.safetensors)\n", o.export_hf.c_str());
+  }
   if (o.sample_tokens > 0 && o.vocab == 256) {
     comm::ThreadWorld one(1);
     one.run([&](comm::ThreadComm& c) {

@@ -6,6 +6,7 @@
 #include "trellis/train/checkpoint.hpp"   // defines: CheckpointWriter, commit_checkpoint, Checkpoint, Box
 #include "trellis/train/data.hpp"         // defines: TokenData, DataLoader, Batch, unigram_entropy
 #include "trellis/train/generate.hpp"     // defines: Generator (text from a checkpoint, 1 rank)
+#include "trellis/train/hf_gpt2.hpp"      // defines: export_hf_gpt2, HfGpt2File, hf_gpt2_config_json
 #include "trellis/train/metrics.hpp"      // defines: MetricsWriter, StepMetrics, gpt_flops_per_token, loss_curves_from_metrics
 #include "trellis/train/rng.hpp"          // defines: Rng (xoshiro256**)
 #include "trellis/train/train_state.hpp"  // defines: TrainState, save/load_train_state, adamw moments, gpt2_parameters

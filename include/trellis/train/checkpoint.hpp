@@ -1,6 +1,8 @@
 // Reshardable, crash-safe checkpoints (format and protocol: docs/checkpoint.md).
 //
-//   <root>/step-00000100/shard-<rank>.safetensors   each rank's pieces ("boxes") of its tensors
+//   <root>/step-00000100/shard-<rank>.safetensors   each rank's pieces ("boxes") of its model
+//                                                    tensors (one rank: a plain GPT-2 file)
+//   <root>/step-00000100/optim-<rank>.safetensors   ... of its optimizer tensors (AdamW moments)
 //   <root>/step-00000100/index.json                  per tensor: dtype, GLOBAL shape, and per
 //                                                    shard: file, key, offsets, shape, crc32c
 //   <root>/latest                                    "step-00000100": the newest complete one
@@ -152,12 +154,20 @@ inline std::string step_directory_name(std::int64_t step) {
   return buf;
 }
 inline std::string shard_file_name(int rank) { return "shard-" + std::to_string(rank) + ".safetensors"; }
+inline std::string optimizer_file_name(int rank) { return "optim-" + std::to_string(rank) + ".safetensors"; }
+
+// Which of a rank's two files a tensor goes to: the model file holds what a model loader wants
+// (so a one-rank shard-0.safetensors is a plain GPT-2 file); the optimizer file everything else
+// a resume needs (AdamW moments). Both are listed in index.json, so reading is the same.
+enum class CheckpointFile { model, optimizer };
 
 namespace detail {
 inline constexpr std::string_view ckpt_shard_prefix = "trellis.shard.";
 inline const char* ckpt_step_key = "trellis.step";
 inline const char* ckpt_rank_key = "trellis.rank";
 inline const char* ckpt_world_key = "trellis.world_size";
+inline const char* ckpt_format_key = "format";
+inline constexpr int ckpt_version = 2;  // 2: optimizer files, boxes merged per rank; 1 still loads
 
 inline io::json::Value shape_json(const Shape& s) {
   io::json::Array a;
@@ -170,7 +180,7 @@ inline Shape shape_from_json(const io::json::Value& v, const std::string& what) 
   return s;
 }
 inline bool is_reserved_metadata(std::string_view key) {
-  return key.starts_with("trellis.") || key.starts_with(io::safetensors_crc_prefix);
+  return key == ckpt_format_key || key.starts_with("trellis.") || key.starts_with(io::safetensors_crc_prefix);
 }
 inline void check_box_in(const Shape& global, const Box& box, const std::string& what) {
   TRELLIS_CHECK(box.offsets.size() == global.size() && box.shape.size() == global.size(), what, ": ",
@@ -191,6 +201,27 @@ inline std::optional<Box> intersect(const Box& a, const Box& b) {
     r.shape.push_back(hi - lo);
   }
   return r;
+}
+// The smallest box holding every box of `boxes` (not empty, all of one rank).
+inline Box bounding_box(const std::vector<Box>& boxes) {
+  Box r = boxes.front();
+  for (const Box& b : boxes)
+    for (std::size_t d = 0; d < r.offsets.size(); ++d) {
+      const index_t hi = std::max(r.offsets[d] + r.shape[d], b.offsets[d] + b.shape[d]);
+      r.offsets[d] = std::min(r.offsets[d], b.offsets[d]);
+      r.shape[d] = hi - r.offsets[d];
+    }
+  return r;
+}
+// Whether `boxes` cover their bounding box exactly once (pairwise disjoint, no gap).
+inline bool tiles_bounding_box(const std::vector<Box>& boxes) {
+  index_t covered = 0;
+  for (std::size_t i = 0; i < boxes.size(); ++i) {
+    covered += io::shape_elements(boxes[i].shape);
+    for (std::size_t j = 0; j < i; ++j)
+      if (intersect(boxes[i], boxes[j])) return false;
+  }
+  return covered == io::shape_elements(bounding_box(boxes).shape);
 }
 // Copies the region `region` (global coordinates) from a row-major block `src` laid out as box
 // `src_box` into a row-major block `dst` laid out as box `dst_box`; elements of `elem` bytes.
@@ -267,20 +298,18 @@ class CheckpointWriter {
     TRELLIS_CHECK(step >= 0, "checkpoint step ", step, " is negative");
   }
 
-  // This rank's box of tensor `name` (row-major bytes of box.shape at `data`).
-  void add(std::string_view name, DType dtype, const Shape& global_shape, const Box& box, const void* data) {
+  // This rank's box of tensor `name` (row-major bytes of box.shape at `data`), into the model
+  // file (shard-<rank>) or the optimizer file (optim-<rank>).
+  void add(std::string_view name, DType dtype, const Shape& global_shape, const Box& box, const void* data,
+           CheckpointFile file = CheckpointFile::model) {
     std::string what = "checkpoint tensor \"" + std::string(name) + "\"";
     TRELLIS_CHECK(!name.empty() && name.find('#') == std::string_view::npos, what,
                   ": names must be non-empty and may not contain '#'");
     detail::check_box_in(global_shape, box, what);
-    int count = 0;
-    for (const auto& p : pieces_) count += p.name == name;
-    std::string key = count == 0 ? std::string(name) : std::string(name) + "#" + std::to_string(count);
-    if (count == 1) {  // a second box of the same tensor: the first one becomes "#0"
-      for (auto& p : pieces_)
-        if (p.name == name) p.key = std::string(name) + "#0";
-    }
-    pieces_.push_back({std::string(name), key, dtype, global_shape, box, data});
+    for (const auto& p : pieces_)
+      TRELLIS_CHECK(p.name != name || (p.dtype == dtype && p.global_shape == global_shape && p.file == file), what,
+                    ": added again with another dtype, global shape or file");
+    pieces_.push_back({std::string(name), dtype, global_shape, box, data, file});
   }
   template <class T, class E>
   void add(std::string_view name, TensorView<T, E, Host> local, const Shape& global_shape, const Shape& offsets) {
@@ -299,12 +328,12 @@ class CheckpointWriter {
   // local block `local_box` of the global tensor (row-major within the block).
   template <class T>
   void add_flat_range(std::string_view name, const Shape& global_shape, const Box& local_box,
-                      index_t flat_begin, std::span<const T> data) {
+                      index_t flat_begin, std::span<const T> data, CheckpointFile file = CheckpointFile::model) {
     detail::check_box_in(global_shape, local_box, "checkpoint tensor \"" + std::string(name) + "\"");
     const T* p = data.data();
     for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(data.size()))) {
       for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
-      add(name, dtype_v<T>, global_shape, b, p);
+      add(name, dtype_v<T>, global_shape, b, p, file);
       p += io::shape_elements(b.shape);
     }
   }
@@ -321,38 +350,88 @@ class CheckpointWriter {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
 
-  // Writes <root>/step-N.partial/shard-<rank>.safetensors (temporary name, fsync, rename).
+  // Writes <root>/step-N.partial/optim-<rank>.safetensors (when this rank added optimizer
+  // tensors), then shard-<rank>.safetensors (temporary name, fsync, rename each): a shard file
+  // that exists means the rank finished.
   void finish() {
+    namespace fs = std::filesystem;
     auto staging = detail::staging_directory(root_, step_);
     std::error_code ec;  // several ranks may create it at once: only its absence afterwards is an error
-    std::filesystem::create_directories(staging, ec);
-    TRELLIS_CHECK(std::filesystem::is_directory(staging), "cannot create checkpoint directory ", staging,
-                  ": ", ec.message());
-    io::SafetensorsWriter w;
-    for (const auto& p : pieces_) {
-      w.add(p.key, p.dtype, p.box.shape, p.data);
+    fs::create_directories(staging, ec);
+    TRELLIS_CHECK(fs::is_directory(staging), "cannot create checkpoint directory ", staging, ": ", ec.message());
+    std::vector<std::vector<std::byte>> assembled;  // merged boxes, alive until written
+    io::SafetensorsWriter model, optimizer;
+    for (const auto& e : entries(assembled)) {
+      io::SafetensorsWriter& w = e.file == CheckpointFile::model ? model : optimizer;
+      w.add(e.key, e.dtype, e.box.shape, e.data);
       io::json::Object info;
-      info["tensor"] = io::json::Value(p.name);
-      info["global_shape"] = detail::shape_json(p.global_shape);
-      info["offsets"] = detail::shape_json(p.box.offsets);
-      w.set_metadata(std::string(detail::ckpt_shard_prefix) + p.key, io::json::dump(io::json::Value(std::move(info))));
+      info["tensor"] = io::json::Value(e.name);
+      info["global_shape"] = detail::shape_json(e.global_shape);
+      info["offsets"] = detail::shape_json(e.box.offsets);
+      w.set_metadata(std::string(detail::ckpt_shard_prefix) + e.key, io::json::dump(io::json::Value(std::move(info))));
     }
-    for (const auto& [k, v] : metadata_) w.set_metadata(k, v);
-    w.set_metadata(detail::ckpt_step_key, std::to_string(step_));
-    w.set_metadata(detail::ckpt_rank_key, std::to_string(rank_));
-    w.set_metadata(detail::ckpt_world_key, std::to_string(world_size_));
-    w.write(staging / shard_file_name(rank_));
+    for (const auto& [k, v] : metadata_) model.set_metadata(k, v);
+    for (io::SafetensorsWriter* w : {&model, &optimizer}) {
+      w->set_metadata(detail::ckpt_format_key, "pt");  // what Hugging Face's loaders require
+      w->set_metadata(detail::ckpt_step_key, std::to_string(step_));
+      w->set_metadata(detail::ckpt_rank_key, std::to_string(rank_));
+      w->set_metadata(detail::ckpt_world_key, std::to_string(world_size_));
+    }
+    if (optimizer.tensor_count() > 0)
+      optimizer.write(staging / optimizer_file_name(rank_));
+    else  // left by a crashed attempt at this step in another layout
+      fs::remove(staging / optimizer_file_name(rank_), ec);
+    model.write(staging / shard_file_name(rank_));
     io::fsync_directory(staging);
   }
 
  private:
   struct Piece {
-    std::string name, key;
+    std::string name;
     DType dtype;
     Shape global_shape;
     Box box;
     const void* data;
+    CheckpointFile file;
   };
+  struct Entry : Piece {
+    std::string key;  // in the file: the name, or "<name>#<k>" for the k-th of several boxes
+  };
+
+  // One entry per tensor whose boxes on this rank tile their bounding box (copied together into
+  // `assembled`), so a one-rank checkpoint holds whole tensors under their plain names; otherwise
+  // one entry per box.
+  std::vector<Entry> entries(std::vector<std::vector<std::byte>>& assembled) const {
+    std::vector<Entry> out;
+    std::vector<bool> done(pieces_.size(), false);
+    for (std::size_t i = 0; i < pieces_.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<const Piece*> same;
+      for (std::size_t j = i; j < pieces_.size(); ++j)
+        if (pieces_[j].name == pieces_[i].name) {
+          same.push_back(&pieces_[j]);
+          done[j] = true;
+        }
+      std::vector<Box> boxes;
+      for (const Piece* p : same) boxes.push_back(p->box);
+      if (same.size() == 1 || !detail::tiles_bounding_box(boxes)) {
+        for (std::size_t k = 0; k < same.size(); ++k)
+          out.push_back({*same[k], same.size() == 1 ? same[k]->name : same[k]->name + "#" + std::to_string(k)});
+        continue;
+      }
+      const Box whole = detail::bounding_box(boxes);
+      const std::size_t elem = dtype_size(same[0]->dtype);
+      auto& buffer = assembled.emplace_back(static_cast<std::size_t>(io::shape_elements(whole.shape)) * elem);
+      for (const Piece* p : same)
+        detail::copy_region(p->box, static_cast<const std::byte*>(p->data), p->box, buffer.data(), whole, elem);
+      Entry e{*same[0], same[0]->name};
+      e.box = whole;
+      e.data = buffer.data();
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
+
   std::filesystem::path root_;
   std::int64_t step_;
   int rank_, world_size_;
@@ -398,7 +477,7 @@ inline io::json::Value index_json(std::int64_t step, int world_size, const std::
                               const std::vector<Metadata>& rank_metadata) {
   io::json::Object root;
   root["format"] = io::json::Value("trellis-checkpoint");
-  root["version"] = io::json::Value(1);
+  root["version"] = io::json::Value(ckpt_version);
   root["step"] = io::json::Value(step);
   root["world_size"] = io::json::Value(world_size);
   auto object_of = [](const Metadata& m) {
@@ -442,39 +521,45 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
   std::map<std::string, TensorInfo> tensors;
   std::vector<Metadata> rank_metadata(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
-    const fs::path path = staging / shard_file_name(r);
-    TRELLIS_CHECK(fs::exists(path), "checkpoint step ", step, ": ", path, " is missing (rank ", r,
-                  " did not finish?)");
-    io::SafetensorsFile file(path);
-    const auto& meta = file.metadata();
-    auto get = [&](const std::string& key) -> const std::string& {
-      auto it = meta.find(key);
-      if (it == meta.end()) TRELLIS_THROW(path, ": metadata key ", key, " missing");
-      return it->second;
-    };
-    TRELLIS_CHECK(get(detail::ckpt_step_key) == std::to_string(step), path, " belongs to step ",
-                  get(detail::ckpt_step_key), ", not ", step);
-    TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path, " was written for world size ",
-                  get(detail::ckpt_world_key), ", not ", world_size);
-    for (const auto& [k, v] : meta)
-      if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
-    for (const auto& e : file.entries()) {
-      std::string what = path.string() + ", tensor \"" + e.name + "\"";
-      io::json::Value info = io::json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
-      std::string name = info.at("tensor", what).as_string(what);
-      Shape global = detail::shape_from_json(info.at("global_shape", what), what);
-      Box box{detail::shape_from_json(info.at("offsets", what), what), e.shape};
-      auto [it, inserted] = tensors.try_emplace(name);
-      TensorInfo& t = it->second;
-      if (inserted) {
-        t.name = name;
-        t.dtype = e.dtype;
-        t.shape = global;
+    TRELLIS_CHECK(fs::exists(staging / shard_file_name(r)), "checkpoint step ", step, ": ",
+                  staging / shard_file_name(r), " is missing (rank ", r, " did not finish?)");
+    for (const std::string& name : {shard_file_name(r), optimizer_file_name(r)}) {
+      const fs::path path = staging / name;
+      if (name != shard_file_name(r) && !fs::exists(path)) continue;  // no optimizer tensors on rank r
+      io::SafetensorsFile file(path);
+      const auto& meta = file.metadata();
+      auto get = [&](const std::string& key) -> const std::string& {
+        auto it = meta.find(key);
+        if (it == meta.end()) TRELLIS_THROW(path, ": metadata key ", key, " missing");
+        return it->second;
+      };
+      TRELLIS_CHECK(get(detail::ckpt_step_key) == std::to_string(step), path, " belongs to step ",
+                    get(detail::ckpt_step_key), ", not ", step);
+      TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path,
+                    " was written for world size ", get(detail::ckpt_world_key), ", not ", world_size);
+      TRELLIS_CHECK(get(detail::ckpt_rank_key) == std::to_string(r), path, " was written by rank ",
+                    get(detail::ckpt_rank_key), ", not ", r);
+      if (name == shard_file_name(r))
+        for (const auto& [k, v] : meta)
+          if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
+      for (const auto& e : file.entries()) {
+        std::string what = path.string() + ", tensor \"" + e.name + "\"";
+        io::json::Value info = io::json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
+        std::string tensor = info.at("tensor", what).as_string(what);
+        Shape global = detail::shape_from_json(info.at("global_shape", what), what);
+        Box box{detail::shape_from_json(info.at("offsets", what), what), e.shape};
+        auto [it, inserted] = tensors.try_emplace(tensor);
+        TensorInfo& t = it->second;
+        if (inserted) {
+          t.name = tensor;
+          t.dtype = e.dtype;
+          t.shape = global;
+        }
+        TRELLIS_CHECK(t.dtype == e.dtype && t.shape == global, what, ": ", io::safetensors_dtype(e.dtype),
+                      io::shape_string(global), " disagrees with another shard's ", io::safetensors_dtype(t.dtype),
+                      io::shape_string(t.shape), " for tensor \"", tensor, "\"");
+        t.shards.push_back({name, e.name, std::move(box), get(std::string(io::safetensors_crc_prefix) + e.name)});
       }
-      TRELLIS_CHECK(t.dtype == e.dtype && t.shape == global, what, ": ", io::safetensors_dtype(e.dtype),
-                    io::shape_string(global), " disagrees with another shard's ", io::safetensors_dtype(t.dtype),
-                    io::shape_string(t.shape), " for tensor \"", name, "\"");
-      t.shards.push_back({shard_file_name(r), e.name, std::move(box), get(std::string(io::safetensors_crc_prefix) + e.name)});
     }
   }
   for (const auto& [name, t] : tensors) detail::check_tiling(t);
@@ -483,7 +568,7 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
   for (const auto& entry : fs::directory_iterator(staging)) {
     std::string f = entry.path().filename().string();
     bool ours = f == "index.json";
-    for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r);
+    for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r) || f == optimizer_file_name(r);
     if (!ours) fs::remove_all(entry.path());
   }
   io::write_file_atomically(staging / "index.json", io::json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n");
@@ -577,7 +662,9 @@ class Checkpoint {
     const std::string what = index_path.string();
     io::json::Value index = io::json::parse(io::read_whole_file(index_path), what);
     TRELLIS_CHECK(index.at("format", what).as_string(what) == "trellis-checkpoint", what, " is not a trellis checkpoint index");
-    TRELLIS_CHECK(index.at("version", what).as_int(what) == 1, what, ": unsupported version");
+    const auto version = index.at("version", what).as_int(what);
+    TRELLIS_CHECK(version >= 1 && version <= detail::ckpt_version, what, ": unsupported version ", version,
+                  " (this build reads 1..", detail::ckpt_version, ")");
     step_ = index.at("step", what).as_int(what + " step");
     world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
     for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
