@@ -4,7 +4,8 @@
 //    tensors (those are in optim-0), metadata format "pt"; values == the trainer's parameters;
 //  - export_hf_gpt2: names, shapes and dtypes of GPT2LMHeadModel's state dict (listed by hand),
 //    values == the trainer's parameters (gathered from every rank by global index, not through a
-//    checkpoint), read by our reader and by Python's safetensors; config.json's fields;
+//    checkpoint), read by our reader and by Python's safetensors; config.json's fields; a numpy
+//    GPT-2 written from transformers' GPT2LMHeadModel gives our logits on the exported file;
 //  - the export of a tp2 x pp2 and of a dp2 x tp2 ZeRO-1 checkpoint of the same model state is
 //    byte-identical to the one-rank export;
 //  - init_from_hf of an export: the first step's loss equals the exporting trainer's evaluate()
@@ -28,6 +29,7 @@
 #include "trellis/nn/flat_gpt.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/flat_trainer.hpp"
+#include "trellis/train/generate.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 
 using namespace trainer_test;
@@ -222,6 +224,64 @@ TEST_CASE("export_hf_gpt2 writes GPT2LMHeadModel's state dict and config", "[tra
                            "    assert a.dtype == np.float32 and a.shape == shape, (name, a.dtype, a.shape)\n"
                            "    want = np.fromfile(ref + '/' + name + '.f32', dtype='<f4').reshape(shape)\n"
                            "    assert np.array_equal(a, want), name\n";
+  REQUIRE(std::system(("python3 " + script.string()).c_str()) == 0);
+}
+
+TEST_CASE("a numpy GPT-2 written from Hugging Face's GPT2LMHeadModel gives our logits on the export",
+          "[train][hf][python]") {
+  if (!python_has_safetensors()) {
+    WARN("SKIPPED: python3 with safetensors + numpy is not importable (pip install safetensors numpy)");
+    return;
+  }
+  // What from_pretrained would compute (transformers is not needed): c_attn's output split into
+  // q, k, v of C columns each, head h = columns h*D..(h+1)*D of each, causal softmax(q k^T / sqrt(D)),
+  // gelu_new, LayerNorm eps 1e-5, logits = x @ wte^T (tied lm_head).
+  TempDir dir("hf-numpy");
+  train_one_rank(3, dir.path / "ckpt");
+  const train::Checkpoint ck(dir.path / "ckpt");
+  train::export_hf_gpt2(ck, tiny_config().model, dir.path / "hf");
+  const std::vector<std::int32_t> ids = {5, 17, 33, 2, 60, 41, 9, 12, 63, 0, 28, 7};
+  std::vector<float> logits;
+  nn_test::run_ranks(1, [&](ThreadComm& c) {
+    trellis::train::Generator<ThreadComm> gen(ck, tiny_config().model, c);
+    logits = gen.next_logits(ids);
+  });
+  std::ofstream ours(dir.path / "ours.txt");
+  ours.precision(9);
+  for (float x : logits) ours << x << '\n';
+  ours.close();
+  const auto script = dir.path / "forward.py";
+  std::ofstream(script) << "import json, numpy as np\n"
+                           "from safetensors.numpy import load_file\n"
+                           "d = '" << dir.path.string() << "'\n"
+                           "w = load_file(d + '/hf/model.safetensors')\n"
+                           "cfg = json.load(open(d + '/hf/config.json'))\n"
+                           "C, H, L, eps = cfg['n_embd'], cfg['n_head'], cfg['n_layer'], cfg['layer_norm_epsilon']\n"
+                           "D = C // H\n"
+                           "ids = np.array([5, 17, 33, 2, 60, 41, 9, 12, 63, 0, 28, 7])\n"
+                           "T = len(ids)\n"
+                           "def ln(x, p):\n"
+                           "    m = x.mean(-1, keepdims=True); v = ((x - m) ** 2).mean(-1, keepdims=True)\n"
+                           "    return (x - m) / np.sqrt(v + eps) * w[p + '.weight'] + w[p + '.bias']\n"
+                           "def conv1d(x, p): return x @ w[p + '.weight'] + w[p + '.bias']\n"
+                           "def gelu_new(x): return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))\n"
+                           "x = (w['transformer.wte.weight'][ids] + w['transformer.wpe.weight'][:T]).astype(np.float64)\n"
+                           "mask = np.triu(np.ones((T, T), dtype=bool), 1)\n"
+                           "for i in range(L):\n"
+                           "    h = 'transformer.h.%d.' % i\n"
+                           "    q, k, v = np.split(conv1d(ln(x, h + 'ln_1'), h + 'attn.c_attn'), 3, axis=-1)\n"
+                           "    heads = lambda t: t.reshape(T, H, D).transpose(1, 0, 2)\n"
+                           "    a = heads(q) @ heads(k).transpose(0, 2, 1) / np.sqrt(D)\n"
+                           "    a[:, mask] = -np.inf\n"
+                           "    a = np.exp(a - a.max(-1, keepdims=True)); a /= a.sum(-1, keepdims=True)\n"
+                           "    y = (a @ heads(v)).transpose(1, 0, 2).reshape(T, C)\n"
+                           "    x = x + conv1d(y, h + 'attn.c_proj')\n"
+                           "    x = x + conv1d(gelu_new(conv1d(ln(x, h + 'ln_2'), h + 'mlp.c_fc')), h + 'mlp.c_proj')\n"
+                           "theirs = ln(x, 'transformer.ln_f')[-1] @ w['lm_head.weight'].T\n"
+                           "ours = np.loadtxt(d + '/ours.txt')\n"
+                           "err = np.abs(theirs - ours).max() / max(1.0, np.abs(ours).max())\n"
+                           "assert err < 1e-4, err\n"
+                           "assert np.abs(theirs - np.roll(ours, 1)).max() > 1e-3  # the comparison can fail\n";
   REQUIRE(std::system(("python3 " + script.string()).c_str()) == 0);
 }
 
