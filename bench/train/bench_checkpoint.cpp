@@ -14,11 +14,12 @@
 #include <vector>
 
 #include "support/report.hpp"
+#include "trellis/io/checksum.hpp"
 #include "trellis/train/checkpoint.hpp"
-#include "trellis/train/checksum.hpp"
 #include "trellis/train/rng.hpp"
 
 using namespace trellis;
+using namespace trellis::io;
 using namespace trellis::train;
 
 

@@ -49,6 +49,8 @@ struct Options {
   std::string ckpt_dir;
   int ckpt_every = 0;  // 0: only at the end (when --ckpt-dir is given)
   bool resume = false;
+  std::string init_from;  // a GPT-2 safetensors file with Hugging Face names: start from its weights
+  std::string export_hf;  // at the end: config.json + model.safetensors for transformers' GPT2LMHeadModel
   std::string log;  // metrics.jsonl; the loss curve goes next to it (.svg)
   int eval_every = 20;
   int sample_tokens = 200;
@@ -86,6 +88,10 @@ optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --cli
            --weight-decay X (0.1) --seed N (1234)
 output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --ckpt-dir DIR --ckpt-every N (0: only at the end) --resume (continue from DIR/latest)
+           --init-from FILE (start from GPT-2 weights: a safetensors file with Hugging Face names,
+           e.g. an --export-hf model.safetensors; fresh optimizer, step 0)
+           --export-hf DIR (at the end: DIR/config.json + DIR/model.safetensors of the final
+           checkpoint, loadable by transformers' GPT2LMHeadModel.from_pretrained(DIR))
            --eval-every N (20) --sample-tokens N (200) --temperature X (0.8, 0: greedy)
            --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: measured sgemm speed)
            --help
@@ -194,6 +200,10 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.ckpt_every);
     else if (f == "--resume")
       o.resume = true;
+    else if (f == "--init-from")
+      o.init_from = value();
+    else if (f == "--export-hf")
+      o.export_hf = value();
     else if (f == "--log")
       o.log = value();
     else if (f == "--eval-every")
@@ -295,6 +305,8 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.eval_every < 1) out.push_back("--eval-every must be >= 1");
   if (o.ckpt_every < 0) out.push_back("--ckpt-every must be >= 0");
   if (o.resume && o.ckpt_dir.empty()) out.push_back("--resume needs --ckpt-dir (where the checkpoints are)");
+  if (o.resume && !o.init_from.empty())
+    out.push_back("--resume continues a checkpoint, --init-from starts from other weights: give one of them");
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
       const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
       Outcome out;
       world.run([&](comm::MpiComm& comm) { run_rank(comm, o, data, peak, out); });
-      if (world.rank() == 0) report(o, data, out);
+      if (world.rank() == 0) final_report(o, data, out);
       return 0;
 #else
       std::fprintf(stderr,
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     const Data data = load_data(o);
 #if defined(TRELLIS_TRAIN_GPT_CUDA)
     if (o.backend == "cuda") {
-      report(o, data, run_cuda(o, data));
+      final_report(o, data, run_cuda(o, data));
       return 0;
     }
 #endif
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
     Outcome out;
     comm::ThreadWorld world(o.dp * o.tp * o.pp);
     world.run([&](comm::ThreadComm& comm) { run_rank(comm, o, data, peak, out); });
-    report(o, data, out);
+    final_report(o, data, out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;

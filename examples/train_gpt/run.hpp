@@ -15,12 +15,13 @@
 
 #include "flags.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/report/loss_curve.hpp"
+#include "trellis/report/progress.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/generate.hpp"
-#include "trellis/train/loss_curve.hpp"
+#include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/metrics.hpp"
-#include "trellis/train/progress.hpp"
 #include "trellis/train/trainer.hpp"
 #if defined(TRELLIS_HAS_CBLAS)
 #include <cblas.h>
@@ -107,16 +108,20 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     loader.restore(state.data);
     if (lead) std::cout << "resumed from " << latest->string() << " at step " << state.step << "\n";
   }
+  if (!o.init_from.empty()) {  // every rank reads its own pieces
+    trainer.init_from_hf(o.init_from);
+    if (lead) std::cout << "initialised from " << o.init_from << " (fresh optimizer, step 0)\n";
+  }
   const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, o.context);
   const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
   std::unique_ptr<train::MetricsWriter> metrics;
-  std::unique_ptr<train::ProgressBar> bar;
+  std::unique_ptr<report::ProgressBar> bar;
   if (lead) {
     if (!o.log.empty()) {
       if (fs::path(o.log).has_parent_path()) fs::create_directories(fs::path(o.log).parent_path());
       metrics = std::make_unique<train::MetricsWriter>(o.log, o.resume);
     }
-    bar = std::make_unique<train::ProgressBar>(std::cout);
+    bar = std::make_unique<report::ProgressBar>(std::cout);
     std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
                 o.heads, o.width, o.vocab, o.context, n_params / 1e6);
     const std::string schedule = o.pp == 1                  ? "(none, pp=1)"
@@ -169,7 +174,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
       m.elapsed_s = elapsed;
       m.val_loss = val_now;
       if (metrics) metrics->write(m);
-      train::ProgressInfo p;
+      report::ProgressInfo p;
       p.step = r.step;
       p.total = o.steps;
       p.loss = r.loss;
@@ -212,7 +217,7 @@ void run_rank(Comm& comm, const Options& o, const Data& data, double peak, Outco
 }
 
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.
-inline void report(const Options& o, const Data& data, const Outcome& out) {
+inline void final_report(const Options& o, const Data& data, const Outcome& out) {
   std::printf(
       "\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f "
       "(%s)\n",
@@ -221,16 +226,21 @@ inline void report(const Options& o, const Data& data, const Outcome& out) {
   if (!o.log.empty()) {
     fs::path svg = fs::path(o.log).replace_extension(".svg");
     auto curves = train::loss_curves_from_metrics(o.log);
-    train::LossCurveOptions lo;
+    report::LossCurveOptions lo;
     std::ostringstream title;
     title << "train_gpt: " << o.layers << " layers, width " << o.width << ", dp" << o.dp << " tp" << o.tp
           << " pp" << o.pp;
     lo.title = title.str();
     lo.baseline = data.unigram;
-    train::write_loss_curve_svg(svg, curves.train, curves.val, lo);
+    report::write_loss_curve_svg(svg, curves.train, curves.val, lo);
     std::printf("metrics: %s, loss curve: %s\n", o.log.c_str(), svg.string().c_str());
   }
   std::printf("checkpoint: %s\n", out.checkpoint.c_str());
+  if (!o.export_hf.empty()) {
+    train::export_hf_gpt2(train::Checkpoint(out.checkpoint), trainer_config(o).model, o.export_hf,
+                          trainer_config(o).options);
+    std::printf("Hugging Face GPT-2: %s (config.json, model.safetensors)\n", o.export_hf.c_str());
+  }
   if (o.sample_tokens > 0 && o.vocab == 256) {
     comm::ThreadWorld one(1);
     one.run([&](comm::ThreadComm& c) {

@@ -3,13 +3,18 @@
 // previous checkpoint survives every failure) and clear errors for bad files.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "train/temp_dir.hpp"
+#include "trellis/io/atomic_file.hpp"
+#include "trellis/io/json.hpp"
+#include "trellis/io/safetensors.hpp"
 #include "trellis/train/checkpoint.hpp"
 
 #if __has_include("trellis/comm/threads.hpp")
@@ -18,6 +23,7 @@
 #endif
 
 using namespace trellis;
+using namespace trellis::io;
 using namespace trellis::train;
 
 namespace {
@@ -445,4 +451,117 @@ TEST_CASE("floating tensors convert on read; other dtype changes are refused", "
   }
   std::vector<float> f(3);
   REQUIRE_THROWS_WITH(ck.read("ids", DType::f32, full_box({3}), f.data()), Catch::Contains("I32 and cannot be read as F32"));
+}
+
+TEST_CASE("a rank's boxes of one tensor become one tensor when they tile a box; optimizer tensors go to optim-<rank>",
+          "[checkpoint]") {
+  TempDir dir("ckpt-merge");
+  const Shape s = {4, 12};
+  const auto full = full_tensor(1, s), moments = full_tensor(2, s);
+  // A crashed attempt at this step left an optim file of rank 1, which now has no optimizer tensors.
+  std::filesystem::create_directories(dir.path / "step-00000003.partial");
+  std::ofstream(dir.path / "step-00000003.partial" / "optim-1.safetensors") << "stale";
+  std::vector<std::vector<float>> keep;
+  {
+    CheckpointWriter w0(dir.path, 3, 0, 2);
+    for (index_t col : {8, 0, 4}) {  // q, k, v blocks of "c", out of order: one (4, 12) tensor
+      keep.push_back(slice_of(full, s, Box{{0, col}, {4, 4}}));
+      w0.add("c", DType::f32, s, Box{{0, col}, {4, 4}}, keep.back().data());
+    }
+    for (index_t col : {0, 8}) {  // columns 0..3 and 8..11 of "d" do not tile a box: two keys
+      keep.push_back(slice_of(full, s, Box{{0, col}, {4, 4}}));
+      w0.add("d", DType::f32, s, Box{{0, col}, {4, 4}}, keep.back().data());
+    }
+    w0.add("optimizer.m.c", DType::f32, s, full_box(s), moments.data(), CheckpointFile::optimizer);
+    w0.finish();
+    CheckpointWriter w1(dir.path, 3, 1, 2);
+    keep.push_back(slice_of(full, s, Box{{0, 4}, {4, 4}}));
+    w1.add("d", DType::f32, s, Box{{0, 4}, {4, 4}}, keep.back().data());
+    w1.finish();
+  }
+  commit_checkpoint(dir.path, 3, 2);
+  const auto step = dir.path / "step-00000003";
+  SafetensorsFile shard0(step / "shard-0.safetensors");
+  std::vector<std::string> keys;
+  for (const auto& e : shard0.entries()) keys.push_back(e.name);
+  std::sort(keys.begin(), keys.end());
+  REQUIRE(keys == std::vector<std::string>{"c", "d#0", "d#1"});
+  REQUIRE(shard0.entry("c").shape == s);
+  REQUIRE(shard0.read_as<float>("c") == full);
+  REQUIRE(shard0.metadata().at("format") == "pt");
+  SafetensorsFile optim0(step / "optim-0.safetensors");
+  REQUIRE(optim0.entries().size() == 1);
+  REQUIRE(optim0.read_as<float>("optimizer.m.c") == moments);
+  REQUIRE_FALSE(std::filesystem::exists(step / "optim-1.safetensors"));
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.read_whole<float>("c") == full);
+  REQUIRE(ck.read_whole<float>("d") == full);
+  REQUIRE(ck.read_whole<float>("optimizer.m.c") == moments);
+  REQUIRE(ck.tensor("optimizer.m.c").shards.at(0).file == "optim-0.safetensors");
+}
+
+TEST_CASE("a version-1 checkpoint (everything in shard-<rank>, a key per box) still loads", "[checkpoint]") {
+  // Written by hand as version 1 wrote it: one file, "c#0".."c#2" for the three column blocks,
+  // the moments beside the weights, index.json version 1.
+  TempDir dir("ckpt-v1");
+  const Shape s = {4, 12};
+  const auto full = full_tensor(1, s), moments = full_tensor(2, s);
+  const auto step = dir.path / "step-00000007";
+  std::filesystem::create_directories(step);
+  SafetensorsWriter w;
+  std::vector<std::vector<float>> blocks;
+  json::Array shards_c;
+  for (int k = 0; k < 3; ++k) {
+    blocks.push_back(slice_of(full, s, Box{{0, 4 * k}, {4, 4}}));
+    w.add("c#" + std::to_string(k), DType::f32, {4, 4}, blocks.back().data());
+  }
+  w.add("optimizer.m.c", DType::f32, s, moments.data());
+  w.set_metadata("train.step", "7");
+  w.write(step / "shard-0.safetensors");
+  for (int k = 0; k < 3; ++k) {
+    json::Object o;
+    o["file"] = json::Value("shard-0.safetensors");
+    o["key"] = json::Value("c#" + std::to_string(k));
+    o["offsets"] = json::Value(json::Array{json::Value(0), json::Value(4 * k)});
+    o["shape"] = json::Value(json::Array{json::Value(4), json::Value(4)});
+    o["crc32c"] = json::Value(crc_hex(w.checksums()[static_cast<std::size_t>(k)]));
+    shards_c.emplace_back(std::move(o));
+  }
+  json::Object m;
+  m["file"] = json::Value("shard-0.safetensors");
+  m["key"] = json::Value("optimizer.m.c");
+  m["offsets"] = json::Value(json::Array{json::Value(0), json::Value(0)});
+  m["shape"] = json::Value(json::Array{json::Value(4), json::Value(12)});
+  m["crc32c"] = json::Value(crc_hex(w.checksums()[3]));
+  auto tensor = [&](json::Array shards) {
+    json::Object t;
+    t["dtype"] = json::Value("F32");
+    t["shape"] = json::Value(json::Array{json::Value(4), json::Value(12)});
+    t["shards"] = json::Value(std::move(shards));
+    return json::Value(std::move(t));
+  };
+  json::Object tensors;
+  tensors["c"] = tensor(std::move(shards_c));
+  tensors["optimizer.m.c"] = tensor(json::Array{json::Value(std::move(m))});
+  json::Object meta;
+  meta["train.step"] = json::Value("7");
+  json::Object index;
+  index["format"] = json::Value("trellis-checkpoint");
+  index["version"] = json::Value(1);
+  index["step"] = json::Value(7);
+  index["world_size"] = json::Value(1);
+  index["metadata"] = json::Value(meta);
+  index["rank_metadata"] = json::Value(json::Array{json::Value(meta)});
+  index["tensors"] = json::Value(std::move(tensors));
+  write_file_atomically(step / "index.json", json::dump(json::Value(std::move(index)), 1));
+  write_file_atomically(dir.path / "latest", "step-00000007\n");
+
+  Checkpoint ck(dir.path);
+  REQUIRE(ck.step() == 7);
+  REQUIRE(ck.metadata("train.step") == "7");
+  REQUIRE(ck.read_whole<float>("c") == full);
+  REQUIRE(ck.read_whole<float>("optimizer.m.c") == moments);
+  std::vector<float> mid(8);  // columns 3..4 straddle the first two boxes
+  ck.read("c", DType::f32, Box{{0, 3}, {4, 2}}, mid.data());
+  REQUIRE(mid == slice_of(full, s, Box{{0, 3}, {4, 2}}));
 }

@@ -13,6 +13,7 @@
 #include "trellis/train.hpp"
 
 using namespace trellis;
+using namespace trellis::io;
 using namespace trellis::train;
 
 namespace {

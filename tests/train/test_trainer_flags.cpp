@@ -37,6 +37,9 @@ TEST_CASE("flags parse into options", "[train][flags]") {
   CHECK(o.layers == 6);
   CHECK(o.log == "out/m.jsonl");
   CHECK(o.seed == 7);
+  auto hf = parse_flags({"--init-from", "gpt2/model.safetensors", "--export-hf=out/hf"});
+  CHECK(hf.init_from == "gpt2/model.safetensors");
+  CHECK(hf.export_hf == "out/hf");
   CHECK(parse_flags({"--help"}).help);
   CHECK(error_of({"--dp", "2", "--tp", "2", "--pp", "2"}).empty());  // the default demo layout is valid
   CHECK(train_gpt::usage().find("--schedule") != std::string::npos);
@@ -67,6 +70,7 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--tp", "2"}), "use --pp 1 --tp 1"));
   CHECK(contains(error_of({"--backend", "tpu"}), "--backend must be host or cuda"));
   CHECK(contains(error_of({"--resume"}), "--resume needs --ckpt-dir"));
+  CHECK(contains(error_of({"--resume", "--ckpt-dir", "c", "--init-from", "m.safetensors"}), "give one of them"));
   CHECK(contains(error_of({"--steps", "5", "--warmup", "8"}), "--warmup must be in [0, --steps)"));
   // several problems are all listed at once
   auto e = error_of({"--tp", "3", "--zero1"});

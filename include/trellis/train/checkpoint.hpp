@@ -1,6 +1,8 @@
 // Reshardable, crash-safe checkpoints (format and protocol: docs/checkpoint.md).
 //
-//   <root>/step-00000100/shard-<rank>.safetensors   each rank's pieces ("boxes") of its tensors
+//   <root>/step-00000100/shard-<rank>.safetensors   each rank's pieces ("boxes") of its model
+//                                                    tensors (one rank: a plain GPT-2 file)
+//   <root>/step-00000100/optim-<rank>.safetensors   ... of its optimizer tensors (AdamW moments)
 //   <root>/step-00000100/index.json                  per tensor: dtype, GLOBAL shape, and per
 //                                                    shard: file, key, offsets, shape, crc32c
 //   <root>/latest                                    "step-00000100": the newest complete one
@@ -38,12 +40,16 @@
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/io/atomic_file.hpp"
+#include "trellis/io/json.hpp"
+#include "trellis/io/safetensors.hpp"
 #include "trellis/shard/layout.hpp"
-#include "trellis/train/atomic_file.hpp"
-#include "trellis/train/json.hpp"
-#include "trellis/train/safetensors.hpp"
 
 namespace trellis::train {
+
+// The checkpoint API speaks the safetensors vocabulary: global shapes and string metadata.
+using io::Metadata;
+using io::Shape;
 
 // The elements [offsets[d], offsets[d] + shape[d]) in every dimension d of a tensor.
 struct Box {
@@ -53,7 +59,7 @@ struct Box {
 };
 
 inline std::string box_string(const Box& b) {
-  return "offsets " + shape_string(b.offsets) + " shape " + shape_string(b.shape);
+  return "offsets " + io::shape_string(b.offsets) + " shape " + io::shape_string(b.shape);
 }
 
 // A whole tensor as a box.
@@ -93,7 +99,7 @@ inline Box split_box(const Shape& global_shape, int dim, int parts, int index) {
 // The flat (row-major) element range [begin, end) of a tensor with `shape`, as boxes in order
 // (at most 2 * rank - 1 of them). ZeRO-1 partitions of flat buffers are saved this way.
 inline std::vector<Box> flat_range_boxes(const Shape& shape, index_t begin, index_t end) {
-  index_t total = shape_elements(shape);
+  index_t total = io::shape_elements(shape);
   TRELLIS_CHECK(0 <= begin && begin <= end && end <= total, "flat range [", begin, ", ", end,
                 ") outside a tensor of ", total, " elements");
   std::vector<Box> out;
@@ -148,33 +154,41 @@ inline std::string step_directory_name(std::int64_t step) {
   return buf;
 }
 inline std::string shard_file_name(int rank) { return "shard-" + std::to_string(rank) + ".safetensors"; }
+inline std::string optimizer_file_name(int rank) { return "optim-" + std::to_string(rank) + ".safetensors"; }
+
+// Which of a rank's two files a tensor goes to: the model file holds what a model loader wants
+// (so a one-rank shard-0.safetensors is a plain GPT-2 file); the optimizer file everything else
+// a resume needs (AdamW moments). Both are listed in index.json, so reading is the same.
+enum class CheckpointFile { model, optimizer };
 
 namespace detail {
 inline constexpr std::string_view ckpt_shard_prefix = "trellis.shard.";
 inline const char* ckpt_step_key = "trellis.step";
 inline const char* ckpt_rank_key = "trellis.rank";
 inline const char* ckpt_world_key = "trellis.world_size";
+inline const char* ckpt_format_key = "format";
+inline constexpr int ckpt_version = 2;  // 2: optimizer files, boxes merged per rank; 1 still loads
 
-inline json::Value shape_json(const Shape& s) {
-  json::Array a;
+inline io::json::Value shape_json(const Shape& s) {
+  io::json::Array a;
   for (index_t d : s) a.emplace_back(d);
-  return json::Value(std::move(a));
+  return io::json::Value(std::move(a));
 }
-inline Shape shape_from_json(const json::Value& v, const std::string& what) {
+inline Shape shape_from_json(const io::json::Value& v, const std::string& what) {
   Shape s;
   for (const auto& d : v.as_array(what)) s.push_back(d.as_int(what));
   return s;
 }
 inline bool is_reserved_metadata(std::string_view key) {
-  return key.starts_with("trellis.") || key.starts_with(safetensors_crc_prefix);
+  return key == ckpt_format_key || key.starts_with("trellis.") || key.starts_with(io::safetensors_crc_prefix);
 }
 inline void check_box_in(const Shape& global, const Box& box, const std::string& what) {
   TRELLIS_CHECK(box.offsets.size() == global.size() && box.shape.size() == global.size(), what, ": ",
-                box_string(box), " has the wrong rank for global shape ", shape_string(global));
+                box_string(box), " has the wrong rank for global shape ", io::shape_string(global));
   for (std::size_t d = 0; d < global.size(); ++d)
     TRELLIS_CHECK(box.offsets[d] >= 0 && box.shape[d] >= 0 && box.offsets[d] <= global[d] &&
                       box.shape[d] <= global[d] - box.offsets[d],
-                  what, ": ", box_string(box), " lies outside global shape ", shape_string(global));
+                  what, ": ", box_string(box), " lies outside global shape ", io::shape_string(global));
 }
 // The intersection of two boxes, or nullopt when it is empty.
 inline std::optional<Box> intersect(const Box& a, const Box& b) {
@@ -187,6 +201,27 @@ inline std::optional<Box> intersect(const Box& a, const Box& b) {
     r.shape.push_back(hi - lo);
   }
   return r;
+}
+// The smallest box holding every box of `boxes` (not empty, all of one rank).
+inline Box bounding_box(const std::vector<Box>& boxes) {
+  Box r = boxes.front();
+  for (const Box& b : boxes)
+    for (std::size_t d = 0; d < r.offsets.size(); ++d) {
+      const index_t hi = std::max(r.offsets[d] + r.shape[d], b.offsets[d] + b.shape[d]);
+      r.offsets[d] = std::min(r.offsets[d], b.offsets[d]);
+      r.shape[d] = hi - r.offsets[d];
+    }
+  return r;
+}
+// Whether `boxes` cover their bounding box exactly once (pairwise disjoint, no gap).
+inline bool tiles_bounding_box(const std::vector<Box>& boxes) {
+  index_t covered = 0;
+  for (std::size_t i = 0; i < boxes.size(); ++i) {
+    covered += io::shape_elements(boxes[i].shape);
+    for (std::size_t j = 0; j < i; ++j)
+      if (intersect(boxes[i], boxes[j])) return false;
+  }
+  return covered == io::shape_elements(bounding_box(boxes).shape);
 }
 // Copies the region `region` (global coordinates) from a row-major block `src` laid out as box
 // `src_box` into a row-major block `dst` laid out as box `dst_box`; elements of `elem` bytes.
@@ -232,7 +267,7 @@ inline void convert_floats(const std::byte* src, DType from, void* dst, DType to
       case DType::f32: { float v; std::memcpy(&v, src + i * 4, 4); return v; }
       case DType::f16: { half v; std::memcpy(&v, src + i * 2, 2); return static_cast<float>(v); }
       case DType::bf16: { bfloat16 v; std::memcpy(&v, src + i * 2, 2); return static_cast<float>(v); }
-      default: TRELLIS_THROW("convert_floats: ", safetensors_dtype(from), " is not a floating type");
+      default: TRELLIS_THROW("convert_floats: ", io::safetensors_dtype(from), " is not a floating type");
     }
   };
   auto* out = static_cast<std::byte*>(dst);
@@ -243,7 +278,7 @@ inline void convert_floats(const std::byte* src, DType from, void* dst, DType to
       case DType::f32: { float v = static_cast<float>(x); std::memcpy(out + i * 4, &v, 4); break; }
       case DType::f16: { half v(static_cast<float>(x)); std::memcpy(out + i * 2, &v, 2); break; }
       case DType::bf16: { bfloat16 v(static_cast<float>(x)); std::memcpy(out + i * 2, &v, 2); break; }
-      default: TRELLIS_THROW("convert_floats: ", safetensors_dtype(to), " is not a floating type");
+      default: TRELLIS_THROW("convert_floats: ", io::safetensors_dtype(to), " is not a floating type");
     }
   }
 }
@@ -263,20 +298,18 @@ class CheckpointWriter {
     TRELLIS_CHECK(step >= 0, "checkpoint step ", step, " is negative");
   }
 
-  // This rank's box of tensor `name` (row-major bytes of box.shape at `data`).
-  void add(std::string_view name, DType dtype, const Shape& global_shape, const Box& box, const void* data) {
+  // This rank's box of tensor `name` (row-major bytes of box.shape at `data`), into the model
+  // file (shard-<rank>) or the optimizer file (optim-<rank>).
+  void add(std::string_view name, DType dtype, const Shape& global_shape, const Box& box, const void* data,
+           CheckpointFile file = CheckpointFile::model) {
     std::string what = "checkpoint tensor \"" + std::string(name) + "\"";
     TRELLIS_CHECK(!name.empty() && name.find('#') == std::string_view::npos, what,
                   ": names must be non-empty and may not contain '#'");
     detail::check_box_in(global_shape, box, what);
-    int count = 0;
-    for (const auto& p : pieces_) count += p.name == name;
-    std::string key = count == 0 ? std::string(name) : std::string(name) + "#" + std::to_string(count);
-    if (count == 1) {  // a second box of the same tensor: the first one becomes "#0"
-      for (auto& p : pieces_)
-        if (p.name == name) p.key = std::string(name) + "#0";
-    }
-    pieces_.push_back({std::string(name), key, dtype, global_shape, box, data});
+    for (const auto& p : pieces_)
+      TRELLIS_CHECK(p.name != name || (p.dtype == dtype && p.global_shape == global_shape && p.file == file), what,
+                    ": added again with another dtype, global shape or file");
+    pieces_.push_back({std::string(name), dtype, global_shape, box, data, file});
   }
   template <class T, class E>
   void add(std::string_view name, TensorView<T, E, Host> local, const Shape& global_shape, const Shape& offsets) {
@@ -287,21 +320,21 @@ class CheckpointWriter {
   // A whole (unsharded) tensor.
   template <class T>
   void add_whole(std::string_view name, std::span<const T> data, const Shape& shape) {
-    TRELLIS_CHECK(static_cast<index_t>(data.size()) == shape_elements(shape), "checkpoint tensor \"",
-                  name, "\": ", data.size(), " elements for shape ", shape_string(shape));
+    TRELLIS_CHECK(static_cast<index_t>(data.size()) == io::shape_elements(shape), "checkpoint tensor \"",
+                  name, "\": ", data.size(), " elements for shape ", io::shape_string(shape));
     add(name, dtype_v<T>, shape, full_box(shape), data.data());
   }
   // ZeRO-1: `data` holds the flat elements [flat_begin, flat_begin + data.size()) of this rank's
   // local block `local_box` of the global tensor (row-major within the block).
   template <class T>
   void add_flat_range(std::string_view name, const Shape& global_shape, const Box& local_box,
-                      index_t flat_begin, std::span<const T> data) {
+                      index_t flat_begin, std::span<const T> data, CheckpointFile file = CheckpointFile::model) {
     detail::check_box_in(global_shape, local_box, "checkpoint tensor \"" + std::string(name) + "\"");
     const T* p = data.data();
     for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(data.size()))) {
       for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
-      add(name, dtype_v<T>, global_shape, b, p);
-      p += shape_elements(b.shape);
+      add(name, dtype_v<T>, global_shape, b, p, file);
+      p += io::shape_elements(b.shape);
     }
   }
 
@@ -317,38 +350,88 @@ class CheckpointWriter {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
 
-  // Writes <root>/step-N.partial/shard-<rank>.safetensors (temporary name, fsync, rename).
+  // Writes <root>/step-N.partial/optim-<rank>.safetensors (when this rank added optimizer
+  // tensors), then shard-<rank>.safetensors (temporary name, fsync, rename each): a shard file
+  // that exists means the rank finished.
   void finish() {
+    namespace fs = std::filesystem;
     auto staging = detail::staging_directory(root_, step_);
     std::error_code ec;  // several ranks may create it at once: only its absence afterwards is an error
-    std::filesystem::create_directories(staging, ec);
-    TRELLIS_CHECK(std::filesystem::is_directory(staging), "cannot create checkpoint directory ", staging,
-                  ": ", ec.message());
-    SafetensorsWriter w;
-    for (const auto& p : pieces_) {
-      w.add(p.key, p.dtype, p.box.shape, p.data);
-      json::Object info;
-      info["tensor"] = json::Value(p.name);
-      info["global_shape"] = detail::shape_json(p.global_shape);
-      info["offsets"] = detail::shape_json(p.box.offsets);
-      w.set_metadata(std::string(detail::ckpt_shard_prefix) + p.key, json::dump(json::Value(std::move(info))));
+    fs::create_directories(staging, ec);
+    TRELLIS_CHECK(fs::is_directory(staging), "cannot create checkpoint directory ", staging, ": ", ec.message());
+    std::vector<std::vector<std::byte>> assembled;  // merged boxes, alive until written
+    io::SafetensorsWriter model, optimizer;
+    for (const auto& e : entries(assembled)) {
+      io::SafetensorsWriter& w = e.file == CheckpointFile::model ? model : optimizer;
+      w.add(e.key, e.dtype, e.box.shape, e.data);
+      io::json::Object info;
+      info["tensor"] = io::json::Value(e.name);
+      info["global_shape"] = detail::shape_json(e.global_shape);
+      info["offsets"] = detail::shape_json(e.box.offsets);
+      w.set_metadata(std::string(detail::ckpt_shard_prefix) + e.key, io::json::dump(io::json::Value(std::move(info))));
     }
-    for (const auto& [k, v] : metadata_) w.set_metadata(k, v);
-    w.set_metadata(detail::ckpt_step_key, std::to_string(step_));
-    w.set_metadata(detail::ckpt_rank_key, std::to_string(rank_));
-    w.set_metadata(detail::ckpt_world_key, std::to_string(world_size_));
-    w.write(staging / shard_file_name(rank_));
-    fsync_directory(staging);
+    for (const auto& [k, v] : metadata_) model.set_metadata(k, v);
+    for (io::SafetensorsWriter* w : {&model, &optimizer}) {
+      w->set_metadata(detail::ckpt_format_key, "pt");  // what Hugging Face's loaders require
+      w->set_metadata(detail::ckpt_step_key, std::to_string(step_));
+      w->set_metadata(detail::ckpt_rank_key, std::to_string(rank_));
+      w->set_metadata(detail::ckpt_world_key, std::to_string(world_size_));
+    }
+    if (optimizer.tensor_count() > 0)
+      optimizer.write(staging / optimizer_file_name(rank_));
+    else  // left by a crashed attempt at this step in another layout
+      fs::remove(staging / optimizer_file_name(rank_), ec);
+    model.write(staging / shard_file_name(rank_));
+    io::fsync_directory(staging);
   }
 
  private:
   struct Piece {
-    std::string name, key;
+    std::string name;
     DType dtype;
     Shape global_shape;
     Box box;
     const void* data;
+    CheckpointFile file;
   };
+  struct Entry : Piece {
+    std::string key;  // in the file: the name, or "<name>#<k>" for the k-th of several boxes
+  };
+
+  // One entry per tensor whose boxes on this rank tile their bounding box (copied together into
+  // `assembled`), so a one-rank checkpoint holds whole tensors under their plain names; otherwise
+  // one entry per box.
+  std::vector<Entry> entries(std::vector<std::vector<std::byte>>& assembled) const {
+    std::vector<Entry> out;
+    std::vector<bool> done(pieces_.size(), false);
+    for (std::size_t i = 0; i < pieces_.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<const Piece*> same;
+      for (std::size_t j = i; j < pieces_.size(); ++j)
+        if (pieces_[j].name == pieces_[i].name) {
+          same.push_back(&pieces_[j]);
+          done[j] = true;
+        }
+      std::vector<Box> boxes;
+      for (const Piece* p : same) boxes.push_back(p->box);
+      if (same.size() == 1 || !detail::tiles_bounding_box(boxes)) {
+        for (std::size_t k = 0; k < same.size(); ++k)
+          out.push_back({*same[k], same.size() == 1 ? same[k]->name : same[k]->name + "#" + std::to_string(k)});
+        continue;
+      }
+      const Box whole = detail::bounding_box(boxes);
+      const std::size_t elem = dtype_size(same[0]->dtype);
+      auto& buffer = assembled.emplace_back(static_cast<std::size_t>(io::shape_elements(whole.shape)) * elem);
+      for (const Piece* p : same)
+        detail::copy_region(p->box, static_cast<const std::byte*>(p->data), p->box, buffer.data(), whole, elem);
+      Entry e{*same[0], same[0]->name};
+      e.box = whole;
+      e.data = buffer.data();
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
+
   std::filesystem::path root_;
   std::int64_t step_;
   int rank_, world_size_;
@@ -377,55 +460,55 @@ inline void check_tiling(const TensorInfo& t) {
   index_t covered = 0;
   for (std::size_t i = 0; i < t.shards.size(); ++i) {
     check_box_in(t.shape, t.shards[i].box, what + " in " + t.shards[i].file);
-    covered += shape_elements(t.shards[i].box.shape);
+    covered += io::shape_elements(t.shards[i].box.shape);
     for (std::size_t j = 0; j < i; ++j) {
       auto overlap = intersect(t.shards[i].box, t.shards[j].box);
-      TRELLIS_CHECK(!overlap || shape_elements(overlap->shape) == 0, what, ": shards in ", t.shards[j].file,
+      TRELLIS_CHECK(!overlap || io::shape_elements(overlap->shape) == 0, what, ": shards in ", t.shards[j].file,
                     " (", box_string(t.shards[j].box), ") and ", t.shards[i].file, " (",
                     box_string(t.shards[i].box), ") overlap");
     }
   }
-  TRELLIS_CHECK(covered == shape_elements(t.shape), what, ": shards cover ", covered, " of ",
-                shape_elements(t.shape), " elements of global shape ", shape_string(t.shape),
+  TRELLIS_CHECK(covered == io::shape_elements(t.shape), what, ": shards cover ", covered, " of ",
+                io::shape_elements(t.shape), " elements of global shape ", io::shape_string(t.shape),
                 " (a rank did not write its part?)");
 }
 
-inline json::Value index_json(std::int64_t step, int world_size, const std::map<std::string, TensorInfo>& tensors,
+inline io::json::Value index_json(std::int64_t step, int world_size, const std::map<std::string, TensorInfo>& tensors,
                               const std::vector<Metadata>& rank_metadata) {
-  json::Object root;
-  root["format"] = json::Value("trellis-checkpoint");
-  root["version"] = json::Value(1);
-  root["step"] = json::Value(step);
-  root["world_size"] = json::Value(world_size);
+  io::json::Object root;
+  root["format"] = io::json::Value("trellis-checkpoint");
+  root["version"] = io::json::Value(ckpt_version);
+  root["step"] = io::json::Value(step);
+  root["world_size"] = io::json::Value(world_size);
   auto object_of = [](const Metadata& m) {
-    json::Object o;
-    for (const auto& [k, v] : m) o[k] = json::Value(v);
-    return json::Value(std::move(o));
+    io::json::Object o;
+    for (const auto& [k, v] : m) o[k] = io::json::Value(v);
+    return io::json::Value(std::move(o));
   };
   root["metadata"] = object_of(rank_metadata.at(0));
-  json::Array ranks;
+  io::json::Array ranks;
   for (const auto& m : rank_metadata) ranks.push_back(object_of(m));
-  root["rank_metadata"] = json::Value(std::move(ranks));
-  json::Object ts;
+  root["rank_metadata"] = io::json::Value(std::move(ranks));
+  io::json::Object ts;
   for (const auto& [name, t] : tensors) {
-    json::Object o;
-    o["dtype"] = json::Value(safetensors_dtype(t.dtype));
+    io::json::Object o;
+    o["dtype"] = io::json::Value(io::safetensors_dtype(t.dtype));
     o["shape"] = shape_json(t.shape);
-    json::Array shards;
+    io::json::Array shards;
     for (const auto& s : t.shards) {
-      json::Object so;
-      so["file"] = json::Value(s.file);
-      so["key"] = json::Value(s.key);
+      io::json::Object so;
+      so["file"] = io::json::Value(s.file);
+      so["key"] = io::json::Value(s.key);
       so["offsets"] = shape_json(s.box.offsets);
       so["shape"] = shape_json(s.box.shape);
-      so["crc32c"] = json::Value(s.crc32c);
+      so["crc32c"] = io::json::Value(s.crc32c);
       shards.emplace_back(std::move(so));
     }
-    o["shards"] = json::Value(std::move(shards));
-    ts[name] = json::Value(std::move(o));
+    o["shards"] = io::json::Value(std::move(shards));
+    ts[name] = io::json::Value(std::move(o));
   }
-  root["tensors"] = json::Value(std::move(ts));
-  return json::Value(std::move(root));
+  root["tensors"] = io::json::Value(std::move(ts));
+  return io::json::Value(std::move(root));
 }
 }  // namespace detail
 
@@ -438,39 +521,45 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
   std::map<std::string, TensorInfo> tensors;
   std::vector<Metadata> rank_metadata(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
-    const fs::path path = staging / shard_file_name(r);
-    TRELLIS_CHECK(fs::exists(path), "checkpoint step ", step, ": ", path, " is missing (rank ", r,
-                  " did not finish?)");
-    SafetensorsFile file(path);
-    const auto& meta = file.metadata();
-    auto get = [&](const std::string& key) -> const std::string& {
-      auto it = meta.find(key);
-      if (it == meta.end()) TRELLIS_THROW(path, ": metadata key ", key, " missing");
-      return it->second;
-    };
-    TRELLIS_CHECK(get(detail::ckpt_step_key) == std::to_string(step), path, " belongs to step ",
-                  get(detail::ckpt_step_key), ", not ", step);
-    TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path, " was written for world size ",
-                  get(detail::ckpt_world_key), ", not ", world_size);
-    for (const auto& [k, v] : meta)
-      if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
-    for (const auto& e : file.entries()) {
-      std::string what = path.string() + ", tensor \"" + e.name + "\"";
-      json::Value info = json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
-      std::string name = info.at("tensor", what).as_string(what);
-      Shape global = detail::shape_from_json(info.at("global_shape", what), what);
-      Box box{detail::shape_from_json(info.at("offsets", what), what), e.shape};
-      auto [it, inserted] = tensors.try_emplace(name);
-      TensorInfo& t = it->second;
-      if (inserted) {
-        t.name = name;
-        t.dtype = e.dtype;
-        t.shape = global;
+    TRELLIS_CHECK(fs::exists(staging / shard_file_name(r)), "checkpoint step ", step, ": ",
+                  staging / shard_file_name(r), " is missing (rank ", r, " did not finish?)");
+    for (const std::string& name : {shard_file_name(r), optimizer_file_name(r)}) {
+      const fs::path path = staging / name;
+      if (name != shard_file_name(r) && !fs::exists(path)) continue;  // no optimizer tensors on rank r
+      io::SafetensorsFile file(path);
+      const auto& meta = file.metadata();
+      auto get = [&](const std::string& key) -> const std::string& {
+        auto it = meta.find(key);
+        if (it == meta.end()) TRELLIS_THROW(path, ": metadata key ", key, " missing");
+        return it->second;
+      };
+      TRELLIS_CHECK(get(detail::ckpt_step_key) == std::to_string(step), path, " belongs to step ",
+                    get(detail::ckpt_step_key), ", not ", step);
+      TRELLIS_CHECK(get(detail::ckpt_world_key) == std::to_string(world_size), path,
+                    " was written for world size ", get(detail::ckpt_world_key), ", not ", world_size);
+      TRELLIS_CHECK(get(detail::ckpt_rank_key) == std::to_string(r), path, " was written by rank ",
+                    get(detail::ckpt_rank_key), ", not ", r);
+      if (name == shard_file_name(r))
+        for (const auto& [k, v] : meta)
+          if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
+      for (const auto& e : file.entries()) {
+        std::string what = path.string() + ", tensor \"" + e.name + "\"";
+        io::json::Value info = io::json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
+        std::string tensor = info.at("tensor", what).as_string(what);
+        Shape global = detail::shape_from_json(info.at("global_shape", what), what);
+        Box box{detail::shape_from_json(info.at("offsets", what), what), e.shape};
+        auto [it, inserted] = tensors.try_emplace(tensor);
+        TensorInfo& t = it->second;
+        if (inserted) {
+          t.name = tensor;
+          t.dtype = e.dtype;
+          t.shape = global;
+        }
+        TRELLIS_CHECK(t.dtype == e.dtype && t.shape == global, what, ": ", io::safetensors_dtype(e.dtype),
+                      io::shape_string(global), " disagrees with another shard's ", io::safetensors_dtype(t.dtype),
+                      io::shape_string(t.shape), " for tensor \"", tensor, "\"");
+        t.shards.push_back({name, e.name, std::move(box), get(std::string(io::safetensors_crc_prefix) + e.name)});
       }
-      TRELLIS_CHECK(t.dtype == e.dtype && t.shape == global, what, ": ", safetensors_dtype(e.dtype),
-                    shape_string(global), " disagrees with another shard's ", safetensors_dtype(t.dtype),
-                    shape_string(t.shape), " for tensor \"", name, "\"");
-      t.shards.push_back({shard_file_name(r), e.name, std::move(box), get(std::string(safetensors_crc_prefix) + e.name)});
     }
   }
   for (const auto& [name, t] : tensors) detail::check_tiling(t);
@@ -479,10 +568,10 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
   for (const auto& entry : fs::directory_iterator(staging)) {
     std::string f = entry.path().filename().string();
     bool ours = f == "index.json";
-    for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r);
+    for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r) || f == optimizer_file_name(r);
     if (!ours) fs::remove_all(entry.path());
   }
-  write_file_atomically(staging / "index.json", json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n");
+  io::write_file_atomically(staging / "index.json", io::json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n");
 
   const fs::path final_dir = root / step_directory_name(step);
   const fs::path old_dir = root / (step_directory_name(step) + ".old");
@@ -491,8 +580,8 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
     fs::rename(final_dir, old_dir);
   }
   fs::rename(staging, final_dir);
-  fsync_directory(root);
-  write_file_atomically(root / "latest", step_directory_name(step) + "\n");
+  io::fsync_directory(root);
+  io::write_file_atomically(root / "latest", step_directory_name(step) + "\n");
   fs::remove_all(old_dir);
 }
 
@@ -532,7 +621,7 @@ void save_collectively(CheckpointWriter& writer, C& comm) {
 inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root) {
   const auto pointer = root / "latest";
   if (!std::filesystem::exists(pointer)) return std::nullopt;
-  std::string name = read_whole_file(pointer);
+  std::string name = io::read_whole_file(pointer);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
   TRELLIS_CHECK(name.starts_with("step-") && name.find('/') == std::string::npos, pointer,
                 " holds \"", name, "\", not a step directory name");
@@ -571,9 +660,11 @@ class Checkpoint {
     }
     const fs::path index_path = dir_ / "index.json";
     const std::string what = index_path.string();
-    json::Value index = json::parse(read_whole_file(index_path), what);
+    io::json::Value index = io::json::parse(io::read_whole_file(index_path), what);
     TRELLIS_CHECK(index.at("format", what).as_string(what) == "trellis-checkpoint", what, " is not a trellis checkpoint index");
-    TRELLIS_CHECK(index.at("version", what).as_int(what) == 1, what, ": unsupported version");
+    const auto version = index.at("version", what).as_int(what);
+    TRELLIS_CHECK(version >= 1 && version <= detail::ckpt_version, what, ": unsupported version ", version,
+                  " (this build reads 1..", detail::ckpt_version, ")");
     step_ = index.at("step", what).as_int(what + " step");
     world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
     for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
@@ -587,7 +678,7 @@ class Checkpoint {
       std::string where = what + ", tensor \"" + name + "\"";
       TensorInfo info;
       info.name = name;
-      info.dtype = parse_safetensors_dtype(t.at("dtype", where).as_string(where), where);
+      info.dtype = io::parse_safetensors_dtype(t.at("dtype", where).as_string(where), where);
       info.shape = detail::shape_from_json(t.at("shape", where), where);
       for (const auto& s : t.at("shards", where).as_array(where)) {
         ShardInfo si;
@@ -604,13 +695,13 @@ class Checkpoint {
     // Every shard file's header must agree with the index.
     for (const auto& [name, t] : tensors_) {
       for (const auto& s : t.shards) {
-        const SafetensorsFile& f = file(s.file);
+        const io::SafetensorsFile& f = file(s.file);
         const auto* e = f.find(s.key);
         TRELLIS_CHECK(e != nullptr, f.path(), ": tensor \"", s.key, "\" (of \"", name, "\") listed in index.json is missing");
         TRELLIS_CHECK(e->dtype == t.dtype && e->shape == s.box.shape, f.path(), ": tensor \"", s.key,
-                      "\" is ", safetensors_dtype(e->dtype), shape_string(e->shape), " but index.json says ",
-                      safetensors_dtype(t.dtype), shape_string(s.box.shape));
-        auto crc = f.metadata().find(std::string(safetensors_crc_prefix) + s.key);
+                      "\" is ", io::safetensors_dtype(e->dtype), io::shape_string(e->shape), " but index.json says ",
+                      io::safetensors_dtype(t.dtype), io::shape_string(s.box.shape));
+        auto crc = f.metadata().find(std::string(io::safetensors_crc_prefix) + s.key);
         TRELLIS_CHECK(crc != f.metadata().end() && crc->second == s.crc32c, f.path(), ": checksum of tensor \"",
                       s.key, "\" disagrees with index.json");
       }
@@ -646,8 +737,8 @@ class Checkpoint {
   void expect(std::string_view name, DType dtype, const Shape& global_shape) const {
     const auto& t = tensor(name);
     TRELLIS_CHECK(t.dtype == dtype && t.shape == global_shape, "checkpoint ", dir_, ": tensor \"", name,
-                  "\" is ", safetensors_dtype(t.dtype), shape_string(t.shape), ", expected ",
-                  safetensors_dtype(dtype), shape_string(global_shape));
+                  "\" is ", io::safetensors_dtype(t.dtype), io::shape_string(t.shape), ", expected ",
+                  io::safetensors_dtype(dtype), io::shape_string(global_shape));
   }
 
   // Reads box `want` of the global tensor into `out` (row-major, want.shape), from every shard
@@ -668,7 +759,7 @@ class Checkpoint {
   template <class T>
   std::vector<T> read_whole(std::string_view name) const {
     const auto& t = tensor(name);
-    std::vector<T> out(static_cast<std::size_t>(shape_elements(t.shape)));
+    std::vector<T> out(static_cast<std::size_t>(io::shape_elements(t.shape)));
     read(name, dtype_v<T>, full_box(t.shape), out.data());
     return out;
   }
@@ -680,7 +771,7 @@ class Checkpoint {
     for (Box b : flat_range_boxes(local_box.shape, flat_begin, flat_begin + static_cast<index_t>(out.size()))) {
       for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += local_box.offsets[d];
       read_impl(name, dtype_v<T>, b, p, &cache);
-      p += shape_elements(b.shape);
+      p += io::shape_elements(b.shape);
     }
   }
 
@@ -689,7 +780,7 @@ class Checkpoint {
     std::vector<std::byte> block;
     for (const auto& [name, t] : tensors_)
       for (const auto& s : t.shards) {
-        block.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * dtype_size(t.dtype));
+        block.resize(static_cast<std::size_t>(io::shape_elements(s.box.shape)) * dtype_size(t.dtype));
         file(s.file).read(s.key, block.data());
       }
   }
@@ -705,10 +796,10 @@ class Checkpoint {
     std::string what = "checkpoint " + dir_.string() + ": tensor \"" + std::string(name) + "\"";
     const bool convert = t.dtype != dtype;
     TRELLIS_CHECK(!convert || (detail::is_float_dtype(t.dtype) && detail::is_float_dtype(dtype)), what, " is ",
-                  safetensors_dtype(t.dtype), " and cannot be read as ", safetensors_dtype(dtype));
+                  io::safetensors_dtype(t.dtype), " and cannot be read as ", io::safetensors_dtype(dtype));
     detail::check_box_in(t.shape, want, what + " read");
     const std::size_t elem = dtype_size(t.dtype);
-    const index_t count = shape_elements(want.shape);
+    const index_t count = io::shape_elements(want.shape);
     std::vector<std::byte> staged(convert ? static_cast<std::size_t>(count) * elem : 0);
     std::byte* dst = convert ? staged.data() : static_cast<std::byte*>(out);
     index_t copied = 0;
@@ -718,20 +809,20 @@ class Checkpoint {
       std::optional<Box> region = t.shape.empty() ? std::optional<Box>(Box{}) : detail::intersect(want, s.box);
       if (!region) continue;
       if (c.shard != &s) {
-        c.bytes.resize(static_cast<std::size_t>(shape_elements(s.box.shape)) * elem);
+        c.bytes.resize(static_cast<std::size_t>(io::shape_elements(s.box.shape)) * elem);
         file(s.file).read(s.key, c.bytes.data());  // verifies the CRC32C
         c.shard = &s;
       }
       detail::copy_region(*region, c.bytes.data(), s.box, dst, want, elem);
-      copied += shape_elements(region->shape);
+      copied += io::shape_elements(region->shape);
     }
     TRELLIS_CHECK(copied == count, what, ": shards cover ", copied, " of the ", count, " elements requested");
     if (convert) detail::convert_floats(staged.data(), t.dtype, out, dtype, static_cast<std::size_t>(count));
   }
 
-  const SafetensorsFile& file(const std::string& name) const {
+  const io::SafetensorsFile& file(const std::string& name) const {
     auto it = files_.find(name);
-    if (it == files_.end()) it = files_.emplace(name, std::make_unique<SafetensorsFile>(dir_ / name)).first;
+    if (it == files_.end()) it = files_.emplace(name, std::make_unique<io::SafetensorsFile>(dir_ / name)).first;
     return *it->second;
   }
 
@@ -741,7 +832,7 @@ class Checkpoint {
   Metadata metadata_;
   std::vector<Metadata> rank_metadata_;
   std::map<std::string, TensorInfo> tensors_;
-  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+  mutable std::map<std::string, std::unique_ptr<io::SafetensorsFile>> files_;
 };
 
 }  // namespace trellis::train

@@ -26,8 +26,8 @@
 
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/io/atomic_file.hpp"
 #include "trellis/shard/layout.hpp"
-#include "trellis/train/atomic_file.hpp"
 #include "trellis/train/rng.hpp"
 
 namespace trellis::train {
@@ -48,7 +48,7 @@ inline TokenData tokens_from_bytes(std::string_view text) {
   return d;
 }
 inline TokenData load_text_as_bytes(const std::filesystem::path& path) {
-  return tokens_from_bytes(read_whole_file(path));
+  return tokens_from_bytes(io::read_whole_file(path));
 }
 
 inline constexpr std::int32_t llmc_magic = 20240520;
@@ -61,7 +61,7 @@ inline void write_llmc_tokens(const std::filesystem::path& path, std::span<const
   header[0] = llmc_magic;
   header[1] = llmc_version;
   header[2] = static_cast<std::int32_t>(tokens.size());
-  AtomicFileWriter out(path);
+  io::AtomicFileWriter out(path);
   out.write(header, sizeof header);
   out.write(tokens.data(), tokens.size() * sizeof(token_t));
   out.commit();
@@ -69,7 +69,7 @@ inline void write_llmc_tokens(const std::filesystem::path& path, std::span<const
 
 // `vocab_size` is not stored in the format: give the tokenizer's (50257 for GPT-2).
 inline TokenData load_llmc_tokens(const std::filesystem::path& path, int vocab_size = 50257) {
-  ReadOnlyFile f(path);
+  io::ReadOnlyFile f(path);
   std::int32_t header[llmc_header_ints];
   TRELLIS_CHECK(f.size() >= sizeof header, path, ": ", f.size(), " bytes is too short for an llm.c token shard");
   f.read_at(0, header, sizeof header);

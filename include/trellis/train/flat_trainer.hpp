@@ -24,6 +24,7 @@
 #include <utility>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "trellis/backend/backend.hpp"
@@ -34,6 +35,7 @@
 #include "trellis/optim/adamw.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
+#include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer.hpp"
@@ -93,11 +95,14 @@ class FlatTrainer {
     for (const nn::FlatTensor& t : model_.tensors()) {
       const Box box = full_box(t.shape);
       const auto n = static_cast<std::size_t>(t.numel);
-      for (auto [base, name] : {std::pair{model_.params(), t.name}, std::pair{m_.data(), optim::adamw_m_name(t.name)},
-                                std::pair{v_.data(), optim::adamw_v_name(t.name)}}) {
+      const std::tuple<const float*, std::string, CheckpointFile> parts[] = {
+          {model_.params(), t.name, CheckpointFile::model},
+          {m_.data(), optim::adamw_m_name(t.name), CheckpointFile::optimizer},
+          {v_.data(), optim::adamw_v_name(t.name), CheckpointFile::optimizer}};
+      for (const auto& [base, name, file] : parts) {
         keep.emplace_back(n);
         o.download(keep.back().data(), base + t.offset, n);
-        w.add(name, DType::f32, t.shape, box, keep.back().data());
+        w.add(name, DType::f32, t.shape, box, keep.back().data(), file);
       }
     }
     TrainState s;
@@ -128,6 +133,23 @@ class FlatTrainer {
     step_ = s.step;
     model_.refresh_low_precision();
     return s;
+  }
+
+  // Starts from GPT-2 weights in a Hugging Face safetensors file (train/hf_gpt2.hpp); optimizer
+  // state fresh (zero moments, step 0).
+  void init_from_hf(const std::filesystem::path& file) {
+    HfGpt2File hf(file, cfg_.model);
+    auto& o = model_.ops();
+    for (const nn::FlatTensor& t : model_.tensors()) {
+      std::vector<float> host(static_cast<std::size_t>(t.numel));
+      hf.read(t.name, full_box(t.shape), host.data());
+      o.upload(model_.params() + t.offset, host.data(), host.size());
+    }
+    const std::vector<float> zeros(static_cast<std::size_t>(model_.flat_size()), 0.0f);
+    o.upload(m_.data(), zeros.data(), zeros.size());
+    o.upload(v_.data(), zeros.data(), zeros.size());
+    step_ = 0;
+    model_.refresh_low_precision();
   }
 
   // Global mean loss of a batch without training.

@@ -14,8 +14,9 @@
 #include <vector>
 
 #include "trellis/core/error.hpp"
-#include "trellis/train/atomic_file.hpp"
-#include "trellis/train/json.hpp"
+#include "trellis/io/atomic_file.hpp"
+#include "trellis/io/json.hpp"
+#include "trellis/report/loss_curve.hpp"
 
 namespace trellis::train {
 
@@ -28,19 +29,19 @@ struct StepMetrics {
   double mfu = 0.0;  // fraction of peak, 0..1
   double elapsed_s = 0.0;
   std::optional<double> val_loss{};
-  json::Object extra{};  // anything else worth a column
+  io::json::Object extra{};  // anything else worth a column
 
-  json::Value to_json() const {
-    json::Object o = extra;
-    o["step"] = json::Value(step);
-    o["loss"] = json::Value(loss);
-    o["lr"] = json::Value(lr);
-    o["grad_norm"] = json::Value(grad_norm);
-    o["tokens_per_s"] = json::Value(tokens_per_s);
-    o["mfu"] = json::Value(mfu);
-    o["elapsed_s"] = json::Value(elapsed_s);
-    if (val_loss) o["val_loss"] = json::Value(*val_loss);
-    return json::Value(std::move(o));
+  io::json::Value to_json() const {
+    io::json::Object o = extra;
+    o["step"] = io::json::Value(step);
+    o["loss"] = io::json::Value(loss);
+    o["lr"] = io::json::Value(lr);
+    o["grad_norm"] = io::json::Value(grad_norm);
+    o["tokens_per_s"] = io::json::Value(tokens_per_s);
+    o["mfu"] = io::json::Value(mfu);
+    o["elapsed_s"] = io::json::Value(elapsed_s);
+    if (val_loss) o["val_loss"] = io::json::Value(*val_loss);
+    return io::json::Value(std::move(o));
   }
 };
 
@@ -52,8 +53,8 @@ class MetricsWriter {
     TRELLIS_CHECK(out_.good(), "cannot open metrics file ", path, " for writing");
   }
   void write(const StepMetrics& m) { write_line(m.to_json()); }
-  void write_line(const json::Value& object) {
-    out_ << json::dump(object) << '\n';
+  void write_line(const io::json::Value& object) {
+    out_ << io::json::dump(object) << '\n';
     out_.flush();
     TRELLIS_CHECK(out_.good(), "writing metrics file ", path_, " failed");
   }
@@ -66,15 +67,15 @@ class MetricsWriter {
 
 // Every line of a metrics.jsonl file (blank lines skipped; a torn last line is an error naming
 // the file and line).
-inline std::vector<json::Value> read_metrics(const std::filesystem::path& path) {
-  std::vector<json::Value> rows;
-  const std::string text = read_whole_file(path);
+inline std::vector<io::json::Value> read_metrics(const std::filesystem::path& path) {
+  std::vector<io::json::Value> rows;
+  const std::string text = io::read_whole_file(path);
   std::size_t start = 0, line = 1;
   while (start < text.size()) {
     std::size_t end = text.find('\n', start);
     if (end == std::string::npos) end = text.size();
     std::string_view row(text.data() + start, end - start);
-    if (!row.empty()) rows.push_back(json::parse(row, path.string() + " line " + std::to_string(line)));
+    if (!row.empty()) rows.push_back(io::json::parse(row, path.string() + " line " + std::to_string(line)));
     start = end + 1;
     ++line;
   }
@@ -90,6 +91,21 @@ inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, in
 inline double model_flops_utilization(double flops_per_token, double tokens_per_s, double peak_flops) {
   TRELLIS_CHECK(peak_flops > 0, "MFU needs a positive peak FLOP/s, got ", peak_flops);
   return flops_per_token * tokens_per_s / peak_flops;
+}
+
+// Train points from "loss" and validation points from "val_loss" of every metrics row.
+struct LossCurves {
+  std::vector<report::CurvePoint> train, val;
+};
+inline LossCurves loss_curves_from_metrics(const std::filesystem::path& metrics_jsonl) {
+  LossCurves c;
+  for (const auto& row : read_metrics(metrics_jsonl)) {
+    const auto* step = row.find("step");
+    if (!step || !step->is_number()) continue;
+    if (const auto* l = row.find("loss"); l && l->is_number()) c.train.push_back({step->as_double(), l->as_double()});
+    if (const auto* v = row.find("val_loss"); v && v->is_number()) c.val.push_back({step->as_double(), v->as_double()});
+  }
+  return c;
 }
 
 }  // namespace trellis::train

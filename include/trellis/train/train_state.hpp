@@ -60,15 +60,15 @@ inline TrainState load_train_state(const Checkpoint& ck, int rank = 0) {
 // AdamW moments of this rank's box of parameter `param`.
 inline void add_adamw_moments(CheckpointWriter& w, std::string_view param, const Shape& global_shape, const Box& box,
                               std::span<const float> m, std::span<const float> v) {
-  const auto n = static_cast<std::size_t>(shape_elements(box.shape));
+  const auto n = static_cast<std::size_t>(io::shape_elements(box.shape));
   TRELLIS_CHECK(m.size() == n && v.size() == n, "AdamW moments of \"", param, "\": ", m.size(), "/", v.size(),
                 " elements for ", box_string(box));
-  w.add(optim::adamw_m_name(param), DType::f32, global_shape, box, m.data());
-  w.add(optim::adamw_v_name(param), DType::f32, global_shape, box, v.data());
+  w.add(optim::adamw_m_name(param), DType::f32, global_shape, box, m.data(), CheckpointFile::optimizer);
+  w.add(optim::adamw_v_name(param), DType::f32, global_shape, box, v.data(), CheckpointFile::optimizer);
 }
 inline void read_adamw_moments(const Checkpoint& ck, std::string_view param, const Box& box, std::span<float> m,
                                std::span<float> v) {
-  const auto n = static_cast<std::size_t>(shape_elements(box.shape));
+  const auto n = static_cast<std::size_t>(io::shape_elements(box.shape));
   TRELLIS_CHECK(m.size() == n && v.size() == n, "AdamW moments of \"", param, "\": ", m.size(), "/", v.size(),
                 " elements for ", box_string(box));
   ck.read(optim::adamw_m_name(param), DType::f32, box, m.data());

@@ -5,6 +5,7 @@
 //   StepResult r = trainer.step(batch);                  // batch: this dp rank's rows (train::Batch)
 //   trainer.save(root, loader.state());                  // reshardable checkpoint
 //   TrainState s = trainer.load(*latest_checkpoint(root)); loader.restore(s.data);
+//   trainer.init_from_hf("gpt2/model.safetensors");      // or start from Hugging Face GPT-2 weights
 //
 // A step:
 //  1. the rank's rows are cut into `microbatches` microbatches; the loss normaliser is the GLOBAL
@@ -67,6 +68,7 @@
 #include "trellis/pipe/generators.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
+#include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
 
@@ -218,7 +220,7 @@ struct StepResult {
 
 // Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
 inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const float> local) {
-  std::vector<float> out(static_cast<std::size_t>(shape_elements(pc.shape)));
+  std::vector<float> out(static_cast<std::size_t>(io::shape_elements(pc.shape)));
   const std::size_t r = pc.shape.size();
   std::vector<index_t> idx(r, 0);
   for (std::size_t k = 0; k < out.size(); ++k) {
@@ -252,7 +254,7 @@ inline void read_parameter_shaped(const Checkpoint& ck, const std::string& name,
                                   std::span<float> local) {
   ck.expect(name, DType::f32, p.global_shape);
   for (const auto& pc : p.pieces()) {
-    std::vector<float> piece(static_cast<std::size_t>(shape_elements(pc.shape)));
+    std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
     ck.read(name, DType::f32, Box{pc.offsets, pc.shape}, piece.data());
     scatter_piece(pc, piece, local);
   }
@@ -436,8 +438,8 @@ class Trainer {
         const float* m = keep.back().data();
         keep.push_back(gather_piece(pc, v_full[i]));
         const float* v = keep.back().data();
-        w.add(optim::adamw_m_name(p->name), DType::f32, p->global_shape, box, m);
-        w.add(optim::adamw_v_name(p->name), DType::f32, p->global_shape, box, v);
+        w.add(optim::adamw_m_name(p->name), DType::f32, p->global_shape, box, m, CheckpointFile::optimizer);
+        w.add(optim::adamw_v_name(p->name), DType::f32, p->global_shape, box, v, CheckpointFile::optimizer);
       }
     }
     TrainState s;
@@ -481,6 +483,25 @@ class Trainer {
     state_.set_step(s.step);
     rng_ = s.rng;
     return s;
+  }
+
+  // Starts from GPT-2 weights in a Hugging Face safetensors file (train/hf_gpt2.hpp; checked
+  // against the model config, errors name the tensor): every rank reads its own boxes. Optimizer
+  // state starts fresh (zero moments, step 0); the Rng is this rank's, as constructed.
+  void init_from_hf(const std::filesystem::path& file) {
+    HfGpt2File hf(file, cfg_.model);
+    for (nn::Parameter* p : params_)
+      for (const auto& pc : p->pieces()) {
+        std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
+        hf.read(p->name, Box{pc.offsets, pc.shape}, piece.data());
+        scatter_piece(pc, piece, p->value);
+      }
+    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    for (std::size_t k = 0; k < state_.tensors(); ++k) {
+      std::ranges::fill(state_.m(k), 0.0f);
+      std::ranges::fill(state_.v(k), 0.0f);
+    }
+    state_.set_step(0);
   }
 
  private:

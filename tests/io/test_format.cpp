@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "train/temp_dir.hpp"
-#include "trellis/train/checksum.hpp"
-#include "trellis/train/json.hpp"
-#include "trellis/train/safetensors.hpp"
+#include "trellis/io/checksum.hpp"
+#include "trellis/io/json.hpp"
+#include "trellis/io/safetensors.hpp"
 
 using namespace trellis;
-using namespace trellis::train;
+using namespace trellis::io;
 
 TEST_CASE("json parses and writes every kind of value", "[json]") {
   auto v = json::parse(R"( {"a": [1, -2, 3.5, 1e3, true, false, null], "b": {"c": "x\"\\\n\u00e9\ud83d\ude00"},

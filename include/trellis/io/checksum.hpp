@@ -14,7 +14,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace trellis::train {
+namespace trellis::io {
 
 namespace detail {
 using Crc32cTables = std::array<std::array<std::uint32_t, 256>, 8>;
@@ -96,4 +96,4 @@ inline std::uint32_t crc32c_portable(const void* data, std::size_t bytes) {
   return ~detail::crc32c_update_table(0xffffffffu, static_cast<const unsigned char*>(data), bytes);
 }
 
-}  // namespace trellis::train
+}  // namespace trellis::io

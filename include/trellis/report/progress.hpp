@@ -18,7 +18,7 @@
 
 #include "trellis/core/error.hpp"
 
-namespace trellis::train {
+namespace trellis::report {
 
 struct ProgressInfo {
   std::int64_t step = 0;   // steps done so far (1 after the first step)
@@ -131,4 +131,4 @@ class ProgressBar {
   bool drawn_ = false;
 };
 
-}  // namespace trellis::train
+}  // namespace trellis::report

@@ -22,11 +22,11 @@
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
-#include "trellis/train/atomic_file.hpp"
-#include "trellis/train/checksum.hpp"
-#include "trellis/train/json.hpp"
+#include "trellis/io/atomic_file.hpp"
+#include "trellis/io/checksum.hpp"
+#include "trellis/io/json.hpp"
 
-namespace trellis::train {
+namespace trellis::io {
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors stores little-endian data; big-endian hosts would need byte swaps");
@@ -273,4 +273,4 @@ class SafetensorsFile {
   Metadata metadata_;
 };
 
-}  // namespace trellis::train
+}  // namespace trellis::io

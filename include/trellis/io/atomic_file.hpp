@@ -17,7 +17,7 @@
 
 #include "trellis/core/error.hpp"
 
-namespace trellis::train {
+namespace trellis::io {
 
 namespace detail {
 inline std::string errno_text(int err) { return std::strerror(err); }
@@ -161,4 +161,4 @@ inline std::string read_whole_file(const std::filesystem::path& path) {
   return s;
 }
 
-}  // namespace trellis::train
+}  // namespace trellis::io

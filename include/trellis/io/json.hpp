@@ -17,7 +17,7 @@
 
 #include "trellis/core/error.hpp"
 
-namespace trellis::train::json {
+namespace trellis::io::json {
 
 class Value;
 using Array = std::vector<Value>;
@@ -400,4 +400,4 @@ inline Value parse(std::string_view text, std::string_view what = "JSON text") {
   return detail::Parser(text, what).parse_document();
 }
 
-}  // namespace trellis::train::json
+}  // namespace trellis::io::json

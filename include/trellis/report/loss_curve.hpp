@@ -2,7 +2,7 @@
 // ticks (1/2/5 x 10^k), grid, axis labels, a title and a legend. No dependencies; opens in any
 // browser, converts with rsvg-convert or ImageMagick.
 //   write_loss_curve_svg("loss.svg", train_points, val_points, {.title = "GPT-2 small, dp=2 tp=2"});
-// loss_curves_from_metrics() reads the points out of a metrics.jsonl.
+// train::loss_curves_from_metrics() (train/metrics.hpp) reads the points out of a metrics.jsonl.
 #pragma once
 
 #include <algorithm>
@@ -15,10 +15,9 @@
 #include <string_view>
 #include <vector>
 
-#include "trellis/train/atomic_file.hpp"
-#include "trellis/train/metrics.hpp"
+#include "trellis/io/atomic_file.hpp"
 
-namespace trellis::train {
+namespace trellis::report {
 
 struct CurvePoint {
   double step = 0;
@@ -185,22 +184,7 @@ inline std::string loss_curve_svg(std::span<const CurvePoint> train, std::span<c
 
 inline void write_loss_curve_svg(const std::filesystem::path& path, std::span<const CurvePoint> train,
                                  std::span<const CurvePoint> val, const LossCurveOptions& o = {}) {
-  write_file_atomically(path, loss_curve_svg(train, val, o));
+  io::write_file_atomically(path, loss_curve_svg(train, val, o));
 }
 
-// Train points from "loss" and validation points from "val_loss" of every metrics row.
-struct LossCurves {
-  std::vector<CurvePoint> train, val;
-};
-inline LossCurves loss_curves_from_metrics(const std::filesystem::path& metrics_jsonl) {
-  LossCurves c;
-  for (const auto& row : read_metrics(metrics_jsonl)) {
-    const auto* step = row.find("step");
-    if (!step || !step->is_number()) continue;
-    if (const auto* l = row.find("loss"); l && l->is_number()) c.train.push_back({step->as_double(), l->as_double()});
-    if (const auto* v = row.find("val_loss"); v && v->is_number()) c.val.push_back({step->as_double(), v->as_double()});
-  }
-  return c;
-}
-
-}  // namespace trellis::train
+}  // namespace trellis::report

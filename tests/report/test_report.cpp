@@ -10,11 +10,13 @@
 #include <sstream>
 
 #include "train/temp_dir.hpp"
-#include "trellis/train/loss_curve.hpp"
+#include "trellis/report/loss_curve.hpp"
+#include "trellis/report/progress.hpp"
 #include "trellis/train/metrics.hpp"
-#include "trellis/train/progress.hpp"
 
 using namespace trellis;
+using namespace trellis::io;
+using namespace trellis::report;
 using namespace trellis::train;
 
 namespace {
@@ -109,9 +111,9 @@ TEST_CASE("progress bar redraws in place on a terminal, prints lines otherwise",
 }
 
 TEST_CASE("loss curve SVG: nice ticks, both series, legend, labels", "[svg]") {
-  REQUIRE(train::detail::nice_step(0, 1000) == 200);
-  REQUIRE(train::detail::nice_step(2.1, 5.6) == Approx(0.5));
-  REQUIRE(train::detail::nice_step(0, 0.07) == Approx(0.01));
+  REQUIRE(report::detail::nice_step(0, 1000) == 200);
+  REQUIRE(report::detail::nice_step(2.1, 5.6) == Approx(0.5));
+  REQUIRE(report::detail::nice_step(0, 0.07) == Approx(0.01));
   std::vector<CurvePoint> train, val;
   for (int s = 0; s <= 500; s += 5) train.push_back({static_cast<double>(s), 5.5 * std::exp(-s / 150.0) + 1.6});
   for (int s = 0; s <= 500; s += 100) val.push_back({static_cast<double>(s), 5.5 * std::exp(-s / 150.0) + 1.8});
