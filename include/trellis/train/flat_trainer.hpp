@@ -139,7 +139,7 @@ class FlatTrainer {
   // state fresh (zero moments, step 0).
   void init_from_hf(const std::filesystem::path& file) {
     HfGpt2File hf(file, cfg_.model);
-    auto& o = model_.ops();
+    auto& o = model_.backend();
     for (const nn::FlatTensor& t : model_.tensors()) {
       std::vector<float> host(static_cast<std::size_t>(t.numel));
       hf.read(t.name, full_box(t.shape), host.data());
