@@ -33,6 +33,9 @@
 // synchronises the data); the inner communicator's own time (added on top, small on the host);
 // bandwidth that depends on message size, protocol switches, or topology beyond the ring factor.
 //
+// Measured, per communicator: modelled_seconds() (transfer time booked) and blocked_seconds()
+// (wall time this rank actually spent blocked in communication: what overlap did not hide).
+//
 // LinkModel::synchronous = true makes async operations hold the caller until their deadline
 // (a link with no way to overlap): the negative control an overlap test must fail on.
 //
@@ -43,6 +46,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <source_location>
 #include <span>
 #include <thread>
@@ -76,6 +80,16 @@ inline double rooted(double bytes, int n) { return n <= 1 ? 0.0 : bytes; }  // r
 }  // namespace wire
 
 namespace detail {
+// Runs op() (the inner operation or wait), sleeps until `deadline`, and adds the wall seconds
+// all of it took to `blocked`.
+template <class Op>
+void blocked_until(std::chrono::steady_clock::time_point deadline, double& blocked, Op&& op) {
+  const auto t0 = std::chrono::steady_clock::now();
+  op();
+  std::this_thread::sleep_until(deadline);
+  blocked += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // `space` only where the inner communicator names one (the concept is gaining the requirement).
 template <class Inner>
 struct SpaceOf {};
@@ -93,13 +107,14 @@ class SimulatedRequest {
   using clock = std::chrono::steady_clock;
 
   SimulatedRequest() = default;
-  SimulatedRequest(InnerRequest inner, clock::time_point deadline)
-      : inner_(std::move(inner)), deadline_(deadline) {}
+  SimulatedRequest(InnerRequest inner, clock::time_point deadline, std::shared_ptr<double> blocked)
+      : inner_(std::move(inner)), deadline_(deadline), blocked_(std::move(blocked)) {}
 
   void wait() {
-    if (!inner_done_) inner_.wait();
-    inner_done_ = true;
-    std::this_thread::sleep_until(deadline_);
+    block([&] {
+      if (!inner_done_) inner_.wait();
+      inner_done_ = true;
+    });
   }
   bool test() {
     if (!inner_done_) inner_done_ = inner_.test();
@@ -109,14 +124,22 @@ class SimulatedRequest {
   template <class Stream>
     requires requires(InnerRequest& r, Stream s) { r.wait_on(s); }
   void wait_on(Stream stream) {
-    if (!inner_done_) inner_.wait_on(stream);
-    std::this_thread::sleep_until(deadline_);
+    block([&] {
+      if (!inner_done_) inner_.wait_on(stream);
+    });
   }
   clock::time_point deadline() const { return deadline_; }
 
  private:
+  template <class Op>
+  void block(Op&& op) {
+    double unused = 0;
+    detail::blocked_until(deadline_, blocked_ ? *blocked_ : unused, op);
+  }
+
   InnerRequest inner_{};
   clock::time_point deadline_{};
+  std::shared_ptr<double> blocked_;  // the link's blocked_seconds
   bool inner_done_ = false;
 };
 
@@ -139,6 +162,10 @@ class SimulatedLink : public detail::SpaceOf<Inner> {
   const LinkModel& link() const { return link_; }
   // Modelled transfer seconds booked on this communicator so far (busy time of its link).
   double modelled_seconds() const { return booked_s_; }
+  // Wall seconds this rank spent blocked in this communicator -- in blocking operations, in
+  // wait(), and at the start of async ones on a synchronous link -- including waits for slower
+  // ranks: the exposed communication, measured. Without overlap it is >= modelled_seconds().
+  double blocked_seconds() const { return *blocked_s_; }
 
   // ---- collectives ------------------------------------------------------------------------------
   template <Element T>
@@ -244,15 +271,13 @@ class SimulatedLink : public detail::SpaceOf<Inner> {
   }
   template <class Op>
   void hold(double wire_bytes, Op&& op) {
-    const auto deadline = book(wire_bytes);
-    op();
-    std::this_thread::sleep_until(deadline);
+    detail::blocked_until(book(wire_bytes), *blocked_s_, op);
   }
   template <class Op>
   request_type start(double wire_bytes, Op&& op) {
     const auto deadline = book(wire_bytes);
-    request_type r(op(), deadline);
-    if (link_.synchronous) std::this_thread::sleep_until(deadline);
+    request_type r(op(), deadline, blocked_s_);
+    if (link_.synchronous) detail::blocked_until(deadline, *blocked_s_, [] {});
     return r;
   }
 
@@ -260,6 +285,7 @@ class SimulatedLink : public detail::SpaceOf<Inner> {
   LinkModel link_;
   clock::time_point link_free_{};  // end of the last transfer booked on this link
   double booked_s_ = 0;
+  std::shared_ptr<double> blocked_s_ = std::make_shared<double>(0.0);  // shared with its requests
 };
 
 }  // namespace trellis::comm
