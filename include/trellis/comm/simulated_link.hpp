@@ -30,8 +30,8 @@
 // What it does not model: contention between different communicators (a split() gets its own
 // link, as if tp and dp used separate links); skew between ranks (each rank starts the clock
 // when IT starts the operation, not when the last rank joins -- the inner collective still
-// synchronises the data); the inner communicator's own time (added on top, small on the host);
-// bandwidth that depends on message size, protocol switches, or topology beyond the ring factor.
+// synchronises the data); the inner operation's own time (it runs inside the modelled time: an
+// operation ends at the later of the two); bandwidth that depends on message size, protocol switches, or topology beyond the ring factor.
 //
 // Measured, per communicator: modelled_seconds() (transfer time booked) and blocked_seconds()
 // (wall time this rank actually spent blocked in communication: what overlap did not hide).
@@ -40,7 +40,9 @@
 // (a link with no way to overlap): the negative control an overlap test must fail on.
 //
 // split() returns a SimulatedLink over the inner communicator's split with the same LinkModel,
-// so the wrapper can be the world communicator of a Mesh or Trainer.
+// so the wrapper can be the world communicator of a Mesh or Trainer. The inner operations are
+// called with a trailing std::source_location (as ThreadComm, MpiComm and NcclComm take), so the
+// flight recorder names the caller's line, not this file's.
 #pragma once
 
 #include <algorithm>
