@@ -204,7 +204,7 @@ Measured mlp_case(bool sp, bool synchronous) {
   using trellis::nn::TokenShape;
   const index_t width = 256, hidden = 4 * width;
   const TokenShape shape{64, 32};
-  const int steps = 5;
+  const int steps = 8;
   Measured m;
   std::mutex mutex;
   trellis::comm::ThreadWorld(2).run([&](ThreadComm& world) {
@@ -298,7 +298,9 @@ TEST_CASE("dp buckets: overlap hides the reductions on a simulated link, same bi
   WARN("dp2 buckets, overlap_dp on vs off: " << describe(m));
   CHECK(m.loss_on == m.loss_off);  // bitwise: the same buckets, reduced in the same fixed order
   CHECK(m.norm_on == m.norm_off);
-  CHECK(m.blocked_off_s >= 0.9 * m.comm_s);     // the baseline waits for every bucket
+  // The baseline waits for every bucket, less what copying the later buckets' gradients in
+  // overlaps with the first transfers (all start at the end, then it waits).
+  CHECK(m.blocked_off_s >= 0.75 * m.comm_s);
   CHECK(m.blocked_on_s <= 0.5 * m.blocked_off_s);  // measured: at least half of it hidden
   CHECK(m.off_s - m.on_s >= 0.25 * m.comm_s);
 }

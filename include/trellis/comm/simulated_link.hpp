@@ -277,9 +277,13 @@ class SimulatedLink : public detail::SpaceOf<Inner> {
   }
   template <class Op>
   request_type start(double wire_bytes, Op&& op) {
+    const auto t0 = clock::now();
     const auto deadline = book(wire_bytes);
     request_type r(op(), deadline, blocked_s_);
-    if (link_.synchronous) detail::blocked_until(deadline, *blocked_s_, [] {});
+    if (link_.synchronous) {
+      std::this_thread::sleep_until(deadline);
+      *blocked_s_ += std::chrono::duration<double>(clock::now() - t0).count();
+    }
     return r;
   }
 
