@@ -6,4 +6,5 @@
 #include "trellis/comm/communicator.hpp"  // defines: Communicator, ReduceOp, P2POp, Request
 #include "trellis/comm/mesh.hpp"          // defines: dp, tp, pp, cp, ep, Mesh, make_mesh
 #include "trellis/comm/recorder.hpp"      // defines: OpFingerprint, FlightRecorder, find_fingerprint_mismatch
+#include "trellis/comm/simulated_link.hpp"  // defines: SimulatedLink, LinkModel (a modelled link on the host)
 #include "trellis/comm/threads.hpp"       // defines: ThreadWorld, ThreadComm, ThreadRequest

@@ -330,7 +330,7 @@ TEST_CASE("init_from_hf of an export starts from the exported model, optimizer f
   auto [eval_fresh, unused] = losses_from_hf(Layout{}, {}, 3);
   CHECK(std::fabs(eval_fresh - reference) > 1e-3);
 
-  trellis::train::FlatTrainer<trellis::nn::HostOps<float>> flat(cfg);
+  trellis::train::FlatTrainer<trellis::backend::Host<float>> flat(cfg);
   flat.init_from_hf(hf);
   CHECK(flat.step_count() == 0);
   trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});

@@ -22,11 +22,12 @@
 //     chunks: the other blocks at pp = 1, the other virtual chunk under interleaved / zb_v /
 //     dualpipe_v, and the other microbatches' work and the pipeline drain of the remaining
 //     chunks). Not overlapped: a chunk whose last W is the rank's last action (pp > 1, v = 1: its
-//     only chunk), and wte (its gradient is final only after the tied first/last-stage sum);
+//     only chunk), and wte (its gradient is final only after the tied first/last-stage sum).
+//     overlap_dp = false starts every bucket after the schedule instead (the baseline);
 //  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
 //     then reduced over dp;
 //     --zero1 instead: after the schedule, one reduce-scatter of the flat (padded) gradient over
-//     dp, AdamW on this rank's partition only (moments for the partition only), all-gather of the
+//     dp (not overlapped with the backward), AdamW on this rank's partition only (moments for the partition only), all-gather of the
 //     updated parameters;
 //  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
 //     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
@@ -91,6 +92,10 @@ struct TrainerConfig {
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
   std::size_t bucket_elements = std::size_t{1} << 18;
+  // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
+  // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
+  // same order of results, so the same bits).
+  bool overlap_dp = true;
   std::uint64_t seed = 1234;  // Rng streams (one per rank) and dropout masks; the model's init seed is options.seed
 };
 
@@ -213,7 +218,9 @@ struct StepResult {
   float clip_scale = 1;
   std::int64_t step = 0;  // optimizer steps done after this one
   // dp buckets (no ZeRO) of this rank: how many there are, and how many were started while this
-  // rank still had W passes of the step to run (their all-reduce overlaps that compute).
+  // rank still had W passes of the step to run (their all-reduce overlaps that compute; 0 with
+  // overlap_dp = false). That the overlap saves time is measured with comm::SimulatedLink
+  // (tests/train/test_overlap_timing.cpp), not by this count.
   int buckets = 0;
   int buckets_overlapped = 0;
 };
@@ -627,7 +634,7 @@ class Trainer {
         dp_comm_->all_reduce_async(b.buffer.data(), b.buffer.data(), b.buffer.size(), comm::ReduceOp::sum));
   }
   void start_chunk_reduction(int chunk) {
-    if (cfg_.zero1 || cfg_.dp == 1) return;
+    if (cfg_.zero1 || cfg_.dp == 1 || !cfg_.overlap_dp) return;
     int w_total = 0;
     for (int w : w_done_) w_total += w;
     const bool compute_left = w_total < cfg_.microbatches * static_cast<int>(models_.size());
@@ -640,6 +647,9 @@ class Trainer {
   void finish_dp_reduction() {
     if (cfg_.dp == 1) return;
     const auto t0 = std::chrono::steady_clock::now();
+    if (!cfg_.overlap_dp)  // the baseline: every chunk's buckets now, in bucket order
+      for (auto& b : buckets_)
+        if (b.chunk >= 0) start_bucket(b);
     for (auto& b : buckets_)
       if (b.chunk < 0) start_bucket(b);
     for (auto& b : buckets_) {
