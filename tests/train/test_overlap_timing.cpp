@@ -287,7 +287,9 @@ void check_tp(bool sp) {
   // in c_fc's backward, which is async even without chunks (1 of the 5 equal collectives).
   CHECK(m.blocked_off_s >= (sp ? 0.7 : 0.9) * m.comm_s);
   CHECK(m.blocked_on_s <= 0.6 * m.blocked_off_s);  // measured: chunks hide 40 % or more
-  CHECK(m.on_s < m.off_s);  // wall clock: faster (by how much is too noisy under load to assert)
+  // Wall clock is reported (WARN above), not asserted: with ctest -j2 and a compiler on the same
+  // 2 cores a tp2+sp pass once took 501 ms with chunks vs 382 ms without while its blocked time
+  // was 21 vs 114 ms. Blocked time is what a synchronous link fails ([negative] test).
 }
 
 }  // namespace

@@ -56,7 +56,10 @@ void check_against_reference(const Layout& l, const char* label) {
   for (const auto& name : got.names) {
     INFO("tensor " << name);
     CHECK(weights.complete(name));
-    CHECK(nn_test::rel_error(weights.get(name), ref.weights.get(name)) <= 1e-5);
+    // 2e-5: Adam (eps 1e-5 here) turns the rounding noise of near-zero bias gradients into weight
+    // differences; measured up to 1.4e-5 (dp2 with dropout, h.2.mlp.c_proj.bias) since the bias
+    // gradients are summed in 64-row blocks (kernels/elementwise_host.hpp column_sums).
+    CHECK(nn_test::rel_error(weights.get(name), ref.weights.get(name)) <= 2e-5);
   }
 }
 
