@@ -34,6 +34,7 @@ struct Options {
   bool recompute = false;       // per-block activation recompute
   double dropout = 0.0;         // embedding + residual dropout
   std::string backend = "host";
+  std::string dtype;  // compute dtype: fp32 | bf16; empty: the backend's own (host fp32, cuda bf16)
   bool mpi = false;
   // data
   std::string data;  // empty: the shipped corpus; *.bin (comma separated): llm.c token shards
@@ -80,6 +81,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
            --dropout P (0; embedding + residual dropout in [0, 1); evaluation runs without it)
 backend:   --backend host|cuda (host; cuda: one GPU, bf16 compute with fp32 master weights, needs a
            CUDA build; dp = tp = pp = 1, head size 64 or 128)
+           --dtype fp32|bf16 (compute dtype; host: fp32 default, bf16 runs every layout with the
+           CUDA backend's bf16 rounding points, fp32 master weights and optimizer state)
            --mpi (one rank per MPI process instead of threads)
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
@@ -172,6 +175,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.chunks);
     else if (f == "--backend")
       o.backend = value();
+    else if (f == "--dtype")
+      o.dtype = value();
     else if (f == "--mpi")
       o.mpi = true;
     else if (f == "--data")
@@ -281,6 +286,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
+  if (!o.dtype.empty() && o.dtype != "fp32" && o.dtype != "bf16")
+    out.push_back("--dtype must be fp32 or bf16, got '" + o.dtype + "'");
+  if (o.backend == "cuda" && o.dtype == "fp32")
+    out.push_back("--backend cuda computes in bf16 (fp32 master weights): drop --dtype fp32 or use --backend host");
   if (o.backend == "cuda") {
 #if !defined(TRELLIS_TRAIN_GPT_CUDA)
     out.push_back(

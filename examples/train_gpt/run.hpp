@@ -127,9 +127,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     const std::string schedule = o.pp == 1                  ? "(none, pp=1)"
                                  : o.schedule_file.empty() ? o.schedule
                                                            : cfg.custom_schedule->name + " from " + o.schedule_file;
-    std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks\n",
+    const char* dtype = o.backend == "cuda" || o.dtype == "bf16" ? "bf16 compute, fp32 master weights" : "fp32";
+    std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks; %s\n",
                 o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "", schedule.c_str(), o.microbatches,
-                static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str());
+                static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);
@@ -210,10 +211,14 @@ void run_rank(Comm& comm, const Options& o, const Data& data, double peak, Outco
     if (comm.rank() == 0) peak = measured_peak_flops();
     comm.broadcast(&peak, 1, 0);
   }
-  train::Trainer<Comm> trainer(comm, trainer_config(o));
-  const double n_params = trainer.global_parameter_count();
-  run_training(trainer, comm.rank() == 0, trainer.mesh().template coord<trellis::dp>(), n_params, o, data, peak,
-               o.mpi ? "MPI" : "thread", outcome);
+  auto train_with = [&]<class Backend>(Backend be) {
+    train::Trainer<Comm, Backend> trainer(comm, trainer_config(o), be);
+    const double n_params = trainer.global_parameter_count();
+    run_training(trainer, comm.rank() == 0, trainer.mesh().template coord<trellis::dp>(), n_params, o, data, peak,
+                 o.mpi ? "MPI" : "thread", outcome);
+  };
+  if (o.dtype == "bf16") train_with(trellis::backend::Host<trellis::bfloat16>{});
+  else train_with(trellis::backend::Host<float>{});
 }
 
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.

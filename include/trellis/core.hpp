@@ -6,6 +6,7 @@
 #include "trellis/core/config.hpp"      // defines: TRELLIS_HD and friends
 #include "trellis/core/dtype.hpp"       // defines: half, bfloat16, DType
 #include "trellis/core/error.hpp"       // defines: Error, TRELLIS_CHECK*
+#include "trellis/core/hash.hpp"        // defines: splitmix64, name_hash
 #include "trellis/core/space.hpp"       // defines: Host, Cuda
 #include "trellis/core/tensor.hpp"      // defines: Extents, TensorView, Tensor
 #include "trellis/core/version.hpp"     // defines: TRELLIS_VERSION_*

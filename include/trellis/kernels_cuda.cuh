@@ -5,6 +5,7 @@
 
 #include "trellis/kernels/adamw_cuda.cuh"         // defines: cuda::adamw_step, grad_norm_squared
 #include "trellis/kernels/attention_cuda.cuh"     // defines: cuda::attention_forward, attention_backward
+#include "trellis/kernels/dropout_cuda.cuh"       // defines: cuda::dropout_apply
 #include "trellis/kernels/cuda_common.cuh"        // defines: column_sums_workspace_bytes, device helpers
 #include "trellis/kernels/elementwise_cuda.cuh"   // defines: cuda::gelu_forward/backward, add, column_sums
 #include "trellis/kernels/embedding_cuda.cuh"     // defines: cuda::embedding_forward/backward

@@ -136,7 +136,7 @@ inline constexpr index_t kBatch = 2, kSeq = 32;
 inline std::vector<std::int32_t> make_ids(const std::string& what, int mb, index_t vocab) {
   std::vector<std::int32_t> ids(kBatch * kSeq);
   for (index_t i = 0; i < kBatch * kSeq; ++i)
-    ids[i] = static_cast<std::int32_t>(trellis::nn::detail::splitmix64(trellis::nn::detail::name_hash(what) + 1000 * mb + i) % vocab);
+    ids[i] = static_cast<std::int32_t>(trellis::splitmix64(trellis::name_hash(what) + 1000 * mb + i) % vocab);
   if (what == "targets") ids[5 + mb] = -1;
   return ids;
 }

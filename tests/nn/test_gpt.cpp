@@ -343,10 +343,11 @@ TEST_CASE("GPT-2 with dropout: tp / sp / overlap / recompute equal the 1-rank mo
 }
 
 TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]") {
+  const backend::Host<float> host;
   Dropout d(0.25f, "h.0.mlp");
   const TokenShape shape{10, 100, 7};  // 1000 rows, row = t * 10 + b
   std::vector<float> x(64 * 1000, 1.0f);
-  d.apply(shape, 0, 1000, 64, x.data());
+  d.apply(host, shape, 0, 1000, 64, x.data());
   double kept = 0;
   int bad = 0;
   for (float v : x) {
@@ -360,13 +361,20 @@ TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]")
   for (index_t row = 0; row < 1000; ++row)
     for (index_t c = 0; c < 64; ++c) mismatch += (x[row * 64 + c] != 0.0f) != d.keep(7, row % 10, row / 10, c);
   CHECK(mismatch == 0);
+  // The bf16 backend drops the same elements and rounds the scaled value once (1.5 * 4/3 = 2).
+  std::vector<bfloat16> xb(64 * 1000, bfloat16(1.5f));
+  d.apply(backend::Host<bfloat16>{}, shape, 0, 1000, 64, xb.data());
+  mismatch = 0;
+  for (std::size_t i = 0; i < x.size(); ++i)
+    mismatch += static_cast<float>(xb[i]) != (x[i] != 0.0f ? 2.0f : 0.0f);
+  CHECK(mismatch == 0);
   // Applying to rows [500, 1000) alone (a sequence shard) gives the full tensor's rows 500..999.
   std::vector<float> part(64 * 500, 1.0f);
-  d.apply(shape, 500, 500, 64, part.data());
+  d.apply(host, shape, 500, 500, 64, part.data());
   CHECK(std::equal(part.begin(), part.end(), x.begin() + 64 * 500));
   // A microbatch holding global samples 5..9 (another dp rank or microbatch) draws their masks.
   std::vector<float> half(64 * 500, 1.0f);
-  d.apply(TokenShape{5, 100, 7, 5}, 0, 500, 64, half.data());
+  d.apply(host, TokenShape{5, 100, 7, 5}, 0, 500, 64, half.data());
   mismatch = 0;
   for (index_t t = 0; t < 100; ++t)
     for (index_t b = 0; b < 5; ++b)
@@ -384,11 +392,11 @@ TEST_CASE("dropout masks: rate, scale and layout independence", "[nn][dropout]")
   CHECK(sample_differ > 10);
   CHECK(site_differ > 10);
   std::vector<float> y(10, 2.0f);
-  Dropout(0.0f, "x").apply(TokenShape{1, 1, 7}, 0, 1, 10, y.data());
+  Dropout(0.0f, "x").apply(host, TokenShape{1, 1, 7}, 0, 1, 10, y.data());
   CHECK(y == std::vector<float>(10, 2.0f));
   TokenShape eval{1, 1, 7};
   eval.train = false;
-  Dropout(0.5f, "x").apply(eval, 0, 1, 10, y.data());
+  Dropout(0.5f, "x").apply(host, eval, 0, 1, 10, y.data());
   CHECK(y == std::vector<float>(10, 2.0f));
   CHECK_THROWS_AS(Dropout(1.0f, "x"), Error);
 }

@@ -41,6 +41,8 @@ TEST_CASE("flags parse into options", "[train][flags]") {
   CHECK(hf.init_from == "gpt2/model.safetensors");
   CHECK(hf.export_hf == "out/hf");
   CHECK(parse_flags({"--help"}).help);
+  CHECK(parse_flags({"--dtype", "bf16"}).dtype == "bf16");
+  CHECK(error_of({"--dtype", "bf16", "--dp", "2", "--tp", "2", "--pp", "2"}).empty());  // every layout in bf16
   CHECK(error_of({"--dp", "2", "--tp", "2", "--pp", "2"}).empty());  // the default demo layout is valid
   CHECK(train_gpt::usage().find("--schedule") != std::string::npos);
 }
@@ -69,6 +71,8 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--dp", "2"}), "use --dp 1"));
   CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--tp", "2"}), "use --pp 1 --tp 1"));
   CHECK(contains(error_of({"--backend", "tpu"}), "--backend must be host or cuda"));
+  CHECK(contains(error_of({"--dtype", "fp16"}), "--dtype must be fp32 or bf16, got 'fp16'"));
+  CHECK(contains(error_of({"--backend", "cuda", "--dtype", "fp32"}), "--backend cuda computes in bf16"));
   CHECK(contains(error_of({"--resume"}), "--resume needs --ckpt-dir"));
   CHECK(contains(error_of({"--resume", "--ckpt-dir", "c", "--init-from", "m.safetensors"}), "give one of them"));
   CHECK(contains(error_of({"--steps", "5", "--warmup", "8"}), "--warmup must be in [0, --steps)"));

@@ -50,7 +50,7 @@ inline const std::vector<trellis::train::token_t>& tokens() {
     std::vector<trellis::train::token_t> v(4096);
     std::uint64_t x = 7;
     for (std::size_t i = 0; i < v.size(); ++i) {
-      x = trellis::nn::detail::splitmix64(x);
+      x = trellis::splitmix64(x);
       v[i] =
           static_cast<trellis::train::token_t>((i * 7 + (i / 13)) % 64 ^ ((x % 5 == 0) ? (x >> 20) % 64 : 0));
     }
@@ -91,8 +91,10 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   return c;
 }
 
-// Runs `steps` steps of layout l (optionally loading `load_from` first, saving to `save_to` after).
-inline void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
+// Runs `steps` steps of layout l (optionally loading `load_from` first, saving to `save_to` after)
+// on compute backend B (host fp32 by default; backend::Host<bfloat16> for the bf16 numerics).
+template <class B = trellis::backend::Host<float>>
+void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
                   const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {}) {
   const int ranks = cfg.pp * cfg.dp * cfg.tp;
   std::mutex mutex;
@@ -100,7 +102,7 @@ inline void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::
   trellis::comm::ThreadWorld world(ranks);
   world.run([&](ThreadComm& comm) {
     comm.set_timeout(std::chrono::milliseconds(30000));
-    Trainer<ThreadComm> t(comm, cfg);
+    Trainer<ThreadComm, B> t(comm, cfg);
     const int dp_rank = t.mesh().template coord<trellis::dp>();
     trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp});
     if (!load_from.empty()) loader.restore(t.load(load_from).data);

@@ -7,7 +7,7 @@
 //   - CUB-style workspace queries, asked at set-up for the largest shapes, then one
 //     reserve_workspace(max): no scratch grows in the middle of a step;
 //   - the kernels the layers call, with backend-neutral contracts (kernels::GemmArgs and
-//     epilogues, AttentionArgs, HeadsLayout, EmbeddingArgs, AdamWTensor/AdamWConfig).
+//     epilogues, AttentionArgs, HeadsLayout, EmbeddingArgs, DropoutArgs, AdamWTensor/AdamWConfig).
 // Backends: backend::Host<float>, backend::Host<bfloat16> (backend/host.hpp) and backend::Cuda
 // (backend/cuda.cuh, bf16). docs/backend.md says why the layers take a backend and what it owns.
 //
@@ -25,6 +25,7 @@
 #include "trellis/core/tensor.hpp"
 #include "trellis/kernels/adamw.hpp"
 #include "trellis/kernels/attention.hpp"
+#include "trellis/kernels/dropout.hpp"
 #include "trellis/kernels/embedding.hpp"
 #include "trellis/kernels/epilogue.hpp"
 #include "trellis/kernels/heads.hpp"
@@ -36,6 +37,7 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
                            typename B::act_t* x, const typename B::act_t* cx, const std::int32_t* ids,
                            const kernels::GemmArgs& gemm, const kernels::AttentionArgs& attn,
                            const kernels::HeadsLayout& heads, const kernels::EmbeddingArgs& emb,
+                           const kernels::DropoutArgs& drop,
                            std::span<const std::span<const float>> grads,
                            std::span<const kernels::AdamWTensor<float>> adamw, const kernels::AdamWConfig& cfg) {
   typename B::space;
@@ -80,6 +82,7 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   b.xent_backward_sharded(i, i, i, cx, ids, i, cf, 1.0f, x, i);
   b.embedding_forward(emb, ids, cf, cf, x);
   b.embedding_backward(emb, ids, cx, f, f);
+  b.dropout(drop, x);
   b.gelu_forward(i, cx, x);
   b.gelu_backward(i, cx, cx, x);
   b.add(i, cx, cx, x);

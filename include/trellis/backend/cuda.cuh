@@ -28,6 +28,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/adamw_cuda.cuh"
 #include "trellis/kernels/attention_cuda.cuh"
+#include "trellis/kernels/dropout_cuda.cuh"
 #include "trellis/kernels/cuda_common.cuh"
 #include "trellis/kernels/elementwise_cuda.cuh"
 #include "trellis/kernels/embedding_cuda.cuh"
@@ -235,6 +236,7 @@ class Cuda {
                           float* dwte, float* dwpe) const {
     kernels::cuda::embedding_backward(a, tokens, dout, dwte, dwpe, stream_);
   }
+  void dropout(const kernels::DropoutArgs& a, act_t* x) const { kernels::cuda::dropout_apply(a, x, stream_); }
   void gelu_forward(index_t n, const act_t* x, act_t* out) const { kernels::cuda::gelu_forward(n, x, out, stream_); }
   void gelu_backward(index_t n, const act_t* x, const act_t* dout, act_t* dx) const {
     kernels::cuda::gelu_backward(n, x, dout, dx, stream_);

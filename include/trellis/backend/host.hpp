@@ -19,6 +19,7 @@
 #include "trellis/core/dtype.hpp"
 #include "trellis/kernels/adamw_host.hpp"
 #include "trellis/kernels/attention_host.hpp"
+#include "trellis/kernels/dropout_host.hpp"
 #include "trellis/kernels/elementwise_host.hpp"
 #include "trellis/kernels/embedding_host.hpp"
 #include "trellis/kernels/gemm_host.hpp"
@@ -136,6 +137,7 @@ class Host {
                           float* dwpe) const {
     kernels::host::embedding_backward(a, tokens, dout, dwte, dwpe);
   }
+  void dropout(const kernels::DropoutArgs& a, Act* x) const { kernels::host::dropout_apply(a, x); }
   void gelu_forward(index_t n, const Act* x, Act* out) const { kernels::host::gelu_forward(n, x, out); }
   void gelu_backward(index_t n, const Act* x, const Act* dout, Act* dx) const {
     kernels::host::gelu_backward(n, x, dout, dx);

@@ -5,10 +5,12 @@
 // Residual and norms run on the norm-region rows (with sequence parallelism, this rank's sequence
 // shard). Options: sequence parallelism and overlap come with the TensorParallel handle; with
 // `recompute` the forward keeps only the block input and backward_input runs the forward again.
+// Over a compute backend B: activations, residual adds and dropout masks are B::act_t in B's
+// memory (the residual stream rounds to act_t after each add, as llm.c's bf16 residual).
 #pragma once
 
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "trellis/nn/attention.hpp"
 #include "trellis/nn/dropout.hpp"
@@ -26,24 +28,28 @@ struct BlockConfig {
   float dropout = 0.0f;  // residual dropout after attn and mlp (GPT-2 resid_pdrop); 0: none
 };
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class TransformerBlock {
  public:
+  using act_t = typename B::act_t;
+
   // name: e.g. "h.3".
-  TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp)
+  TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp, B be = {})
       : cfg_(cfg),
         tp_(tp),
-        ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps),
-        attn_(name + ".attn", cfg.width, cfg.heads, tp),
-        ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps),
-        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp),
+        be_(be),
+        ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps, be),
+        attn_(name + ".attn", cfg.width, cfg.heads, tp, be),
+        ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps, be),
+        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp, be),
         drop_attn_(cfg.dropout, name + ".attn"),
         drop_mlp_(cfg.dropout, name + ".mlp") {}
 
-  LayerNorm<C>& ln_1() { return ln_1_; }
-  CausalSelfAttention<C>& attn() { return attn_; }
-  LayerNorm<C>& ln_2() { return ln_2_; }
-  Mlp<C>& mlp() { return mlp_; }
+  LayerNorm<C, B>& ln_1() { return ln_1_; }
+  CausalSelfAttention<C, B>& attn() { return attn_; }
+  LayerNorm<C, B>& ln_2() { return ln_2_; }
+  Mlp<C, B>& mlp() { return mlp_; }
   bool recompute() const { return cfg_.recompute; }
   template <class F> void for_each_parameter(F&& f) {
     ln_1_.for_each_parameter(f);
@@ -52,12 +58,13 @@ class TransformerBlock {
     mlp_.for_each_parameter(f);
   }
 
-  // x, y: (local_rows, width).
-  void forward(int mb, const TokenShape& shape, const float* x, float* y) {
+  // x, y: (local_rows, width) in B's memory.
+  void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
     s.rows = tp_.local_rows(shape);
     if (cfg_.recompute) {
-      s.input.assign(x, x + s.rows * cfg_.width);
+      s.input = allocate(s.rows * cfg_.width);
+      be_.copy(s.input.data(), x, s.input.size());
       run_forward(mb, shape, x, y);
       release_sublayers(mb);
     } else {
@@ -65,35 +72,37 @@ class TransformerBlock {
     }
   }
 
-  void backward_input(int mb, const TokenShape& shape, const float* dy, float* dx) {
+  void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
     Saved& s = store_.at(mb, "TransformerBlock::backward_input");
     const index_t n = s.rows * cfg_.width;
     if (cfg_.recompute) {
-      std::vector<float> y(static_cast<std::size_t>(n));
+      auto y = allocate(n);
       run_forward(mb, shape, s.input.data(), y.data());
       s.input = {};
     }
-    std::vector<float> dh(static_cast<std::size_t>(n)), dx2(static_cast<std::size_t>(n));
+    auto dh = allocate(n), dx2 = allocate(n);
     const index_t row0 = tp_.first_local_row(shape), rows = s.rows;
-    std::vector<float> dropped;  // gradient through a dropout mask
-    const float* dmlp = dy;
-    if (drop_mlp_.active()) {
-      dropped.assign(dy, dy + n);
-      drop_mlp_.apply(shape, row0, rows, cfg_.width, dropped.data());
+    typename B::template buffer<act_t> dropped;  // gradient through a dropout mask
+    const act_t* dmlp = dy;
+    if (drop_mlp_.active() && shape.train) {
+      dropped = allocate(n);
+      be_.copy(dropped.data(), dy, dropped.size());
+      drop_mlp_.apply(be_, shape, row0, rows, cfg_.width, dropped.data());
       dmlp = dropped.data();
     }
     mlp_.backward_input(mb, shape, dmlp, dh.data());
     ln_2_.backward_input(mb, shape, dh.data(), dx2.data());
-    for (index_t i = 0; i < n; ++i) dx2[i] += dy[i];
-    const float* dattn = dx2.data();
-    if (drop_attn_.active()) {
-      dropped.assign(dx2.begin(), dx2.end());
-      drop_attn_.apply(shape, row0, rows, cfg_.width, dropped.data());
+    be_.add(n, dx2.data(), dy, dx2.data());
+    const act_t* dattn = dx2.data();
+    if (drop_attn_.active() && shape.train) {
+      if (dropped.empty()) dropped = allocate(n);
+      be_.copy(dropped.data(), dx2.data(), dropped.size());
+      drop_attn_.apply(be_, shape, row0, rows, cfg_.width, dropped.data());
       dattn = dropped.data();
     }
     attn_.backward_input(mb, shape, dattn, dh.data());
     ln_1_.backward_input(mb, shape, dh.data(), dx);
-    for (index_t i = 0; i < n; ++i) dx[i] += dx2[i];
+    be_.add(n, dx, dx2.data(), dx);
   }
 
   void backward_weight(int mb) {
@@ -118,20 +127,24 @@ class TransformerBlock {
  private:
   struct Saved {
     index_t rows = 0;
-    std::vector<float> input;  // with recompute: the block input
+    typename B::template buffer<act_t> input;  // with recompute: the block input
   };
 
-  void run_forward(int mb, const TokenShape& shape, const float* x, float* y) {
+  typename B::template buffer<act_t> allocate(index_t n) const {
+    return be_.template allocate<act_t>(static_cast<std::size_t>(n));
+  }
+
+  void run_forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     const index_t rows = tp_.local_rows(shape), n = rows * cfg_.width, row0 = tp_.first_local_row(shape);
-    std::vector<float> h(static_cast<std::size_t>(n)), x2(static_cast<std::size_t>(n));
+    auto h = allocate(n), x2 = allocate(n);
     ln_1_.forward(mb, shape, x, h.data());
     attn_.forward(mb, shape, h.data(), x2.data());
-    drop_attn_.apply(shape, row0, rows, cfg_.width, x2.data());
-    for (index_t i = 0; i < n; ++i) x2[i] += x[i];
+    drop_attn_.apply(be_, shape, row0, rows, cfg_.width, x2.data());
+    be_.add(n, x2.data(), x, x2.data());
     ln_2_.forward(mb, shape, x2.data(), h.data());
     mlp_.forward(mb, shape, h.data(), y);
-    drop_mlp_.apply(shape, row0, rows, cfg_.width, y);
-    for (index_t i = 0; i < n; ++i) y[i] += x2[i];
+    drop_mlp_.apply(be_, shape, row0, rows, cfg_.width, y);
+    be_.add(n, y, x2.data(), y);
   }
   void release_sublayers(int mb) {
     ln_1_.release(mb);
@@ -142,10 +155,11 @@ class TransformerBlock {
 
   BlockConfig cfg_;
   TensorParallel<C> tp_;
-  LayerNorm<C> ln_1_;
-  CausalSelfAttention<C> attn_;
-  LayerNorm<C> ln_2_;
-  Mlp<C> mlp_;
+  B be_;
+  LayerNorm<C, B> ln_1_;
+  CausalSelfAttention<C, B> attn_;
+  LayerNorm<C, B> ln_2_;
+  Mlp<C, B> mlp_;
   Dropout drop_attn_, drop_mlp_;
   MicrobatchStore<Saved> store_;
 };

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "trellis/comm/mesh.hpp"
@@ -65,21 +66,29 @@ struct GptStage {
   }
 };
 
-// What a stage consumes: tokens (first stage) or the previous stage's activation; targets and the
-// global token count (last stage).
-struct StageInput {
+// What a stage consumes: tokens (first stage) or the previous stage's activation (Act: the
+// backend's activation type, in its memory); targets and the global token count (last stage).
+// Token ids and targets are host arrays.
+template <class Act>
+struct StageInputOf {
   const std::int32_t* tokens = nullptr;   // (batch, seq)
-  const float* activation = nullptr;      // (local_rows, width)
+  const Act* activation = nullptr;        // (local_rows, width)
   const std::int32_t* targets = nullptr;  // (batch, seq)
   double token_count = 0;                 // loss normaliser: tokens over all dp ranks and microbatches
 };
+using StageInput = StageInputOf<float>;
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class GptModel {
  public:
-  // tp_comm: the tensor-parallel communicator (size 1 for no tp).
-  GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {})
-      : cfg_(cfg), opt_(opt), stage_(stage) {
+  using backend_type = B;
+  using act_t = typename B::act_t;
+  using Input = StageInputOf<act_t>;
+
+  // tp_comm: the tensor-parallel communicator (size 1 for no tp); be: the compute backend.
+  GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {}, B be = {})
+      : cfg_(cfg), opt_(opt), stage_(stage), be_(std::move(be)) {
     if (stage_.end_layer < 0) stage_.end_layer = static_cast<int>(cfg.layers);
     TRELLIS_CHECK(0 <= stage_.first_layer && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.layers,
                   "GptModel: stage blocks [", stage_.first_layer, ", ", stage_.end_layer, ") outside 0..", cfg.layers);
@@ -88,13 +97,13 @@ class GptModel {
     tp_.overlap_chunks = opt.overlap_chunks;
     tp_.check();
     const auto vocab_rows = shard::chunk(cfg.vocab, tp_.size(), tp_.rank());
-    if (stage_.embedding) embedding_ = std::make_unique<VocabParallelEmbedding<C>>(cfg.vocab, cfg.positions, cfg.width, tp_);
+    if (stage_.embedding) embedding_ = std::make_unique<VocabParallelEmbedding<C, B>>(cfg.vocab, cfg.positions, cfg.width, tp_, be_);
     BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute, opt.dropout};
     drop_embedding_ = Dropout(opt.dropout, "wte+wpe");
     for (int i = stage_.first_layer; i < stage_.end_layer; ++i)
-      blocks_.push_back(std::make_unique<TransformerBlock<C>>("h." + std::to_string(i), bc, tp_));
+      blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), bc, tp_, be_));
     if (stage_.head) {
-      ln_f_ = std::make_unique<LayerNorm<C>>("ln_f", cfg.width, tp_, cfg.ln_eps);
+      ln_f_ = std::make_unique<LayerNorm<C, B>>("ln_f", cfg.width, tp_, cfg.ln_eps, be_);
       Parameter* wte = nullptr;
       if (embedding_) {
         wte = &embedding_->wte();
@@ -103,13 +112,14 @@ class GptModel {
             make_parameter("wte.weight", {cfg.vocab, cfg.width}, {}, 0, vocab_rows.offset, vocab_rows.size));
         wte = head_wte_.get();
       }
-      head_ = std::make_unique<VocabParallelLMHeadLoss<C>>(wte, vocab_rows.offset, cfg.width, tp_);
+      head_ = std::make_unique<VocabParallelLMHeadLoss<C, B>>(wte, vocab_rows.offset, cfg.width, tp_, be_);
     }
     init_parameters();
   }
 
   const GptConfig& config() const { return cfg_; }
   const GptStage& stage() const { return stage_; }
+  const B& backend() const { return be_; }
   TensorParallel<C>& tp() { return tp_; }
   index_t local_rows(const TokenShape& shape) const { return tp_.local_rows(shape); }
 
@@ -140,22 +150,23 @@ class GptModel {
     for (Parameter* p : parameters()) p->zero_grad();
   }
 
-  VocabParallelEmbedding<C>* embedding() { return embedding_.get(); }
-  TransformerBlock<C>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
-  LayerNorm<C>* ln_f() { return ln_f_.get(); }
+  VocabParallelEmbedding<C, B>* embedding() { return embedding_.get(); }
+  TransformerBlock<C, B>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
+  LayerNorm<C, B>* ln_f() { return ln_f_.get(); }
 
   // Runs the stage's forward for microbatch mb. Returns the loss contribution (last stage: sum of
-  // token losses / in.token_count), else writes `output` (local_rows x width) and returns 0.
-  double forward(int mb, const TokenShape& shape, const StageInput& in, float* output) {
+  // token losses / in.token_count), else writes `output` (local_rows x width, B's memory) and
+  // returns 0.
+  double forward(int mb, const TokenShape& shape, const Input& in, act_t* output) {
     const index_t n = tp_.local_rows(shape) * cfg_.width;
-    std::vector<float> x(static_cast<std::size_t>(n)), y(static_cast<std::size_t>(n));
+    auto x = allocate(n), y = allocate(n);
     if (embedding_) {
       TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
       embedding_->forward(mb, shape, in.tokens, x.data());
-      drop_embedding_.apply(shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
+      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
     } else {
       TRELLIS_CHECK(in.activation != nullptr, "GptModel::forward: stage without embedding needs an input activation");
-      std::copy(in.activation, in.activation + n, x.data());
+      be_.copy(x.data(), in.activation, x.size());
     }
     for (auto& b : blocks_) {
       b->forward(mb, shape, x.data(), y.data());
@@ -163,7 +174,7 @@ class GptModel {
     }
     if (!head_) {
       TRELLIS_CHECK(output != nullptr, "GptModel::forward: stage without head needs an output buffer");
-      std::copy(x.begin(), x.end(), output);
+      be_.copy(output, x.data(), x.size());
       return 0.0;
     }
     TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: the last stage needs targets");
@@ -173,26 +184,26 @@ class GptModel {
 
   // doutput: gradient of this stage's output (ignored on the last stage, whose output is the
   // loss, seeded with d loss = 1); dinput: gradient of its input (not written on the first stage).
-  void backward_input(int mb, const TokenShape& shape, const float* doutput, float* dinput) {
+  void backward_input(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput) {
     const index_t n = tp_.local_rows(shape) * cfg_.width;
-    std::vector<float> g(static_cast<std::size_t>(n)), h(static_cast<std::size_t>(n));
+    auto g = allocate(n), h = allocate(n);
     if (head_) {
       head_->backward_input(mb, shape, h.data());
       ln_f_->backward_input(mb, shape, h.data(), g.data());
     } else {
       TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
-      std::copy(doutput, doutput + n, g.data());
+      be_.copy(g.data(), doutput, g.size());
     }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
       (*it)->backward_input(mb, shape, g.data(), h.data());
       std::swap(g, h);
     }
     if (embedding_) {
-      drop_embedding_.apply(shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
+      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
       embedding_->backward_input(mb, shape, g.data());
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
-      std::copy(g.begin(), g.end(), dinput);
+      be_.copy(dinput, g.data(), g.size());
     }
   }
 
@@ -228,6 +239,10 @@ class GptModel {
   }
 
  private:
+  typename B::template buffer<act_t> allocate(index_t n) const {
+    return be_.template allocate<act_t>(static_cast<std::size_t>(n));
+  }
+
   void init_parameters() {
     const float proj_std = opt_.init_std / std::sqrt(2.0f * static_cast<float>(cfg_.layers));
     for (Parameter* p : parameters()) {
@@ -244,26 +259,28 @@ class GptModel {
   GptConfig cfg_;
   GptOptions opt_;
   GptStage stage_;
+  B be_;
   TensorParallel<C> tp_;
-  std::unique_ptr<VocabParallelEmbedding<C>> embedding_;
+  std::unique_ptr<VocabParallelEmbedding<C, B>> embedding_;
   Dropout drop_embedding_;
-  std::vector<std::unique_ptr<TransformerBlock<C>>> blocks_;
-  std::unique_ptr<LayerNorm<C>> ln_f_;
+  std::vector<std::unique_ptr<TransformerBlock<C, B>>> blocks_;
+  std::unique_ptr<LayerNorm<C, B>> ln_f_;
   std::unique_ptr<Parameter> head_wte_;
-  std::unique_ptr<VocabParallelLMHeadLoss<C>> head_;
+  std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
 };
 
 // This rank's GPT-2 stage on a device mesh: tensor parallel over mesh.comm<tp>(); with a pp axis,
 // stage mesh.coord<pp>() of mesh.size<pp>() (one chunk per rank; build the models yourself with
 // GptStage::of for interleaved/V schedules). Data parallelism (a dp axis) does not change the
 // model: the trainer reduces gradients over mesh.comm<dp>().
-template <class C, class... Axes>
-GptModel<C> make_gpt_stage(const GptConfig& cfg, comm::Mesh<C, Axes...>& mesh, const GptOptions& opt = {}) {
+template <class B = backend::Host<float>, class C, class... Axes>
+GptModel<C, B> make_gpt_stage(const GptConfig& cfg, comm::Mesh<C, Axes...>& mesh, const GptOptions& opt = {},
+                              B be = {}) {
   static_assert((std::is_same_v<Axes, trellis::tp> || ...), "make_gpt_stage: the mesh needs a tp axis (size 1 is fine)");
   GptStage stage;
   if constexpr ((std::is_same_v<Axes, trellis::pp> || ...))
     stage = GptStage::of(mesh.template coord<trellis::pp>(), mesh.template size<trellis::pp>(), cfg.layers);
-  return GptModel<C>(cfg, mesh.template comm<trellis::tp>(), opt, stage);
+  return GptModel<C, B>(cfg, mesh.template comm<trellis::tp>(), opt, stage, std::move(be));
 }
 
 }  // namespace trellis::nn

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "trellis/core/error.hpp"
+#include "trellis/core/hash.hpp"
 #include "trellis/core/tensor.hpp"
 
 namespace trellis::nn {
@@ -124,25 +125,11 @@ inline Parameter make_parameter(std::string name, std::vector<index_t> global_sh
   return p;
 }
 
-namespace detail {
-inline std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-inline std::uint64_t name_hash(std::string_view s) {
-  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
-}  // namespace detail
-
 // A standard normal sample that depends only on (seed, name, global index): tp-independent init.
 inline float counter_normal(std::uint64_t seed, std::string_view name, index_t index) {
-  const std::uint64_t base = detail::splitmix64(seed ^ detail::name_hash(name));
-  const std::uint64_t r = detail::splitmix64(base + static_cast<std::uint64_t>(index) * 2);
-  const std::uint64_t s = detail::splitmix64(base + static_cast<std::uint64_t>(index) * 2 + 1);
+  const std::uint64_t base = splitmix64(seed ^ name_hash(name));
+  const std::uint64_t r = splitmix64(base + static_cast<std::uint64_t>(index) * 2);
+  const std::uint64_t s = splitmix64(base + static_cast<std::uint64_t>(index) * 2 + 1);
   const double u1 = (static_cast<double>(r >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
   const double u2 = static_cast<double>(s >> 11) * 0x1.0p-53;
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));

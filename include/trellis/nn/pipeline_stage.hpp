@@ -25,12 +25,16 @@ struct DropoutContext {
   bool train = true;         // false: evaluation, no dropout
 };
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
 class GptPipelineStage {
  public:
-  using value_type = float;
+  // Activations and their gradients between stages: the backend's activation type. The pipe
+  // executor holds them in host vectors, so this stage runs on host backends (a device backend
+  // needs device-resident stage buffers: docs/backend.md, roadmap).
+  using value_type = typename B::act_t;
+  using model_type = GptModel<C, B>;
 
-  GptPipelineStage(std::vector<GptModel<C>*> chunks, const TokenShape& shape)
+  GptPipelineStage(std::vector<model_type*> chunks, const TokenShape& shape)
       : chunks_(std::move(chunks)), shape_(shape) {
     TRELLIS_CHECK(!chunks_.empty(), "GptPipelineStage: no model chunks");
     for (auto* m : chunks_) TRELLIS_CHECK(m != nullptr, "GptPipelineStage: null model chunk");
@@ -59,16 +63,16 @@ class GptPipelineStage {
     return m->stage().head ? 0 : activation_size(*m);
   }
 
-  void forward(int mb, int chunk, std::span<const float> in, std::span<float> out) {
+  void forward(int mb, int chunk, std::span<const value_type> in, std::span<value_type> out) {
     auto* m = model(chunk);
-    StageInput si;
+    typename model_type::Input si;
     si.tokens = m->stage().embedding ? ids(tokens_, mb, "tokens") : nullptr;
     si.targets = m->stage().head ? ids(targets_, mb, "targets") : nullptr;
     si.activation = in.empty() ? nullptr : in.data();
     si.token_count = token_count_;
     loss_ += m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data());
   }
-  void backward_input(int mb, int chunk, std::span<const float> grad_out, std::span<float> grad_in) {
+  void backward_input(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                                  grad_in.empty() ? nullptr : grad_in.data());
   }
@@ -93,7 +97,7 @@ class GptPipelineStage {
   }
 
  private:
-  GptModel<C>* model(int chunk) const {
+  model_type* model(int chunk) const {
     TRELLIS_CHECK(chunk >= 0 && chunk < static_cast<int>(chunks_.size()), "GptPipelineStage: chunk ", chunk,
                   " of ", chunks_.size());
     return chunks_[static_cast<std::size_t>(chunk)];
@@ -105,7 +109,7 @@ class GptPipelineStage {
     s.train = dropout_.train;
     return s;
   }
-  std::size_t activation_size(GptModel<C>& m) const {
+  std::size_t activation_size(model_type& m) const {
     return static_cast<std::size_t>(m.local_rows(shape_) * m.config().width);
   }
   static const std::int32_t* ids(const std::vector<const std::int32_t*>& v, int mb, const char* what) {
@@ -114,7 +118,7 @@ class GptPipelineStage {
     return v[static_cast<std::size_t>(mb)];
   }
 
-  std::vector<GptModel<C>*> chunks_;
+  std::vector<model_type*> chunks_;
   TokenShape shape_;
   std::vector<const std::int32_t*> tokens_, targets_;
   double token_count_ = 0;

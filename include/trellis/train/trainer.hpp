@@ -104,8 +104,7 @@ struct TrainerConfig {
 // run's. Which elements drop also depends on the token's global sample index (nn/dropout.hpp),
 // not on the dp rank or microbatch that holds it.
 inline std::uint64_t dropout_seed(std::uint64_t run_seed, std::int64_t step) {
-  return nn::detail::splitmix64(nn::detail::splitmix64(run_seed ^ nn::detail::name_hash("dropout")) +
-                                static_cast<std::uint64_t>(step));
+  return trellis::splitmix64(trellis::splitmix64(run_seed ^ name_hash("dropout")) + static_cast<std::uint64_t>(step));
 }
 
 // Problems of a custom pipeline schedule for this config (empty: usable).
@@ -267,12 +266,19 @@ inline void read_parameter_shaped(const Checkpoint& ck, const std::string& name,
   }
 }
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class Trainer {
  public:
   using Mesh = comm::Mesh<C, trellis::pp, trellis::dp, trellis::tp>;
+  using backend_type = B;
+  using act_t = typename B::act_t;
+  using Model = nn::GptModel<C, B>;
 
-  Trainer(C& world, const TrainerConfig& cfg)
+  // be: the compute backend every layer runs on (host fp32 by default; backend::Host<bfloat16>
+  // gives the CUDA backend's bf16 rounding points on the host). Master weights, gradients and
+  // AdamW state stay fp32.
+  Trainer(C& world, const TrainerConfig& cfg, B be = {})
       : cfg_(cfg),
         mesh_(make_checked_mesh(world, cfg)),
         pp_comm_(&mesh_.template comm<trellis::pp>()),
@@ -293,15 +299,15 @@ class Trainer {
       // block by block. Otherwise one chunk (no second wte copy, no tied sum).
       chunks = stages = cfg_.dp > 1 && !cfg_.zero1 ? static_cast<int>(cfg_.model.layers) : 1;
     }
-    std::vector<nn::GptModel<C>*> raw;
+    std::vector<Model*> raw;
     for (int c = 0; c < chunks; ++c) {
       const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c;
-      models_.push_back(std::make_unique<nn::GptModel<C>>(cfg_.model, *tp_comm_, cfg_.options,
-                                                          nn::GptStage::of(vs, stages, cfg_.model.layers)));
+      models_.push_back(
+          std::make_unique<Model>(cfg_.model, *tp_comm_, cfg_.options, nn::GptStage::of(vs, stages, cfg_.model.layers), be));
       raw.push_back(models_.back().get());
     }
     shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq};
-    stage_ = std::make_unique<nn::GptPipelineStage<C>>(raw, shape_);
+    stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
     // Primary parameters: every parameter once per rank (a second wte copy on this rank aliases
     // the first and is overwritten after each update).
     for (std::size_t c = 0; c < models_.size(); ++c)
@@ -340,7 +346,7 @@ class Trainer {
   const nn::TokenShape& microbatch_shape() const { return shape_; }
   // This rank's parameters (each once; GPT-2 names, shard boxes via pieces()).
   const std::vector<nn::Parameter*>& parameters() const { return params_; }
-  std::vector<std::unique_ptr<nn::GptModel<C>>>& chunks() { return models_; }
+  std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
@@ -395,7 +401,7 @@ class Trainer {
     double loss = 0;
     const int pp_rank = mesh_.template coord<trellis::pp>();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      std::vector<float> act;
+      std::vector<act_t> act;
       const int stages = cfg_.pp > 1 ? schedule_->virtual_stages() : static_cast<int>(models_.size());
       auto holder = [&](int vs) -> std::pair<int, int> {  // (pipeline rank, chunk)
         if (cfg_.pp == 1) return {pp_rank, vs};
@@ -406,13 +412,13 @@ class Trainer {
         auto [rank, chunk] = holder(vs);
         if (rank != pp_rank) continue;
         if (vs > 0 && holder(vs - 1).first != pp_rank) {
-          act.assign(stage_->input_size(chunk), 0.0f);
+          act.assign(stage_->input_size(chunk), act_t{});
           pp_comm_->recv(act.data(), act.size(), holder(vs - 1).first, 0);
         }
-        std::vector<float> next(stage_->output_size(chunk));
+        std::vector<act_t> next(stage_->output_size(chunk));
         const double before = stage_->loss();
-        stage_->forward(mb, chunk, std::span<const float>(act.data(), vs == 0 ? 0 : act.size()),
-                        std::span<float>(next));
+        stage_->forward(mb, chunk, std::span<const act_t>(act.data(), vs == 0 ? 0 : act.size()),
+                        std::span<act_t>(next));
         loss += stage_->loss() - before;
         models_[static_cast<std::size_t>(chunk)]->release(mb);
         act = std::move(next);
@@ -515,14 +521,14 @@ class Trainer {
   // The pipe::Stage the executor drives: forwards to the model stage and starts a chunk's dp
   // reduction when its last W of the step is done.
   struct Counting {
-    using value_type = float;
+    using value_type = act_t;
     Trainer* t;
     std::size_t input_size(int c) const { return t->stage_->input_size(c); }
     std::size_t output_size(int c) const { return t->stage_->output_size(c); }
-    void forward(int mb, int c, std::span<const float> in, std::span<float> out) {
+    void forward(int mb, int c, std::span<const act_t> in, std::span<act_t> out) {
       t->stage_->forward(mb, c, in, out);
     }
-    void backward_input(int mb, int c, std::span<const float> g, std::span<float> gi) {
+    void backward_input(int mb, int c, std::span<const act_t> g, std::span<act_t> gi) {
       t->stage_->backward_input(mb, c, g, gi);
     }
     void backward_weight(int mb, int c) {
@@ -573,18 +579,17 @@ class Trainer {
   void run_local_loop() {
     Counting counting{this};
     const int chunks = static_cast<int>(models_.size());
-    std::vector<std::vector<float>> acts(static_cast<std::size_t>(chunks));
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      std::vector<float> in;
+      std::vector<act_t> in;
       for (int c = 0; c < chunks; ++c) {
-        std::vector<float> out(stage_->output_size(c));
-        counting.forward(mb, c, std::span<const float>(in), std::span<float>(out));
+        std::vector<act_t> out(stage_->output_size(c));
+        counting.forward(mb, c, std::span<const act_t>(in), std::span<act_t>(out));
         in = std::move(out);
       }
-      std::vector<float> grad_out;
+      std::vector<act_t> grad_out;
       for (int c = chunks - 1; c >= 0; --c) {
-        std::vector<float> grad_in(c > 0 ? stage_->input_size(c) : 0);
-        counting.backward_input(mb, c, std::span<const float>(grad_out), std::span<float>(grad_in));
+        std::vector<act_t> grad_in(c > 0 ? stage_->input_size(c) : 0);
+        counting.backward_input(mb, c, std::span<const act_t>(grad_out), std::span<act_t>(grad_in));
         counting.backward_weight(mb, c);
         grad_out = std::move(grad_in);
       }
@@ -798,9 +803,9 @@ class Trainer {
   C* pp_tp_comm_;
   Rng rng_;
   std::optional<pipe::Schedule> schedule_;
-  std::vector<std::unique_ptr<nn::GptModel<C>>> models_;
+  std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
-  std::unique_ptr<nn::GptPipelineStage<C>> stage_;
+  std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;
   nn::Parameter* primary_wte_ = nullptr;
