@@ -466,6 +466,49 @@ TEST_CASE("make_gpt_stage builds this rank's stage from a <pp, dp, tp> mesh", "[
   }
 }
 
+TEST_CASE("ParameterBuffer packs parameters into flat buffers they then view", "[nn][params]") {
+  std::vector<Parameter> ps;
+  ps.push_back(make_parameter("a", {3, 5}));
+  ps.push_back(make_parameter("b", {7}));
+  ps.push_back(make_parameter("c", {2, 2}));
+  std::vector<float> before;
+  for (auto& p : ps)
+    for (index_t i = 0; i < p.numel(); ++i) {
+      p.value[i] = static_cast<float>(before.size()) + 0.5f;
+      p.grad[i] = -p.value[i];
+      before.push_back(p.value[i]);
+    }
+  std::vector<Parameter*> order{&ps[2], &ps[0], &ps[1]};
+  ParameterBuffer buf(order);
+  // values and gradients kept, now inside the buffers, each parameter 64-byte aligned, in order
+  std::size_t k = 0;
+  for (auto& p : ps)
+    for (index_t i = 0; i < p.numel(); ++i, ++k) {
+      CHECK(p.value[i] == before[k]);
+      CHECK(p.grad[i] == -before[k]);
+    }
+  CHECK(ps[2].value.data() == buf.values().data());
+  CHECK(ps[0].value.data() == buf.values().data() + 16);
+  CHECK(ps[1].grad.data() == buf.grads().data() + 32);
+  CHECK(buf.values().size() == 48);
+  for (auto& p : ps) CHECK(p.value.is_view());
+  // a range of consecutive parameters is one span; the padding between them is zero
+  auto r = buf.grad_range(ps[0], ps[1]);
+  CHECK(r.data() == ps[0].grad.data());
+  CHECK(r.size() == 16 + 7);
+  for (std::size_t i = 15; i < 16; ++i) CHECK(r[i] == 0.0f);
+  CHECK_THROWS_WITH(buf.grad_range(ps[1], ps[0]), Catch::Contains("b is packed after a"));
+  Parameter other = make_parameter("d", {1});
+  CHECK_THROWS_WITH(buf.index_of(other), Catch::Contains("parameter d is not packed"));
+  CHECK_THROWS_WITH(ParameterBuffer(order), Catch::Contains("already packed"));
+  // writes through a parameter land in the buffer; zero_grads clears every gradient
+  ps[1].value[3] = 42.0f;
+  CHECK(buf.values()[32 + 3] == 42.0f);
+  buf.zero_grads();
+  for (auto& p : ps)
+    for (float g : p.grad) CHECK(g == 0.0f);
+}
+
 TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][params]") {
   nn_test::run_ranks(2, [&](Comm& comm) {
     GptConfig cfg = tiny();
@@ -488,6 +531,11 @@ TEST_CASE("GPT-2 default initialisation and parameter metadata", "[nn][gpt][para
     RANK_CHECK(model.find("h.0.mlp.c_proj.weight")->shard_offsets == std::vector<index_t>{128 * comm.rank(), 0});
     RANK_CHECK(model.find("h.0.mlp.c_proj.bias")->replicated());
     RANK_CHECK(!(model.wte_grad_needs_stage_reduction()));
+    // Packed in backward order: ln_f.bias first, wte last; every gradient is a view of the buffer.
+    auto& buf = model.parameter_buffer();
+    RANK_CHECK(model.find("ln_f.bias")->grad.data() == buf.grads().data());
+    RANK_CHECK(wte->value.data() + wte->numel() == buf.values().data() + buf.values().size());
+    RANK_CHECK(buf.parameters() == model.parameters().size());
     // Checkpoint boxes: c_attn (C, 3C) gives one box per q/k/v group; every box element is the
     // local element that global_index() maps to the same global position; boxes cover the shard.
     RANK_CHECK(qkv->pieces().size() == 3);

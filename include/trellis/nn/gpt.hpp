@@ -15,6 +15,7 @@
 // HF's Conv1D), so checkpoints map one to one.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -29,6 +30,7 @@
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/embedding.hpp"
 #include "trellis/nn/layernorm.hpp"
+#include "trellis/nn/parameter_buffer.hpp"
 
 namespace trellis::nn {
 
@@ -115,6 +117,11 @@ class GptModel {
       head_ = std::make_unique<VocabParallelLMHeadLoss<C, B>>(wte, vocab_rows.offset, cfg.width, tp_, be_);
     }
     init_parameters();
+    // Packed in backward order (the reverse of parameters()): the gradients that become final
+    // first come first, so a dp bucket of consecutive parameters is one range of grads().
+    auto order = parameters();
+    std::reverse(order.begin(), order.end());
+    buffer_ = ParameterBuffer(order);
   }
 
   const GptConfig& config() const { return cfg_; }
@@ -146,9 +153,9 @@ class GptModel {
   }
   // True when wte's gradient must be summed with another stage's (first != last stage).
   bool wte_grad_needs_stage_reduction() const { return stage_.embedding != stage_.head; }
-  void zero_grad() {
-    for (Parameter* p : parameters()) p->zero_grad();
-  }
+  void zero_grad() { buffer_.zero_grads(); }
+  // This stage's parameters as two flat buffers (values, gradients), in backward order.
+  ParameterBuffer& parameter_buffer() { return buffer_; }
 
   VocabParallelEmbedding<C, B>* embedding() { return embedding_.get(); }
   TransformerBlock<C, B>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
@@ -267,6 +274,7 @@ class GptModel {
   std::unique_ptr<LayerNorm<C, B>> ln_f_;
   std::unique_ptr<Parameter> head_wte_;
   std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
+  ParameterBuffer buffer_;
 };
 
 // This rank's GPT-2 stage on a device mesh: tensor parallel over mesh.comm<tp>(); with a pp axis,

@@ -9,20 +9,77 @@
 //
 // Initial values are a pure function of (seed, name, global element index), so a model built
 // with any tensor-parallel size holds exactly the slices of the single-rank model.
+//
+// Storage: a parameter's value and gradient are ParamArrays: their own arrays when built, views
+// into a model's flat buffers once packed (nn/parameter_buffer.hpp), so gradient buckets are
+// contiguous ranges that reduce in place.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "trellis/core/buffer.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/hash.hpp"
 #include "trellis/core/tensor.hpp"
 
 namespace trellis::nn {
+
+// The fp32 elements of a parameter's value or gradient: an owned, zeroed array, or a view into a
+// flat buffer after ParameterBuffer packed it. Move-only; copying elements is explicit
+// (assign_from), so `a = b` can never silently rebind a view.
+class ParamArray {
+ public:
+  ParamArray() = default;
+  explicit ParamArray(std::size_t n) : own_(n), data_(own_.data()), size_(n) {}
+  ParamArray(ParamArray&& o) noexcept
+      : own_(std::move(o.own_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  ParamArray& operator=(ParamArray&& o) noexcept {
+    own_ = std::move(o.own_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    return *this;
+  }
+  ParamArray(const ParamArray&) = delete;
+  ParamArray& operator=(const ParamArray&) = delete;
+
+  float* data() noexcept { return data_; }
+  const float* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  float& operator[](std::size_t i) noexcept { return data_[i]; }
+  const float& operator[](std::size_t i) const noexcept { return data_[i]; }
+  float* begin() noexcept { return data_; }
+  float* end() noexcept { return data_ + size_; }
+  const float* begin() const noexcept { return data_; }
+  const float* end() const noexcept { return data_ + size_; }
+  operator std::span<float>() noexcept { return {data_, size_}; }
+  operator std::span<const float>() const noexcept { return {data_, size_}; }
+
+  void assign_from(std::span<const float> src) {
+    TRELLIS_CHECK(src.size() == size_, "ParamArray::assign_from: ", src.size(), " elements into ", size_);
+    std::copy(src.begin(), src.end(), data_);
+  }
+  void fill(float v) { std::fill(begin(), end(), v); }
+  // Moves the elements to `flat` (size() floats owned by someone else) and views them there.
+  void move_to(float* flat) {
+    std::copy(begin(), end(), flat);
+    own_ = {};
+    data_ = flat;
+  }
+  bool is_view() const noexcept { return own_.empty() && size_ > 0; }
+
+ private:
+  Buffer<float, Host> own_;
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
 
 // A box of the global tensor (GPT-2 shape) held by this rank, and where its elements sit in
 // Parameter::value: element idx of the box is value[local_offset + sum_d idx[d] * local_strides[d]].
@@ -41,8 +98,8 @@ struct Parameter {
   std::vector<index_t> shard_offsets;      // this rank's box in sharded_shape: start ...
   std::vector<index_t> shard_shape;        // ... and extent (product == value.size())
   int shard_dim = -1;                      // dimension of sharded_shape split over tp (-1: replicated)
-  std::vector<float> value;                // this rank's elements, row-major over shard_shape
-  std::vector<float> grad;                 // same shape; backward_weight adds into it
+  ParamArray value;                        // this rank's elements, row-major over shard_shape
+  ParamArray grad;                         // same shape; backward_weight adds into it
 
   index_t numel() const { return static_cast<index_t>(value.size()); }
   index_t global_numel() const {
@@ -51,7 +108,7 @@ struct Parameter {
     return n;
   }
   bool replicated() const { return shard_dim < 0; }
-  void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+  void zero_grad() { grad.fill(0.0f); }
 
   // This rank's shard as boxes of the global tensor: one box, or for a grouped view (the last
   // global dimension factored into (groups, width), sharded along width) one box per group.
@@ -120,8 +177,8 @@ inline Parameter make_parameter(std::string name, std::vector<index_t> global_sh
   }
   index_t n = 1;
   for (index_t e : p.shard_shape) n *= e;
-  p.value.assign(static_cast<std::size_t>(n), 0.0f);
-  p.grad.assign(static_cast<std::size_t>(n), 0.0f);
+  p.value = ParamArray(static_cast<std::size_t>(n));
+  p.grad = ParamArray(static_cast<std::size_t>(n));
   return p;
 }
 
@@ -138,6 +195,6 @@ inline float counter_normal(std::uint64_t seed, std::string_view name, index_t i
 inline void init_normal(Parameter& p, std::uint64_t seed, float stddev) {
   for (index_t i = 0; i < p.numel(); ++i) p.value[i] = stddev * counter_normal(seed, p.name, p.global_index(i));
 }
-inline void init_constant(Parameter& p, float v) { std::fill(p.value.begin(), p.value.end(), v); }
+inline void init_constant(Parameter& p, float v) { p.value.fill(v); }
 
 }  // namespace trellis::nn

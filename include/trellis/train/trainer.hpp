@@ -15,9 +15,11 @@
 //     p * v virtual stages). pp = 1: the plain loop (per microbatch F through the chunks, then B
 //     and W per chunk in reverse); with dp buckets to overlap the model is cut into one chunk per
 //     block so gradients become final block by block (otherwise one chunk);
-//  3. data parallel (dp > 1, no ZeRO): the gradients go into buckets (<= bucket_elements, in
-//     reverse parameter order within a chunk); when a chunk's LAST W of the step is done its
-//     grads are final, and its buckets start at once as all_reduce_async on the dp communicator.
+//  3. data parallel (dp > 1, no ZeRO): buckets are runs of a chunk's parameters in backward order
+//     (<= bucket_elements), each one range of the chunk's packed gradient buffer
+//     (nn/parameter_buffer.hpp), reduced in place (no pack/unpack copies); when a chunk's LAST W
+//     of the step is done its grads are final, and its buckets start at once as all_reduce_async
+//     on the dp communicator.
 //     What overlaps: those reductions run while the rest of the schedule runs (the B/W of earlier
 //     chunks: the other blocks at pp = 1, the other virtual chunk under interleaved / zb_v /
 //     dualpipe_v, and the other microbatches' work and the pipeline drain of the remaining
@@ -386,7 +388,7 @@ class Trainer {
       finish_dp_reduction();
       plain_update(r);
     }
-    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     r.step = state_.step();
     r.buckets = static_cast<int>(buckets_.size());
     r.buckets_overlapped = overlapped_;
@@ -479,7 +481,7 @@ class Trainer {
       read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, m_full[i]);
       read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, v_full[i]);
     }
-    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     if (cfg_.zero1) {
       for (std::size_t k = 0; k < zpieces_.size(); ++k) {
         const auto& pc = zpieces_[k];
@@ -509,7 +511,7 @@ class Trainer {
         hf.read(p->name, Box{pc.offsets, pc.shape}, piece.data());
         scatter_piece(pc, piece, p->value);
       }
-    for (nn::Parameter* alias : wte_aliases_) alias->value = primary_wte_->value;
+    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     for (std::size_t k = 0; k < state_.tensors(); ++k) {
       std::ranges::fill(state_.m(k), 0.0f);
       std::ranges::fill(state_.v(k), 0.0f);
@@ -540,7 +542,7 @@ class Trainer {
   struct Bucket {
     int chunk = 0;
     std::vector<std::size_t> params;  // indices into params_
-    std::vector<float> buffer;
+    std::span<float> grads;           // their gradients: a range of the chunk's packed buffer
     std::optional<typename C::request_type> request;
   };
 
@@ -596,47 +598,55 @@ class Trainer {
     }
   }
 
+  // Buckets: runs of consecutive parameters of one chunk in backward order, <= bucket_elements
+  // each, so each bucket is one range of the chunk's packed gradient buffer (nn/parameter_buffer.hpp)
+  // and reduces in place. wte's primary copy is its own bucket, reduced after the tied sum.
   void setup_buckets() {
     for (int c = static_cast<int>(models_.size()) - 1; c >= 0; --c) {
       std::vector<std::size_t> idx;
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (chunk_of_[i] == c && params_[i] != primary_wte_) idx.push_back(i);
       std::reverse(idx.begin(), idx.end());  // backward order
-      Bucket b;
-      b.chunk = c;
+      std::vector<std::size_t> run;
       std::size_t n = 0;
+      auto close = [&] {
+        if (!run.empty()) add_bucket(c, run);
+        run.clear();
+        n = 0;
+      };
       for (std::size_t i : idx) {
         const auto sz = static_cast<std::size_t>(params_[i]->numel());
-        if (!b.params.empty() && n + sz > cfg_.bucket_elements) {
-          b.buffer.resize(n);
-          buckets_.push_back(std::move(b));
-          b = Bucket{};
-          b.chunk = c;
-          n = 0;
-        }
-        b.params.push_back(i);
+        if (!run.empty() && n + sz > cfg_.bucket_elements) close();
+        run.push_back(i);
         n += sz;
       }
-      if (!b.params.empty()) {
-        b.buffer.resize(n);
-        buckets_.push_back(std::move(b));
-      }
+      close();
     }
     if (primary_wte_) {
       Bucket b;
       b.chunk = -1;  // after the tied reduction
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (params_[i] == primary_wte_) b.params.push_back(i);
-      b.buffer.resize(primary_wte_->value.size());
+      b.grads = primary_wte_->grad;
       buckets_.push_back(std::move(b));
     }
   }
+  // A bucket of chunk c over params_[run[0..]] (consecutive in the chunk's packing order).
+  void add_bucket(int c, const std::vector<std::size_t>& run) {
+    auto& buffer = models_[static_cast<std::size_t>(c)]->parameter_buffer();
+    for (std::size_t k = 1; k < run.size(); ++k)
+      TRELLIS_CHECK(buffer.index_of(*params_[run[k]]) == buffer.index_of(*params_[run[k - 1]]) + 1,
+                    "Trainer: bucket parameters ", params_[run[k - 1]]->name, " and ", params_[run[k]]->name,
+                    " are not consecutive in the packed gradient buffer");
+    Bucket b;
+    b.chunk = c;
+    b.params = run;
+    b.grads = buffer.grad_range(*params_[run.front()], *params_[run.back()]);
+    buckets_.push_back(std::move(b));
+  }
 
   void start_bucket(Bucket& b) {
-    float* dst = b.buffer.data();
-    for (std::size_t i : b.params) dst = std::copy(params_[i]->grad.begin(), params_[i]->grad.end(), dst);
-    b.request.emplace(
-        dp_comm_->all_reduce_async(b.buffer.data(), b.buffer.data(), b.buffer.size(), comm::ReduceOp::sum));
+    b.request.emplace(dp_comm_->all_reduce_async(b.grads.data(), b.grads.data(), b.grads.size(), comm::ReduceOp::sum));
   }
   void start_chunk_reduction(int chunk) {
     if (cfg_.zero1 || cfg_.dp == 1 || !cfg_.overlap_dp) return;
@@ -662,11 +672,6 @@ class Trainer {
                     b.chunk, " was never started (a chunk saw fewer W than microbatches)");
       b.request->wait();
       b.request.reset();
-      const float* src = b.buffer.data();
-      for (std::size_t i : b.params) {
-        std::copy(src, src + params_[i]->grad.size(), params_[i]->grad.begin());
-        src += params_[i]->grad.size();
-      }
     }
     exposed_reduce_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

@@ -1,0 +1,73 @@
+// ParameterBuffer: a model's parameters packed into two flat fp32 buffers (values and gradients),
+// in the order given, each parameter starting on a 64-byte boundary; the parameters' ParamArrays
+// become views into them. Built once after the layers created (and initialised) their parameters.
+//
+// Why: with the gradients of consecutive parameters in one contiguous range, a data-parallel
+// bucket is a span of the gradient buffer that a collective reduces in place (no pack/unpack
+// copies), and "this block's gradients" or "this rank's ZeRO partition" are ranges too. The
+// padding between parameters is zero in both buffers and nothing writes it, so reducing a range
+// that spans padding adds zeros.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "trellis/core/buffer.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/nn/parameter.hpp"
+
+namespace trellis::nn {
+
+class ParameterBuffer {
+ public:
+  static constexpr std::size_t alignment = 16;  // floats: 64 bytes
+
+  ParameterBuffer() = default;
+  // Packs `order` (distinct parameters with their own storage) in that order.
+  explicit ParameterBuffer(std::span<Parameter* const> order) : order_(order.begin(), order.end()) {
+    std::size_t n = 0;
+    for (Parameter* p : order_) {
+      TRELLIS_CHECK(p != nullptr && !p->value.is_view() && p->value.size() == p->grad.size(),
+                    "ParameterBuffer: parameter ", p ? p->name : std::string("(null)"),
+                    " is already packed or has mismatched value and gradient");
+      offsets_.push_back(n);
+      n = round_up(n + p->value.size());
+    }
+    values_ = Buffer<float, Host>(n);
+    grads_ = Buffer<float, Host>(n);
+    for (std::size_t i = 0; i < order_.size(); ++i) {
+      order_[i]->value.move_to(values_.data() + offsets_[i]);
+      order_[i]->grad.move_to(grads_.data() + offsets_[i]);
+    }
+  }
+
+  std::span<float> values() { return {values_.data(), values_.size()}; }
+  std::span<float> grads() { return {grads_.data(), grads_.size()}; }
+  std::size_t parameters() const { return order_.size(); }
+  void zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+  // The gradient range from the start of `first` to the end of `last` (both packed here, first not
+  // after last): the gradients of every parameter packed between them, and the padding.
+  std::span<float> grad_range(const Parameter& first, const Parameter& last) {
+    const std::size_t a = index_of(first), b = index_of(last);
+    TRELLIS_CHECK(a <= b, "ParameterBuffer::grad_range: ", first.name, " is packed after ", last.name);
+    return {grads_.data() + offsets_[a], offsets_[b] + last.grad.size() - offsets_[a]};
+  }
+  // Position of p in the packing order (error if p is not packed here).
+  std::size_t index_of(const Parameter& p) const {
+    for (std::size_t i = 0; i < order_.size(); ++i)
+      if (order_[i] == &p) return i;
+    TRELLIS_THROW("ParameterBuffer: parameter ", p.name, " is not packed in this buffer");
+  }
+
+ private:
+  static std::size_t round_up(std::size_t n) { return (n + alignment - 1) / alignment * alignment; }
+
+  std::vector<Parameter*> order_;
+  std::vector<std::size_t> offsets_;
+  Buffer<float, Host> values_, grads_;
+};
+
+}  // namespace trellis::nn
