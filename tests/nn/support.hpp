@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <span>
 #include <vector>
 
 #include "trellis/comm/threads.hpp"
@@ -99,7 +100,7 @@ class Collector {
 };
 
 // max |a - b| / max |b|: error relative to the tensor's scale.
-inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+inline double rel_error(std::span<const float> a, std::span<const float> b) {
   if (a.size() != b.size()) return 1e30;
   double diff = 0.0, scale = 1e-30;
   for (std::size_t i = 0; i < a.size(); ++i) {

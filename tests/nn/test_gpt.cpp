@@ -492,11 +492,23 @@ TEST_CASE("ParameterBuffer packs parameters into flat buffers they then view", "
   CHECK(ps[1].grad.data() == buf.grads().data() + 32);
   CHECK(buf.values().size() == 48);
   for (auto& p : ps) CHECK(p.value.is_view());
-  // a range of consecutive parameters is one span; the padding between them is zero
+  // a range of consecutive parameters is one span, padded to the alignment; the padding is zero
   auto r = buf.grad_range(ps[0], ps[1]);
   CHECK(r.data() == ps[0].grad.data());
-  CHECK(r.size() == 16 + 7);
-  for (std::size_t i = 15; i < 16; ++i) CHECK(r[i] == 0.0f);
+  CHECK(r.size() == 32);
+  CHECK(r[15] == 0.0f);
+  for (std::size_t i = 16 + 7; i < 32; ++i) CHECK(r[i] == 0.0f);
+  CHECK(buf.value_range(ps[2], ps[2]).data() == ps[2].value.data());
+  CHECK(buf.value_range(ps[2], ps[2]).size() == 16);
+  // another alignment (lcm(16, dp) for ZeRO-1 with dp 3)
+  std::vector<Parameter> qs;
+  qs.push_back(make_parameter("x", {5}));
+  qs.push_back(make_parameter("y", {50}));
+  std::vector<Parameter*> qorder{&qs[0], &qs[1]};
+  ParameterBuffer wide(qorder, 48);
+  CHECK(qs[1].value.data() == wide.values().data() + 48);
+  CHECK(wide.grad_range(qs[0], qs[1]).size() == 144);
+  CHECK_THROWS_WITH(ParameterBuffer(std::span<Parameter* const>{}, 24), Catch::Contains("alignment 24"));
   CHECK_THROWS_WITH(buf.grad_range(ps[1], ps[0]), Catch::Contains("b is packed after a"));
   Parameter other = make_parameter("d", {1});
   CHECK_THROWS_WITH(buf.index_of(other), Catch::Contains("parameter d is not packed"));

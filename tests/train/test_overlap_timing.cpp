@@ -3,6 +3,9 @@
 // without blocking the caller). The same work with overlap on and off, side by side:
 //  - dp buckets: a Trainer step (dp2, 6 blocks, one bucket each, plus wte), overlap_dp = true vs
 //    false; losses and grad norms bitwise equal;
+//  - ZeRO-1: the same with --zero1: each bucket's reduce-scatter starts during the backward (the
+//    all-gathers of the updated parameters after the optimizer step are not overlapped, so only
+//    the reduce-scatter half of the traffic can hide); bitwise equal;
 //  - tp chunks: a tp2 MLP (c_fc + c_proj), forward + backward, overlap_chunks = 4 vs 1, with and
 //    without sequence parallelism; outputs and gradients within 1e-5 (norm-relative: chunked
 //    GEMMs may round differently).
@@ -113,8 +116,9 @@ double smallest(ThreadComm& world, double v) {
 // ---- dp buckets: two Trainers ------------------------------------------------------------------
 
 // 6 blocks (one dp bucket each, plus wte), width 96.
-TrainerConfig dp_config(bool overlap) {
+TrainerConfig dp_config(bool overlap, bool zero1) {
   TrainerConfig c = tiny_config();
+  c.zero1 = zero1;
   c.model.layers = 6;
   c.model.width = 96;
   c.model.heads = 4;
@@ -126,7 +130,7 @@ TrainerConfig dp_config(bool overlap) {
   return c;
 }
 
-Measured dp_case(bool synchronous) {
+Measured dp_case(bool synchronous, bool zero1 = false) {
   const int steps = 4;
   Measured m;
   std::mutex mutex;
@@ -142,7 +146,7 @@ Measured dp_case(bool synchronous) {
     double compute_s = 1e9, bytes = 0;
     {
       Link fast(world.split(0, world.rank()), {.bandwidth = 1e15, .latency = 0});
-      Trainer<Link> t(fast, dp_config(true));
+      Trainer<Link> t(fast, dp_config(true, zero1));
       auto l = loader(t);
       for (int s = 0; s < 3; ++s) {
         const auto t0 = clock_type::now();
@@ -153,7 +157,7 @@ Measured dp_case(bool synchronous) {
     }
     // The dp reductions take about half a step's compute (~3/4 of the backward).
     Link link(world.split(0, world.rank()), calibrated(world, bytes, compute_s, 0.5, synchronous));
-    Trainer<Link> on(link, dp_config(true)), off(link, dp_config(false));
+    Trainer<Link> on(link, dp_config(true, zero1)), off(link, dp_config(false, zero1));
     auto l_on = loader(on), l_off = loader(off);
     Best best_on, best_off;
     std::vector<double> loss_on, loss_off, norm_on, norm_off;
@@ -307,6 +311,19 @@ TEST_CASE("dp buckets: overlap hides the reductions on a simulated link, same bi
   CHECK(m.off_s - m.on_s >= 0.25 * m.comm_s);
 }
 
+TEST_CASE("ZeRO-1: bucket reduce-scatters overlap the backward on a simulated link, same bits",
+          "[train][overlap][timing][zero1]") {
+  const Measured m = dp_case(false, true);
+  INFO(describe(m));
+  WARN("dp2 ZeRO-1 buckets, overlap_dp on vs off: " << describe(m));
+  CHECK(m.loss_on == m.loss_off);
+  CHECK(m.norm_on == m.norm_off);
+  // About half of the modelled traffic is the reduce-scatters (the rest: the all-gathers after
+  // the update, never overlapped). At least half of the reduce-scatters must be hidden.
+  CHECK(m.blocked_off_s >= 0.75 * m.comm_s);
+  CHECK(m.blocked_off_s - m.blocked_on_s >= 0.25 * m.comm_s);
+}
+
 TEST_CASE("tp chunks: overlap hides an MLP's all-reduces on a simulated link", "[train][overlap][timing][tp]") {
   check_tp(false);
 }
@@ -322,6 +339,9 @@ TEST_CASE("a synchronous link hides nothing", "[.][negative][train][overlap][tim
   const Measured dp = dp_case(true);
   WARN("synchronous dp2: " << describe(dp));
   CHECK(dp.blocked_on_s > 0.5 * dp.blocked_off_s);
+  const Measured z = dp_case(true, true);
+  WARN("synchronous dp2 ZeRO-1: " << describe(z));
+  CHECK(z.blocked_off_s - z.blocked_on_s < 0.25 * z.comm_s);
   for (bool sp : {false, true}) {
     const Measured tp = mlp_case(sp, true);
     WARN("synchronous tp2" << (sp ? "+sp" : "") << ": " << describe(tp));

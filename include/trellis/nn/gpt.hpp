@@ -50,6 +50,7 @@ struct GptOptions {
   float dropout = 0.0f;      // embedding + residual dropout (GPT-2 embd/resid_pdrop); masks: nn/dropout.hpp
   std::uint64_t seed = 1234;
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
+  std::size_t pack_alignment = 16;  // floats; each parameter's start in the packed buffers (nn/parameter_buffer.hpp)
 };
 
 // Which part of the model this rank's stage holds.
@@ -121,7 +122,7 @@ class GptModel {
     // first come first, so a dp bucket of consecutive parameters is one range of grads().
     auto order = parameters();
     std::reverse(order.begin(), order.end());
-    buffer_ = ParameterBuffer(order);
+    buffer_ = ParameterBuffer(order, opt.pack_alignment);
   }
 
   const GptConfig& config() const { return cfg_; }

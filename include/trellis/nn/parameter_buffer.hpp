@@ -1,6 +1,7 @@
 // ParameterBuffer: a model's parameters packed into two flat fp32 buffers (values and gradients),
-// in the order given, each parameter starting on a 64-byte boundary; the parameters' ParamArrays
-// become views into them. Built once after the layers created (and initialised) their parameters.
+// in the order given, each parameter starting at a multiple of `alignment` floats (16: 64 bytes;
+// the Trainer asks lcm(16, dp) under ZeRO-1, so that every range splits evenly over dp ranks); the
+// parameters' ParamArrays become views into them. Built once after the layers created (and initialised) their parameters.
 //
 // Why: with the gradients of consecutive parameters in one contiguous range, a data-parallel
 // bucket is a span of the gradient buffer that a collective reduces in place (no pack/unpack
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "trellis/core/buffer.hpp"
@@ -22,11 +24,14 @@ namespace trellis::nn {
 
 class ParameterBuffer {
  public:
-  static constexpr std::size_t alignment = 16;  // floats: 64 bytes
+  static constexpr std::size_t default_alignment = 16;  // floats: 64 bytes
 
   ParameterBuffer() = default;
   // Packs `order` (distinct parameters with their own storage) in that order.
-  explicit ParameterBuffer(std::span<Parameter* const> order) : order_(order.begin(), order.end()) {
+  explicit ParameterBuffer(std::span<Parameter* const> order, std::size_t alignment = default_alignment)
+      : order_(order.begin(), order.end()), alignment_(alignment) {
+    TRELLIS_CHECK(alignment > 0 && alignment % default_alignment == 0, "ParameterBuffer: alignment ", alignment,
+                  " floats is not a positive multiple of ", default_alignment);
     std::size_t n = 0;
     for (Parameter* p : order_) {
       TRELLIS_CHECK(p != nullptr && !p->value.is_view() && p->value.size() == p->grad.size(),
@@ -46,14 +51,18 @@ class ParameterBuffer {
   std::span<float> values() { return {values_.data(), values_.size()}; }
   std::span<float> grads() { return {grads_.data(), grads_.size()}; }
   std::size_t parameters() const { return order_.size(); }
+  std::size_t alignment() const { return alignment_; }
   void zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
 
-  // The gradient range from the start of `first` to the end of `last` (both packed here, first not
-  // after last): the gradients of every parameter packed between them, and the padding.
+  // The range from the start of `first` to the padded end of `last` (both packed here, first not
+  // after last): every parameter packed between them and the padding, a multiple of alignment().
   std::span<float> grad_range(const Parameter& first, const Parameter& last) {
-    const std::size_t a = index_of(first), b = index_of(last);
-    TRELLIS_CHECK(a <= b, "ParameterBuffer::grad_range: ", first.name, " is packed after ", last.name);
-    return {grads_.data() + offsets_[a], offsets_[b] + last.grad.size() - offsets_[a]};
+    const auto [at, n] = range(first, last);
+    return {grads_.data() + at, n};
+  }
+  std::span<float> value_range(const Parameter& first, const Parameter& last) {
+    const auto [at, n] = range(first, last);
+    return {values_.data() + at, n};
   }
   // Position of p in the packing order (error if p is not packed here).
   std::size_t index_of(const Parameter& p) const {
@@ -63,9 +72,15 @@ class ParameterBuffer {
   }
 
  private:
-  static std::size_t round_up(std::size_t n) { return (n + alignment - 1) / alignment * alignment; }
+  std::size_t round_up(std::size_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
+  std::pair<std::size_t, std::size_t> range(const Parameter& first, const Parameter& last) const {
+    const std::size_t a = index_of(first), b = index_of(last);
+    TRELLIS_CHECK(a <= b, "ParameterBuffer: ", first.name, " is packed after ", last.name);
+    return {offsets_[a], round_up(offsets_[b] + last.grad.size()) - offsets_[a]};
+  }
 
   std::vector<Parameter*> order_;
+  std::size_t alignment_ = default_alignment;
   std::vector<std::size_t> offsets_;
   Buffer<float, Host> values_, grads_;
 };

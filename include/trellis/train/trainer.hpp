@@ -28,9 +28,10 @@
 //     overlap_dp = false starts every bucket after the schedule instead (the baseline);
 //  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
 //     then reduced over dp;
-//     --zero1 instead: after the schedule, one reduce-scatter of the flat (padded) gradient over
-//     dp (not overlapped with the backward), AdamW on this rank's partition only (moments for the partition only), all-gather of the
-//     updated parameters;
+//     --zero1 instead: the same buckets, each split over the dp ranks; a bucket's reduce-scatter
+//     starts when its chunk's gradients are final (overlapped like the dp buckets), AdamW runs on
+//     this rank's shard of each bucket only (moments for those only), then an all-gather per
+//     bucket, in place in the packed values, rebuilds the parameters;
 //  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
 //     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
 //     the whole world with ZeRO-1, where dp ranks hold different partitions); clip factor fused
@@ -52,6 +53,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -299,13 +301,16 @@ class Trainer {
     } else {
       // With buckets to overlap (dp > 1, no ZeRO): one block per chunk, so gradients become final
       // block by block. Otherwise one chunk (no second wte copy, no tied sum).
-      chunks = stages = cfg_.dp > 1 && !cfg_.zero1 ? static_cast<int>(cfg_.model.layers) : 1;
+      chunks = stages = cfg_.dp > 1 ? static_cast<int>(cfg_.model.layers) : 1;
     }
+    nn::GptOptions options = cfg_.options;
+    if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over dp
+      options.pack_alignment = std::lcm(options.pack_alignment, static_cast<std::size_t>(cfg_.dp));
     std::vector<Model*> raw;
     for (int c = 0; c < chunks; ++c) {
       const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c;
       models_.push_back(
-          std::make_unique<Model>(cfg_.model, *tp_comm_, cfg_.options, nn::GptStage::of(vs, stages, cfg_.model.layers), be));
+          std::make_unique<Model>(cfg_.model, *tp_comm_, options, nn::GptStage::of(vs, stages, cfg_.model.layers), be));
       raw.push_back(models_.back().get());
     }
     shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq};
@@ -332,13 +337,13 @@ class Trainer {
       norm_weight_.push_back((p->replicated() && !tp0) || dup_wte ? 0.0f : 1.0f);
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
+    if (cfg_.dp > 1 || cfg_.zero1) setup_buckets();
     if (cfg_.zero1)
       setup_zero1();
     else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
       state_ = optim::AdamWState(std::span<const index_t>(sizes));
-      if (cfg_.dp > 1) setup_buckets();
     }
   }
 
@@ -382,12 +387,11 @@ class Trainer {
     StepResult r;
     double loss = stage_->loss();
     pp_dp_comm_->all_reduce(&loss, &r.loss, 1, comm::ReduceOp::sum);
+    finish_dp_reduction();
     if (cfg_.zero1)
       zero1_update(r);
-    else {
-      finish_dp_reduction();
+    else
       plain_update(r);
-    }
     for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     r.step = state_.step();
     r.buckets = static_cast<int>(buckets_.size());
@@ -486,8 +490,8 @@ class Trainer {
       for (std::size_t k = 0; k < zpieces_.size(); ++k) {
         const auto& pc = zpieces_[k];
         auto dst_m = state_.m(k), dst_v = state_.v(k);
-        std::copy_n(m_full[pc.tensor].begin() + pc.tensor_begin, pc.size, dst_m.begin());
-        std::copy_n(v_full[pc.tensor].begin() + pc.tensor_begin, pc.size, dst_v.begin());
+        std::copy_n(m_full[pc.param].begin() + pc.tensor_begin, pc.size, dst_m.begin());
+        std::copy_n(v_full[pc.param].begin() + pc.tensor_begin, pc.size, dst_v.begin());
       }
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -539,10 +543,17 @@ class Trainer {
     }
   };
 
+  // ZeRO-1: elements [tensor_begin, +size) of params_[param], this rank's, at shard_offset of
+  // bucket `bucket`'s shard.
+  struct ZeroPiece {
+    std::size_t param = 0, bucket = 0;
+    index_t tensor_begin = 0, shard_offset = 0, size = 0;
+  };
   struct Bucket {
     int chunk = 0;
     std::vector<std::size_t> params;  // indices into params_
-    std::span<float> grads;           // their gradients: a range of the chunk's packed buffer
+    std::span<float> grads, values;   // their gradients and values: one padded range of the chunk's packed buffers
+    std::size_t shard_begin = 0;      // ZeRO-1: this rank's reduced shard of grads, at zgrads_[shard_begin]
     std::optional<typename C::request_type> request;
   };
 
@@ -627,7 +638,9 @@ class Trainer {
       b.chunk = -1;  // after the tied reduction
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (params_[i] == primary_wte_) b.params.push_back(i);
-      b.grads = primary_wte_->grad;
+      auto& buffer = models_[static_cast<std::size_t>(chunk_of_[b.params.front()])]->parameter_buffer();
+      b.grads = buffer.grad_range(*primary_wte_, *primary_wte_);
+      b.values = buffer.value_range(*primary_wte_, *primary_wte_);
       buckets_.push_back(std::move(b));
     }
   }
@@ -642,14 +655,22 @@ class Trainer {
     b.chunk = c;
     b.params = run;
     b.grads = buffer.grad_range(*params_[run.front()], *params_[run.back()]);
+    b.values = buffer.value_range(*params_[run.front()], *params_[run.back()]);
     buckets_.push_back(std::move(b));
   }
 
+  // dp: all-reduce in place. ZeRO-1: reduce-scatter, this rank's shard into zgrads_.
   void start_bucket(Bucket& b) {
-    b.request.emplace(dp_comm_->all_reduce_async(b.grads.data(), b.grads.data(), b.grads.size(), comm::ReduceOp::sum));
+    if (cfg_.zero1)
+      b.request.emplace(dp_comm_->reduce_scatter_async(b.grads.data(), zgrads_.data() + b.shard_begin,
+                                                       b.grads.size() / static_cast<std::size_t>(cfg_.dp),
+                                                       comm::ReduceOp::sum));
+    else
+      b.request.emplace(
+          dp_comm_->all_reduce_async(b.grads.data(), b.grads.data(), b.grads.size(), comm::ReduceOp::sum));
   }
   void start_chunk_reduction(int chunk) {
-    if (cfg_.zero1 || cfg_.dp == 1 || !cfg_.overlap_dp) return;
+    if ((cfg_.dp == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
     int w_total = 0;
     for (int w : w_done_) w_total += w;
     const bool compute_left = w_total < cfg_.microbatches * static_cast<int>(models_.size());
@@ -660,7 +681,7 @@ class Trainer {
       }
   }
   void finish_dp_reduction() {
-    if (cfg_.dp == 1) return;
+    if (cfg_.dp == 1 && !cfg_.zero1) return;
     const auto t0 = std::chrono::steady_clock::now();
     if (!cfg_.overlap_dp)  // the baseline: every chunk's buckets now, in bucket order
       for (auto& b : buckets_)
@@ -706,42 +727,49 @@ class Trainer {
   }
 
   // ---- ZeRO-1 ----------------------------------------------------------------------------------
+  // Each bucket (a padded range of L elements of the packed buffers, L a multiple of dp) is split
+  // over the dp ranks: rank r owns [r L/dp, (r+1) L/dp) of it (Megatron's distributed optimizer).
+  // The bucket's reduce-scatter starts as soon as its chunk's gradients are final (overlapping the
+  // rest of the backward, as dp buckets do); AdamW runs on this rank's shards only (moments for
+  // them only); an all-gather per bucket, in place in the packed values, rebuilds the parameters.
   void setup_zero1() {
-    std::vector<index_t> sizes;
-    for (nn::Parameter* p : params_) sizes.push_back(p->numel());
-    layout_ = optim::pack_flat(std::span<const index_t>(sizes));
-    const int dp = cfg_.dp, r = mesh_.template coord<trellis::dp>();
-    partition_ = optim::zero1_partition(layout_.total, dp, r);
-    part_max_ = shard::max_chunk(layout_.total, dp);
-    zpieces_ = optim::pieces_in(layout_, partition_);
+    const int r = mesh_.template coord<trellis::dp>();
     std::vector<index_t> piece_sizes;
-    for (auto& pc : zpieces_) {
-      piece_sizes.push_back(pc.size);
-      zdecay_.push_back(decay_[pc.tensor]);
-    }
-    state_ = optim::AdamWState(std::span<const index_t>(piece_sizes));
-  }
-  // Flat buffer of dp * part_max_ elements where rank j's partition starts at j * part_max_.
-  std::vector<float> padded_flat(bool grads) const {
-    const int dp = cfg_.dp;
-    std::vector<float> out(static_cast<std::size_t>(dp * part_max_), 0.0f);
-    for (int j = 0; j < dp; ++j) {
-      const auto part = optim::zero1_partition(layout_.total, dp, j);
-      for (auto& pc : optim::pieces_in(layout_, part)) {
-        const auto& src = grads ? params_[pc.tensor]->grad : params_[pc.tensor]->value;
-        std::copy_n(src.begin() + pc.tensor_begin, pc.size, out.begin() + j * part_max_ + pc.partition_begin);
+    std::size_t shards = 0;
+    for (std::size_t k = 0; k < buckets_.size(); ++k) {
+      Bucket& b = buckets_[k];
+      const auto n = b.grads.size() / static_cast<std::size_t>(cfg_.dp);
+      TRELLIS_CHECK(n * static_cast<std::size_t>(cfg_.dp) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
+                    b.grads.size(), " elements does not split over dp ", cfg_.dp);
+      b.shard_begin = shards;
+      shards += n;
+      optim::FlatLayout layout;  // the bucket's parameters at their offsets in the range
+      for (std::size_t i : b.params) {
+        layout.offsets.push_back(static_cast<index_t>(params_[i]->grad.data() - b.grads.data()));
+        layout.sizes.push_back(params_[i]->numel());
+      }
+      layout.total = static_cast<index_t>(b.grads.size());
+      const shard::Chunk mine{static_cast<index_t>(n) * r, static_cast<index_t>(n)};
+      for (const optim::FlatPiece& pc : optim::pieces_in(layout, mine)) {
+        zpieces_.push_back({b.params[pc.tensor], k, pc.tensor_begin, pc.partition_begin, pc.size});
+        piece_sizes.push_back(pc.size);
+        zdecay_.push_back(decay_[b.params[pc.tensor]]);
       }
     }
-    return out;
+    zgrads_.assign(shards, 0.0f);
+    state_ = optim::AdamWState(std::span<const index_t>(piece_sizes));
+  }
+  // Piece k's reduced gradient (in zgrads_) and value (in the packed values).
+  std::span<const float> zgrad(const ZeroPiece& pc) const {
+    return {zgrads_.data() + buckets_[pc.bucket].shard_begin + pc.shard_offset, static_cast<std::size_t>(pc.size)};
+  }
+  std::span<float> zvalue(const ZeroPiece& pc) const {
+    return {params_[pc.param]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size)};
   }
   void zero1_update(StepResult& r) {
-    const auto flat = padded_flat(true);
-    std::vector<float> part(static_cast<std::size_t>(part_max_));
-    dp_comm_->reduce_scatter(flat.data(), part.data(), part.size(), comm::ReduceOp::sum);
     std::vector<std::span<const float>> counted;
     for (auto& pc : zpieces_)
-      if (norm_weight_[pc.tensor] != 0.0f)
-        counted.emplace_back(part.data() + pc.partition_begin, static_cast<std::size_t>(pc.size));
+      if (norm_weight_[pc.param] != 0.0f) counted.push_back(zgrad(pc));
     double sq = kernels::host::grad_norm_squared<float>(counted);
     double total = 0;
     mesh_.world().all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
@@ -749,23 +777,17 @@ class Trainer {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (auto& pc : zpieces_) {
-        values.emplace_back(params_[pc.tensor]->value.data() + pc.tensor_begin,
-                            static_cast<std::size_t>(pc.size));
-        grads.emplace_back(part.data() + pc.partition_begin, static_cast<std::size_t>(pc.size));
+        values.push_back(zvalue(pc));
+        grads.push_back(zgrad(pc));
       }
       state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
     });
-    // all-gather of the updated partitions
-    std::vector<float> mine(static_cast<std::size_t>(part_max_), 0.0f);
-    for (auto& pc : zpieces_)
-      std::copy_n(params_[pc.tensor]->value.begin() + pc.tensor_begin, pc.size,
-                  mine.begin() + pc.partition_begin);
-    std::vector<float> all(static_cast<std::size_t>(cfg_.dp * part_max_));
-    dp_comm_->all_gather(mine.data(), all.data(), mine.size());
-    for (int j = 0; j < cfg_.dp; ++j)
-      for (auto& pc : optim::pieces_in(layout_, optim::zero1_partition(layout_.total, cfg_.dp, j)))
-        std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size,
-                    params_[pc.tensor]->value.begin() + pc.tensor_begin);
+    // all-gather of the updated shards, in place: this rank's shard is already at r L/dp
+    const auto r_dp = static_cast<std::size_t>(mesh_.template coord<trellis::dp>());
+    for (auto& b : buckets_) {
+      const auto n = b.values.size() / static_cast<std::size_t>(cfg_.dp);
+      dp_comm_->all_gather(b.values.data() + r_dp * n, b.values.data(), n);
+    }
   }
 
   // AdamW moments shaped like each parameter's local shard (ZeRO-1: gathered over dp).
@@ -783,19 +805,25 @@ class Trainer {
       }
       return;
     }
+    // ZeRO-1: per bucket, gather every rank's moment shard, then cut out each parameter
+    const auto dp = static_cast<std::size_t>(cfg_.dp);
     for (int which = 0; which < 2; ++which) {
       auto& out = which == 0 ? m : v;
-      std::vector<float> mine(static_cast<std::size_t>(part_max_), 0.0f);
-      for (std::size_t k = 0; k < zpieces_.size(); ++k) {
-        auto src = which == 0 ? state_.m(k) : state_.v(k);
-        std::copy(src.begin(), src.end(), mine.begin() + zpieces_[k].partition_begin);
+      for (std::size_t k = 0; k < buckets_.size(); ++k) {
+        const Bucket& b = buckets_[k];
+        const std::size_t n = b.grads.size() / dp;
+        std::vector<float> mine(n, 0.0f), all(n * dp);
+        for (std::size_t q = 0; q < zpieces_.size(); ++q)
+          if (zpieces_[q].bucket == k) {
+            auto src = which == 0 ? state_.m(q) : state_.v(q);
+            std::copy(src.begin(), src.end(), mine.begin() + zpieces_[q].shard_offset);
+          }
+        dp_comm_->all_gather(mine.data(), all.data(), n);
+        for (std::size_t i : b.params) {
+          const auto at = static_cast<std::size_t>(params_[i]->grad.data() - b.grads.data());
+          std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), out[i].size(), out[i].begin());
+        }
       }
-      std::vector<float> all(static_cast<std::size_t>(cfg_.dp * part_max_));
-      dp_comm_->all_gather(mine.data(), all.data(), mine.size());
-      for (int j = 0; j < cfg_.dp; ++j)
-        for (auto& pc : optim::pieces_in(layout_, optim::zero1_partition(layout_.total, cfg_.dp, j)))
-          std::copy_n(all.begin() + j * part_max_ + pc.partition_begin, pc.size,
-                      out[pc.tensor].begin() + pc.tensor_begin);
     }
   }
 
@@ -822,11 +850,10 @@ class Trainer {
   std::vector<int> w_done_;
   int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
-  // ZeRO-1
-  optim::FlatLayout layout_;
-  shard::Chunk partition_{};
-  index_t part_max_ = 0;
-  std::vector<optim::FlatPiece> zpieces_;
+  // ZeRO-1: this rank's pieces (its shard of each bucket, cut at parameter boundaries), their
+  // reduced gradients (one shard per bucket) and weight-decay flags
+  std::vector<ZeroPiece> zpieces_;
+  std::vector<float> zgrads_;
   std::vector<float> zdecay_;
 };
 
