@@ -1,7 +1,7 @@
 # One translation unit per public header, including that header alone (twice, to check the
 # include guard), so every header is proven self-contained:
 #   - host headers with the host compiler and only trellis::trellis (g++ alone can include them);
-#   - headers that need MPI (name contains "mpi") with trellis::mpi;
+#   - headers that need MPI (name contains "mpi", or under a folder named mpi/) with trellis::mpi;
 #   - CUDA headers (*.cuh with nvcc; .hpp whose name contains "cuda" or "nccl" with g++ and the
 #     CUDA toolkit), only in builds with TRELLIS_ENABLE_CUDA.
 # Plus all host headers together in sorted and reverse order (one TU each).
@@ -26,7 +26,7 @@ foreach(_header IN LISTS _headers)
     set(_kind cuda_device)
   elseif(_header MATCHES "(cuda|nccl)[^/]*$")
     set(_kind cuda_host)
-  elseif(_header MATCHES "mpi[^/]*$")
+  elseif(_header MATCHES "mpi[^/]*$" OR _header MATCHES "/mpi/")
     set(_kind mpi)
   endif()
   if((_kind MATCHES "^cuda" AND NOT TARGET trellis::cuda) OR (_kind STREQUAL "mpi" AND NOT TARGET trellis::mpi))
