@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,6 +23,10 @@ namespace trellis::io {
 namespace detail {
 inline std::string errno_text(int err) { return std::strerror(err); }
 }  // namespace detail
+
+// Called at the named points of a multi-step write ("before rename", ...), so tests can stop a
+// save there (throw, or end the process) and check what a crash at that point leaves.
+using StepHook = std::function<void(std::string_view point)>;
 
 // fsync on a directory makes a rename or a newly created entry in it durable.
 inline void fsync_directory(const std::filesystem::path& dir) {
@@ -68,9 +73,14 @@ class AtomicFileWriter {
   void write(std::string_view s) { write(s.data(), s.size()); }
   std::size_t bytes_written() const { return written_; }
 
-  // fsync the data, rename over the target, fsync the directory.
-  void commit() {
+  // fsync the data, rename over the target, fsync the directory. `hook` (tests) is called before
+  // the fsync, before the rename, after the rename and after the directory fsync.
+  void commit(const StepHook& hook = {}) {
     TRELLIS_CHECK(fd_ >= 0, "AtomicFileWriter for ", target_, " committed twice");
+    auto at = [&](std::string_view point) {
+      if (hook) hook(point);
+    };
+    at("before fsync");
     if (::fsync(fd_) != 0) TRELLIS_THROW("fsync of ", temp_, " failed: ", detail::errno_text(errno));
     int rc = ::close(fd_);
     fd_ = -1;
@@ -78,12 +88,15 @@ class AtomicFileWriter {
       ::unlink(temp_.c_str());
       TRELLIS_THROW("close of ", temp_, " failed: ", detail::errno_text(errno));
     }
+    at("before rename");
     if (::rename(temp_.c_str(), target_.c_str()) != 0) {
       int err = errno;
       ::unlink(temp_.c_str());
       TRELLIS_THROW("rename ", temp_, " -> ", target_, " failed: ", detail::errno_text(err));
     }
+    at("after rename");
     fsync_directory(target_.has_parent_path() ? target_.parent_path() : std::filesystem::path("."));
+    at("after directory fsync");
   }
 
  private:
@@ -93,10 +106,11 @@ class AtomicFileWriter {
   std::size_t written_ = 0;
 };
 
-inline void write_file_atomically(const std::filesystem::path& target, std::string_view content) {
+inline void write_file_atomically(const std::filesystem::path& target, std::string_view content,
+                                  const StepHook& hook = {}) {
   AtomicFileWriter w(target);
   w.write(content);
-  w.commit();
+  w.commit(hook);
 }
 
 // A read-only file descriptor with positioned reads that report short reads as errors.
