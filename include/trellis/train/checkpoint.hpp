@@ -29,6 +29,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -738,7 +739,11 @@ class Checkpoint {
     TRELLIS_CHECK(version >= 1 && version <= detail::ckpt_version, what, ": unsupported version ", version,
                   " (this build reads 1..", detail::ckpt_version, ")");
     step_ = index.at("step", what).as_int(what + " step");
-    world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
+    TRELLIS_CHECK(step_ >= 0, what, ": \"step\" ", step_, " is negative");
+    const std::int64_t world = index.at("world_size", what).as_int(what + " world_size");
+    TRELLIS_CHECK(world >= 1 && world <= std::numeric_limits<int>::max(), what, ": \"world_size\" ", world,
+                  " is out of range [1, ", std::numeric_limits<int>::max(), "]");
+    world_size_ = static_cast<int>(world);
     for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
     for (const auto& m : index.at("rank_metadata", what).as_array(what)) {
       rank_metadata_.emplace_back();
