@@ -68,6 +68,7 @@
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
 #include "trellis/train/checkpoint.hpp"
+#include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
@@ -454,6 +455,7 @@ class Trainer {
     s.rng = rng_;
     s.data = data;
     save_train_state(w, s);
+    save_model_config(w, cfg_.model);
     save_collectively(w, world);
   }
 
@@ -461,6 +463,7 @@ class Trainer {
   // saving run had this rank); returns the saved train state (restore the loader with .data).
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck(step_dir);
+    check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, mesh_.world().rank());
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
