@@ -8,6 +8,8 @@
 #include <set>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "train/temp_dir.hpp"
 #include "trellis/train/data.hpp"
 
@@ -202,4 +204,16 @@ TEST_CASE("loader positions out of range are refused, not read out of bounds", "
       const auto window = static_cast<std::size_t>(in_epoch * 4 + static_cast<std::uint64_t>(r));
       REQUIRE(b.input_view()(r, t) == tokens[window * 8 + static_cast<std::size_t>(t)]);
     }
+}
+
+TEST_CASE("a FIFO or directory as a data file is refused at once, not read or waited on", "[data][errors]") {
+  TempDir dir("data-fifo");
+  const auto fifo = dir.path / "tokens.bin";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);  // no writer: a blocking open() would wait forever
+  REQUIRE_THROWS_WITH(load_text_as_bytes(fifo), Catch::Contains(fifo.string()) && Catch::Contains("not a regular file (a FIFO)"));
+  REQUIRE_THROWS_WITH(load_llmc_tokens(fifo), Catch::Contains("not a regular file (a FIFO)"));
+  REQUIRE_THROWS_WITH(load_text_as_bytes(dir.path), Catch::Contains("not a regular file (a directory)"));
+  const auto file = dir.path / "text.txt";
+  std::ofstream(file) << "abc";
+  REQUIRE(load_text_as_bytes(file).tokens == std::vector<token_t>{'a', 'b', 'c'});
 }

@@ -113,12 +113,14 @@ inline void write_file_atomically(const std::filesystem::path& target, std::stri
   w.commit(hook);
 }
 
-// A read-only file descriptor with positioned reads that report short reads as errors.
+// A read-only file descriptor with positioned reads that report short reads as errors. Only
+// regular files: a FIFO, socket, device or directory is refused (opened non-blocking, so a FIFO
+// with no writer does not hang the open; its "size" would mean nothing anyway).
 class ReadOnlyFile {
  public:
   ReadOnlyFile() = default;
   explicit ReadOnlyFile(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) TRELLIS_THROW("cannot open ", path_, ": ", detail::errno_text(errno));
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
@@ -127,6 +129,15 @@ class ReadOnlyFile {
       fd_ = -1;
       TRELLIS_THROW("cannot stat ", path_, ": ", detail::errno_text(err));
     }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      fd_ = -1;
+      TRELLIS_THROW(path_, " is not a regular file (",
+                    S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "a device or socket",
+                    "): give a file");
+    }
+    const int flags = ::fcntl(fd_, F_GETFL);  // reads block as usual on the regular file
+    if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
     size_ = static_cast<std::size_t>(st.st_size);
   }
   ReadOnlyFile(ReadOnlyFile&& o) noexcept
