@@ -5,12 +5,18 @@
 
 #include <algorithm>
 #include <charconv>
+#include <climits>
+#include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "trellis/core/error.hpp"
 #include "trellis/pipe/text.hpp"
@@ -49,6 +55,7 @@ struct Options {
   // checkpoints, logs, reporting
   std::string ckpt_dir;
   int ckpt_every = 0;  // 0: only at the end (when --ckpt-dir is given)
+  int keep_last = 0;   // > 0: after each save, remove all but the newest N step directories
   bool resume = false;
   std::string init_from;  // a GPT-2 safetensors file with Hugging Face names: start from its weights
   std::string export_hf;  // at the end: config.json + model.safetensors for transformers' GPT2LMHeadModel
@@ -91,6 +98,7 @@ optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --cli
            --weight-decay X (0.1) --seed N (1234)
 output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --ckpt-dir DIR --ckpt-every N (0: only at the end) --resume (continue from DIR/latest)
+           --keep-last N (after each save keep only the newest N step directories; default all)
            --init-from FILE (start from GPT-2 weights: a safetensors file with Hugging Face names,
            e.g. an --export-hf model.safetensors; fresh optimizer, step 0)
            --export-hf DIR (at the end: DIR/config.json + DIR/model.safetensors of the final
@@ -193,8 +201,11 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.warmup);
     else if (f == "--clip")
       dbl_flag(o.clip);
-    else if (f == "--weight-decay")
+    else if (f == "--weight-decay") {
       dbl_flag(o.weight_decay);
+      if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay))
+        TRELLIS_THROW("flag --weight-decay: must be >= 0 (0: no decay), got ", o.weight_decay);
+    }
     else if (f == "--seed") {
       const int s = to_int(f, value());
       if (s < 0) TRELLIS_THROW("flag --seed: must be >= 0");
@@ -203,6 +214,11 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.ckpt_dir = value();
     else if (f == "--ckpt-every")
       int_flag(o.ckpt_every);
+    else if (f == "--keep-last") {
+      int_flag(o.keep_last);
+      if (o.keep_last < 1)
+        TRELLIS_THROW("flag --keep-last: must be >= 1 (leave it out to keep every checkpoint), got ", o.keep_last);
+    }
     else if (f == "--resume")
       o.resume = true;
     else if (f == "--init-from")
@@ -219,8 +235,12 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       dbl_flag(o.temperature);
     else if (f == "--prompt")
       o.prompt = value();
-    else if (f == "--peak-gflops")
+    else if (f == "--peak-gflops") {
       dbl_flag(o.peak_gflops);
+      if (!(o.peak_gflops > 0) || !std::isfinite(o.peak_gflops))
+        TRELLIS_THROW("flag --peak-gflops: must be a positive number of GFLOP/s, got ", o.peak_gflops,
+                      " (leave it out to measure this machine's sgemm)");
+    }
     else
       TRELLIS_THROW("unknown flag '", args[i], "' (see --help)");
   }
@@ -323,15 +343,87 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.overlap > 1 && o.tp == 1)
     out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
   for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);
-  if (world_size && *world_size != o.dp * o.tp * o.pp)
+  const std::int64_t ranks = trellis::train::layout_ranks(o.pp, o.dp, o.tp);
+  if (world_size && ranks > 0 && *world_size != ranks)
     out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp = " +
-                  std::to_string(o.dp * o.tp * o.pp) + ": start that many or change --dp/--tp/--pp");
+                  std::to_string(ranks) + ": start that many or change --dp/--tp/--pp");
+  return out;
+}
+
+// Where checkpoints go: --ckpt-dir, else checkpoints/ next to --log, else ./train_gpt_checkpoints.
+inline std::filesystem::path checkpoint_root(const Options& o) {
+  namespace fs = std::filesystem;
+  if (!o.ckpt_dir.empty()) return o.ckpt_dir;
+  return o.log.empty() ? fs::path("train_gpt_checkpoints") : fs::path(o.log).parent_path() / "checkpoints";
+}
+
+// The --data files: one text file, or comma-separated llm.c .bin shards; `default_corpus` when
+// --data is not given.
+inline std::vector<std::string> data_files(const Options& o, const std::string& default_corpus) {
+  const std::string path = o.data.empty() ? default_corpus : o.data;
+  std::vector<std::string> out;
+  if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
+    std::stringstream s(path);
+    for (std::string part; std::getline(s, part, ',');) out.push_back(part);
+  } else {
+    out.push_back(path);
+  }
+  return out;
+}
+
+// Problems with the files and directories the run will use, found before any work (each naming
+// the flag and path): data files that are missing, not regular (a FIFO would block open()),
+// unreadable or empty; --init-from and --schedule-file likewise; a checkpoint or --log directory
+// that cannot be created or written (checked on the nearest existing ancestor when it does not
+// exist yet). Only looks: nothing is created.
+inline std::vector<std::string> path_problems(const Options& o, const std::string& default_corpus) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  auto file = [&](const std::string& flag, const std::string& path, bool must_have_bytes) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      out.push_back(flag + " " + path + ": no such file");
+    } else if (!S_ISREG(st.st_mode)) {
+      out.push_back(flag + " " + path + " is not a regular file (" +
+                    (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "a device or socket") +
+                    "): give a file");
+    } else if (::access(path.c_str(), R_OK) != 0) {
+      out.push_back(flag + " " + path + " is not readable");
+    } else if (must_have_bytes && st.st_size == 0) {
+      out.push_back(flag + " " + path + " is empty: there is nothing to train on");
+    }
+  };
+  auto directory = [&](const std::string& flag, const fs::path& dir) {
+    std::error_code ec;
+    fs::path existing = dir.empty() ? fs::path(".") : dir;
+    while (!fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
+      existing = existing.parent_path();
+    if (!fs::exists(existing, ec)) existing = ".";
+    if (!fs::is_directory(existing, ec))
+      out.push_back(flag + " " + dir.string() + " cannot be used: " + existing.string() + " is not a directory");
+    else if (::access(existing.c_str(), W_OK | X_OK) != 0)
+      out.push_back(flag + " " + dir.string() + " is not writable (" + existing.string() +
+                    (existing == dir ? "" : ", where it would be created") + ", is not writable by this user)");
+  };
+  for (const auto& d : data_files(o, default_corpus)) file("--data", d, true);
+  if (!o.init_from.empty()) file("--init-from", o.init_from, true);
+  if (!o.schedule_file.empty()) file("--schedule-file", o.schedule_file, false);
+  directory(o.ckpt_dir.empty() ? "the checkpoint directory (--ckpt-dir)" : "--ckpt-dir", checkpoint_root(o));
+  if (!o.log.empty()) directory("--log", fs::path(o.log).parent_path());
   return out;
 }
 
 // Throws trellis::Error with every problem.
 inline void validate(const Options& o, std::optional<int> world_size = std::nullopt) {
   auto p = problems(o, world_size);
+  if (p.empty()) return;
+  std::string msg = "cannot start:";
+  for (auto& s : p) msg += "\n  - " + s;
+  TRELLIS_THROW(msg);
+}
+// Throws trellis::Error with every problem of path_problems.
+inline void validate_paths(const Options& o, const std::string& default_corpus) {
+  auto p = path_problems(o, default_corpus);
   if (p.empty()) return;
   std::string msg = "cannot start:";
   for (auto& s : p) msg += "\n  - " + s;

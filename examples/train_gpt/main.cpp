@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
 #if defined(TRELLIS_TRAIN_GPT_MPI)
       comm::MpiWorld world(argc, argv);
       train_gpt::validate(o, world.size());
+      train_gpt::validate_paths(o, default_corpus());
       const Data data = load_data(o);
       const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
       Outcome out;
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
     }
     try {
       train_gpt::validate(o);
+      train_gpt::validate_paths(o, default_corpus());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "train_gpt: %s\n", e.what());
       return 2;

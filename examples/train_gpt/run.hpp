@@ -59,13 +59,16 @@ struct Data {
   double unigram = 0;
 };
 
+// The shipped corpus (the --data default).
+inline std::string default_corpus() { return std::string(TRELLIS_SOURCE_DIR) + "/data/tiny_corpus.txt"; }
+
+// Errors name the file and, for a split too small to train or validate on, the flags to change.
 inline Data load_data(const Options& o) {
   train::TokenData all;
-  std::string path = o.data.empty() ? std::string(TRELLIS_SOURCE_DIR) + "/data/tiny_corpus.txt" : o.data;
+  const std::vector<std::string> files = data_files(o, default_corpus());
+  const std::string path = o.data.empty() ? default_corpus() : o.data;
   if (path.size() > 4 && path.substr(path.size() - 4) == ".bin") {
-    std::vector<fs::path> shards;
-    std::stringstream s(path);
-    for (std::string part; std::getline(s, part, ',');) shards.emplace_back(part);
+    std::vector<fs::path> shards(files.begin(), files.end());
     all = train::load_llmc_tokens(shards.front(), o.vocab);
     if (shards.size() > 1) all = train::load_llmc_shards(shards, o.vocab);
   } else {
@@ -74,8 +77,18 @@ inline Data load_data(const Options& o) {
                   " is text (bytes as tokens, 0..255): it needs --vocab >= 256, got ", o.vocab);
     all = train::load_text_as_bytes(path);
   }
+  TRELLIS_CHECK(!all.tokens.empty(), "--data ", path, " holds no tokens: there is nothing to train on");
   Data d;
   std::tie(d.train, d.val) = train::train_val_split(all, o.val_fraction);
+  // Each loader needs one global batch of --batch windows of --context + 1 tokens.
+  const auto windows = [&](const train::TokenData& t) {
+    return t.tokens.empty() ? 0 : static_cast<long long>(t.tokens.size() - 1) / o.context;
+  };
+  TRELLIS_CHECK(windows(d.train) >= o.batch && windows(d.val) >= o.batch, "--data ", path, ": its ",
+                all.tokens.size(), " tokens split (--val-fraction ", o.val_fraction, ") into ", d.train.tokens.size(),
+                " training and ", d.val.tokens.size(), " validation tokens, which give ", windows(d.train), " and ",
+                windows(d.val), " windows of --context ", o.context, " + 1 tokens; each needs one batch of --batch ",
+                o.batch, ": use more data, a larger --val-fraction, or a smaller --batch / --context");
   d.unigram = train::unigram_cross_entropy(d.train.tokens, d.val.tokens, o.vocab);
   return d;
 }
@@ -83,6 +96,7 @@ inline Data load_data(const Options& o) {
 struct Outcome {
   double first_loss = 0, last_loss = 0, val_loss = -1;
   int steps_done = 0;
+  std::int64_t first_step = 0;  // the step training started at (a resumed checkpoint's)
   double seconds = 0;
   std::string checkpoint;
 };
@@ -97,16 +111,27 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
   const auto cfg = trainer_config(o);
   train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp});
   train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp});
-  const fs::path ckpt_root = o.ckpt_dir.empty()
-                                 ? (o.log.empty() ? fs::path("train_gpt_checkpoints")
-                                                  : fs::path(o.log).parent_path() / "checkpoints")
-                                 : fs::path(o.ckpt_dir);
+  const fs::path ckpt_root = checkpoint_root(o);
+  auto save = [&]() {  // collective; then the lead prunes (--keep-last), never the one `latest` names
+    trainer.save(ckpt_root, loader.state());
+    if (lead && o.keep_last > 0) train::prune_checkpoints(ckpt_root, o.keep_last);
+  };
   if (o.resume) {
     auto latest = train::latest_checkpoint(ckpt_root);
     TRELLIS_CHECK(latest.has_value(), "--resume: no checkpoint under ", ckpt_root);
     auto state = trainer.load(*latest);
     loader.restore(state.data);
-    if (lead) std::cout << "resumed from " << latest->string() << " at step " << state.step << "\n";
+    if (lead) {
+      std::cout << "resumed from " << latest->string() << " at step " << state.step;
+      if (latest->extension() == ".old" || latest->extension() == ".partial")
+        std::cout << " (its step directory was missing after an interrupted save; the next save repairs it)";
+      std::cout << "\n";
+      // Rows a crashed run logged after this checkpoint are about to be trained (and logged) again.
+      if (!o.log.empty() && fs::exists(o.log)) {
+        const auto removed = train::trim_metrics_after(o.log, state.step);
+        if (removed > 0) std::cout << "removed " << removed << " rows past step " << state.step << " from " << o.log << "\n";
+      }
+    }
   }
   if (!o.init_from.empty()) {  // every rank reads its own pieces
     trainer.init_from_hf(o.init_from);
@@ -160,8 +185,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     const bool eval = (r.step % o.eval_every == 0) || r.step == o.steps;
     std::optional<double> val_now;
     if (eval) val = *(val_now = validate_now());
-    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps)
-      trainer.save(ckpt_root, loader.state());
+    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps) save();
     if (lead) {
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -192,9 +216,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     }
   }
   if (val < 0) val = validate_now();
-  trainer.save(ckpt_root, loader.state());
+  save();
   if (lead) {
     bar->finish();
+    outcome.first_step = first_step;
     outcome.first_loss = first_loss;
     outcome.last_loss = last_loss;
     outcome.val_loss = val;
@@ -221,13 +246,27 @@ void run_rank(Comm& comm, const Options& o, const Data& data, double peak, Outco
   else train_with(trellis::backend::Host<float>{});
 }
 
+// The summary line of a run. A resumed run already at --steps trained nothing: it says so (there
+// is no first or last train loss to report).
+inline std::string summary(const Options& o, const Data& data, const Outcome& out) {
+  char buf[512];
+  const char* verdict = out.val_loss < data.unigram ? "below: the model uses context" : "NOT below the baseline";
+  if (out.steps_done == 0)
+    std::snprintf(buf, sizeof buf,
+                  "nothing to train: the checkpoint is at step %lld and --steps is %d; validation loss %.4f vs "
+                  "unigram baseline %.4f (%s)",
+                  static_cast<long long>(out.first_step), o.steps, out.val_loss, data.unigram, verdict);
+  else
+    std::snprintf(buf, sizeof buf,
+                  "trained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline "
+                  "%.4f (%s)",
+                  out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram, verdict);
+  return buf;
+}
+
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.
 inline void final_report(const Options& o, const Data& data, const Outcome& out) {
-  std::printf(
-      "\ntrained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline %.4f "
-      "(%s)\n",
-      out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram,
-      out.val_loss < data.unigram ? "below: the model uses context" : "NOT below the baseline");
+  std::printf("\n%s\n", summary(o, data, out).c_str());
   if (!o.log.empty()) {
     fs::path svg = fs::path(o.log).replace_extension(".svg");
     auto curves = train::loss_curves_from_metrics(o.log);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "trellis/train/checkpoint.hpp"   // defines: CheckpointWriter, commit_checkpoint, Checkpoint, Box
+#include "trellis/train/checkpoint_model.hpp"  // defines: save_model_config, check_model_config
 #include "trellis/train/data.hpp"         // defines: TokenData, DataLoader, Batch, unigram_entropy
 #include "trellis/train/generate.hpp"     // defines: Generator (text from a checkpoint, 1 rank)
 #include "trellis/train/hf_gpt2.hpp"      // defines: export_hf_gpt2, HfGpt2File, hf_gpt2_config_json

@@ -11,6 +11,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "train/temp_dir.hpp"
 #include "trellis/io/atomic_file.hpp"
 #include "trellis/io/json.hpp"
@@ -68,11 +71,13 @@ const std::vector<TestTensor> gpt_like = {
 };
 
 // Writes every test tensor split into `parts` pieces along `dim` (1-D and scalar tensors: rank 0
-// writes them whole), from `parts` threads, then commits.
-void write_split(const std::filesystem::path& root, std::int64_t step, int dim, int parts,
-                 const std::map<std::string, std::string>& meta = {}) {
+// writes them whole), from `parts` threads, without committing. `version` shifts every value
+// (full_tensor(t.id + version_shift * version, ...)), so two saves of one step differ.
+constexpr int version_shift = 50;
+void stage_split(const std::filesystem::path& root, std::int64_t step, int dim, int parts,
+                 const std::map<std::string, std::string>& meta = {}, int version = 0) {
   std::vector<std::vector<float>> fulls;
-  for (const auto& t : gpt_like) fulls.push_back(full_tensor(t.id, t.shape));
+  for (const auto& t : gpt_like) fulls.push_back(full_tensor(t.id + version_shift * version, t.shape));
   std::vector<std::thread> ranks;
   for (int r = 0; r < parts; ++r) {
     ranks.emplace_back([&, r] {
@@ -92,6 +97,11 @@ void write_split(const std::filesystem::path& root, std::int64_t step, int dim, 
     });
   }
   for (auto& t : ranks) t.join();
+}
+// stage_split, then commit.
+void write_split(const std::filesystem::path& root, std::int64_t step, int dim, int parts,
+                 const std::map<std::string, std::string>& meta = {}, int version = 0) {
+  stage_split(root, step, dim, parts, meta, version);
   commit_checkpoint(root, step, parts);
 }
 }  // namespace
@@ -314,6 +324,148 @@ TEST_CASE("re-saving a step replaces it; pruning keeps the newest", "[checkpoint
   REQUIRE(!std::filesystem::exists(dir.path / "step-00000010"));
   REQUIRE(std::filesystem::exists(dir.path / "step-00000020"));
   REQUIRE(Checkpoint(dir.path).step() == 30);
+}
+
+namespace {
+// The crash-point test's reference: the checkpoint under `root` holds version `version` of every
+// test tensor (and its metadata tag says so) and every CRC32C checks.
+void expect_version(const std::filesystem::path& root, std::int64_t step, int version) {
+  Checkpoint ck(root);
+  REQUIRE(ck.step() == step);
+  REQUIRE(ck.metadata("tag") == "version " + std::to_string(version));
+  ck.verify();
+  for (const auto& t : gpt_like)
+    REQUIRE(ck.read_whole<float>(t.name) == full_tensor(t.id + version_shift * version, t.shape));
+}
+std::vector<std::string> leftovers(const std::filesystem::path& root) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(root)) {
+    const std::string f = e.path().filename().string();
+    if (f.ends_with(".old") || f.ends_with(".partial") || f.find(".tmp.") != std::string::npos) out.push_back(f);
+  }
+  return out;
+}
+struct StopHere {};
+}  // namespace
+
+// Every point of a commit (before and after each rename and fsync, recorded from a real commit),
+// two ways of stopping there: an exception (an error: destructors run) and the end of a forked
+// process (_exit: a kill, nothing runs after it). After the stop, the checkpoint `latest` leads
+// to must load with every checksum right and hold either the previous commit or the new save, as
+// the protocol promises (docs/checkpoint.md): the new one from the rename that publishes step-N
+// (re-saving the step `latest` names) or from the rename of `latest` (a new step). Then a retry
+// of the save and a save of the next step must succeed and leave no .old/.partial/temp behind.
+TEST_CASE("a save stopped at any point of its commit leaves a checkpoint that loads", "[checkpoint][crash]") {
+  enum class Scenario { resave_latest, new_step };
+  for (Scenario scenario : {Scenario::resave_latest, Scenario::new_step}) {
+    const bool resave = scenario == Scenario::resave_latest;
+    // Before the save under test: step 1 (version 1) and, re-saving, step 2 (version 2), committed.
+    // The save under test: step 2, version 3, another layout (3 ranks along dim 1).
+    auto prepare = [&](const std::filesystem::path& root) {
+      write_split(root, 1, 0, 2, {{"tag", "version 1"}}, 1);
+      if (resave) write_split(root, 2, 0, 2, {{"tag", "version 2"}}, 2);
+      stage_split(root, 2, 1, 3, {{"tag", "version 3"}}, 3);
+    };
+    std::vector<std::string> points;
+    {
+      TempDir dir("ckpt-points");
+      prepare(dir.path);
+      commit_checkpoint(dir.path, 2, 3, [&](std::string_view p) { points.emplace_back(p); });
+      expect_version(dir.path, 2, 3);
+    }
+    // The points this protocol must stop at: every rename and fsync, before and after.
+    const std::string publish = "after rename step.partial -> step";
+    const std::string latest_renamed = "latest: after rename";
+    for (const char* must : {"index.json: before fsync", "index.json: after rename", "before rename step.partial -> step",
+                             publish.c_str(), "latest: before rename", latest_renamed.c_str(),
+                             "latest: after directory fsync"})
+      REQUIRE(std::find(points.begin(), points.end(), must) != points.end());
+    if (resave) {
+      REQUIRE(std::find(points.begin(), points.end(), "before rename step -> step.old") != points.end());
+      REQUIRE(std::find(points.begin(), points.end(), "after rename step -> step.old") != points.end());
+    }
+    const auto new_from = std::find(points.begin(), points.end(), resave ? publish : latest_renamed) - points.begin();
+
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      for (const bool kill : {false, true}) {
+        INFO((resave ? "re-saving the latest step" : "saving a new step") << ", stopped at \"" << points[i]
+                                                                          << "\" by " << (kill ? "_exit" : "an exception"));
+        TempDir dir("ckpt-crash");
+        prepare(dir.path);
+        auto hook = [&](std::string_view p) {
+          if (p != points[i]) return;
+          if (kill) ::_exit(0);
+          throw StopHere{};
+        };
+        if (kill) {
+          std::fflush(nullptr);
+          const pid_t child = ::fork();
+          REQUIRE(child >= 0);
+          if (child == 0) {
+            try {
+              commit_checkpoint(dir.path, 2, 3, hook);
+            } catch (...) {
+              ::_exit(2);
+            }
+            ::_exit(3);  // the point was never reached
+          }
+          int status = 0;
+          REQUIRE(::waitpid(child, &status, 0) == child);
+          REQUIRE(WIFEXITED(status));
+          REQUIRE(WEXITSTATUS(status) == 0);
+        } else {
+          REQUIRE_THROWS_AS(commit_checkpoint(dir.path, 2, 3, hook), StopHere);
+        }
+        // What resume finds.
+        REQUIRE(latest_checkpoint(dir.path).has_value());
+        const bool is_new = static_cast<std::ptrdiff_t>(i) >= new_from;
+        if (is_new)
+          expect_version(dir.path, 2, 3);
+        else if (resave)
+          expect_version(dir.path, 2, 2);
+        else
+          expect_version(dir.path, 1, 1);
+        // The save is retried, then the next step saved: both commit and clean up.
+        write_split(dir.path, 2, 0, 1, {{"tag", "version 4"}}, 4);
+        expect_version(dir.path, 2, 4);
+        write_split(dir.path, 3, 0, 2, {{"tag", "version 5"}}, 5);
+        expect_version(dir.path, 3, 5);
+        CHECK(leftovers(dir.path).empty());
+        expect_version(dir.path / "step-00000002", 2, 4);
+        expect_version(dir.path / "step-00000001", 1, 1);
+      }
+    }
+  }
+}
+
+TEST_CASE("recovery: a missing step with no whole copy is an error naming all three; crashed saves are cleaned",
+          "[checkpoint][crash]") {
+  TempDir dir("ckpt-recover");
+  write_split(dir.path, 1, 0, 1, {{"tag", "version 1"}}, 1);
+  write_split(dir.path, 2, 0, 2, {{"tag", "version 2"}}, 2);
+  namespace fs = std::filesystem;
+  SECTION("step-N.old corrupt, step-N.partial incomplete: no silent fallback") {
+    fs::rename(dir.path / "step-00000002", dir.path / "step-00000002.old");
+    const auto shard = dir.path / "step-00000002.old" / "shard-1.safetensors";
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(shard) - 3));
+    f.put('\x7f');
+    f.close();
+    stage_split(dir.path, 2, 0, 2, {{"tag", "version 3"}}, 3);  // shards, but no index.json
+    REQUIRE_THROWS_WITH(latest_checkpoint(dir.path),
+                        Catch::Contains("names step-00000002, which is missing") && Catch::Contains("step-00000002.old") &&
+                            Catch::Contains("checksum mismatch") && Catch::Contains("step-00000002.partial"));
+  }
+  SECTION("step-N.old whole: resume reads it, the next save renames it back and cleans up") {
+    fs::rename(dir.path / "step-00000002", dir.path / "step-00000002.old");
+    REQUIRE(latest_checkpoint(dir.path) == dir.path / "step-00000002.old");
+    expect_version(dir.path, 2, 2);
+    stage_split(dir.path, 7, 0, 1, {{"tag", "version 7"}}, 7);  // a save that crashed, never retried
+    write_split(dir.path, 3, 0, 1, {{"tag", "version 3"}}, 3);
+    CHECK(leftovers(dir.path).empty());
+    expect_version(dir.path / "step-00000002", 2, 2);
+    expect_version(dir.path, 3, 3);
+  }
 }
 
 TEST_CASE("Python's safetensors opens a checkpoint shard", "[checkpoint][python]") {

@@ -8,6 +8,8 @@
 #include <set>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "train/temp_dir.hpp"
 #include "trellis/train/data.hpp"
 
@@ -176,4 +178,42 @@ TEST_CASE("loader position saves and resumes the exact sequence", "[data][loader
   REQUIRE_THROWS_AS(DataState::parse("seed=1;batch=2"), Error);
   REQUIRE_THROWS_WITH(DataLoader(std::span<const token_t>(tokens.data(), 20), {.batch_rows = 4, .seq_len = 8}),
                       Catch::Contains("fewer than one batch"));
+}
+
+TEST_CASE("loader positions out of range are refused, not read out of bounds", "[data][loader][errors]") {
+  auto tokens = counting_tokens(3000, 256);
+  DataLoader a(tokens, {.batch_rows = 4, .seq_len = 8, .seed = 5, .shuffle = false});
+  // "-1" is no number of batches (sscanf's %llu read it as 2^64 - 1); 2^63 does not fit index_t.
+  REQUIRE_THROWS_WITH(DataState::parse("seed=5;next_batch=-1"), Catch::Contains("next_batch") && Catch::Contains("\"-1\""));
+  REQUIRE_THROWS_WITH(DataState::parse("seed=5;next_batch=9223372036854775808"), Catch::Contains("next_batch"));
+  REQUIRE_THROWS_WITH(DataState::parse("seed=18446744073709551616;next_batch=1"), Catch::Contains("seed"));
+  REQUIRE_THROWS_WITH(DataState::parse("seed=5;next_batch=+3"), Catch::Contains("next_batch"));
+  REQUIRE_THROWS_WITH(DataState::parse("seed=5;next_batch=3 "), Catch::Contains("next_batch"));
+  REQUIRE_THROWS_WITH(a.restore({.seed = 5, .next_batch = std::uint64_t{1} << 63}), Catch::Contains("next_batch"));
+  // The largest position is valid and reads the batch the formula gives (no shuffle: global batch
+  // b of an epoch takes windows [b*B, b*B + B) in order; (3000 - 1) / 8 = 374 windows, 93 batches
+  // per epoch).
+  REQUIRE(a.batches_per_epoch() == 93);
+  const std::uint64_t last = (std::uint64_t{1} << 63) - 1;
+  REQUIRE(DataState::parse("seed=5;next_batch=" + std::to_string(last)) == DataState{5, last});
+  a.restore({.seed = 5, .next_batch = last});
+  const Batch b = a.next();
+  const std::uint64_t in_epoch = last % 93;
+  for (index_t r = 0; r < 4; ++r)
+    for (index_t t = 0; t < 8; ++t) {
+      const auto window = static_cast<std::size_t>(in_epoch * 4 + static_cast<std::uint64_t>(r));
+      REQUIRE(b.input_view()(r, t) == tokens[window * 8 + static_cast<std::size_t>(t)]);
+    }
+}
+
+TEST_CASE("a FIFO or directory as a data file is refused at once, not read or waited on", "[data][errors]") {
+  TempDir dir("data-fifo");
+  const auto fifo = dir.path / "tokens.bin";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);  // no writer: a blocking open() would wait forever
+  REQUIRE_THROWS_WITH(load_text_as_bytes(fifo), Catch::Contains(fifo.string()) && Catch::Contains("not a regular file (a FIFO)"));
+  REQUIRE_THROWS_WITH(load_llmc_tokens(fifo), Catch::Contains("not a regular file (a FIFO)"));
+  REQUIRE_THROWS_WITH(load_text_as_bytes(dir.path), Catch::Contains("not a regular file (a directory)"));
+  const auto file = dir.path / "text.txt";
+  std::ofstream(file) << "abc";
+  REQUIRE(load_text_as_bytes(file).tokens == std::vector<token_t>{'a', 'b', 'c'});
 }

@@ -180,3 +180,61 @@ TEST_CASE("train state keys are checked on load", "[resume]") {
   std::vector<float> m(2), v(2);
   REQUIRE_THROWS_WITH(read_adamw_moments(Checkpoint(dir.path), "x", full_box({2}), m, v), Catch::Contains("optimizer.m.x"));
 }
+
+TEST_CASE("numbers in a checkpoint's metadata are range-checked; errors name the checkpoint and field",
+          "[resume][errors]") {
+  TempDir dir("state-range");
+  std::vector<float> x = {1, 2};
+  auto save_with = [&](const std::string& key, const std::string& value) {
+    CheckpointWriter w(dir.path, 5, 0, 1);
+    w.add_whole<float>("x", x, {2});
+    save_train_state(w, {.step = 5, .rng = Rng(3), .data = {.seed = 3, .next_batch = 9}});
+    w.set_metadata(key, value);
+    w.finish();
+    commit_checkpoint(dir.path, 5, 1);
+  };
+  const std::string index = (dir.path / "step-00000005" / "index.json").string();
+  struct Bad {
+    std::string key, value, field;
+  };
+  for (const Bad& bad : {Bad{"train.step", "99999999999999999999", "train.step"},  // strtoll made it 2^63 - 1
+                         Bad{"train.step", "-5", "train.step"}, Bad{"train.step", "5x", "train.step"},
+                         Bad{"train.data", "seed=3;next_batch=-1", "next_batch"},  // %llu made it 2^64 - 1
+                         Bad{"train.data", "seed=3;next_batch=9223372036854775808", "next_batch"},
+                         Bad{"train.data", "seed=3", "train.data"}, Bad{"train.rng", "zz", "train.rng"}}) {
+    INFO(bad.key << " = " << bad.value);
+    save_with(bad.key, bad.value);
+    REQUIRE_THROWS_WITH(load_train_state(Checkpoint(dir.path)),
+                        Catch::Contains(index) && Catch::Contains(bad.key) && Catch::Contains(bad.field));
+  }
+  save_with("train.step", "5");
+  REQUIRE(load_train_state(Checkpoint(dir.path)).step == 5);
+}
+
+TEST_CASE("step and world size in index.json are range-checked", "[resume][errors]") {
+  TempDir dir("index-range");
+  std::vector<float> x = {1, 2};
+  for (int r = 0; r < 2; ++r) {
+    CheckpointWriter w(dir.path, 5, r, 2);
+    if (r == 0) w.add_whole<float>("x", x, {2});
+    w.finish();
+  }
+  commit_checkpoint(dir.path, 5, 2);
+  const auto index_path = dir.path / "step-00000005" / "index.json";
+  const std::string index = read_whole_file(index_path);
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string changed = index;
+    const auto pos = changed.find(from);
+    REQUIRE(pos != std::string::npos);
+    changed.replace(pos, from.size(), to);
+    write_file_atomically(index_path, changed);
+  };
+  with("\"world_size\": 2", "\"world_size\": 4294967298");  // an int cast made it 2
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("world_size"));
+  with("\"world_size\": 2", "\"world_size\": 0");
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("world_size"));
+  with("\"step\": 5", "\"step\": -5");
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("step"));
+  write_file_atomically(index_path, index);
+  REQUIRE(Checkpoint(dir.path).world_size() == 2);
+}

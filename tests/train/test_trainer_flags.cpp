@@ -1,9 +1,13 @@
 // train_gpt's command line (examples/train_gpt/flags.hpp) and the trainer's layout checks: every
 // bad flag or inconsistent layout is refused with a message naming what to change.
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "temp_dir.hpp"
 #include "train_gpt/flags.hpp"
@@ -156,4 +160,68 @@ TEST_CASE("--schedule-file loads, checks and refuses bad files naming the proble
   const auto incomplete = write("incomplete.txt", "F0 F1 B0 W0 B1 W1\nF0 B0 W0 F1 B1\n");
   CHECK(contains(error_of({"--pp", "2", "--schedule-file", incomplete}),
                  "does not verify: pipe schedule 'text': rank 1: backward-weight of microbatch 1"));
+}
+
+TEST_CASE("flags with impossible values are refused by the parser", "[train][flags][errors]") {
+  CHECK_THROWS_WITH(parse_flags({"--weight-decay", "-0.1"}), Catch::Contains("--weight-decay: must be >= 0"));
+  CHECK_THROWS_WITH(parse_flags({"--peak-gflops", "-5"}), Catch::Contains("--peak-gflops: must be a positive"));
+  CHECK_THROWS_WITH(parse_flags({"--peak-gflops", "0"}), Catch::Contains("--peak-gflops: must be a positive"));
+  CHECK_THROWS_WITH(parse_flags({"--keep-last", "0"}), Catch::Contains("--keep-last: must be >= 1"));
+  CHECK(parse_flags({"--weight-decay", "0"}).weight_decay == 0.0);
+  CHECK(parse_flags({"--peak-gflops", "12.5"}).peak_gflops == 12.5);
+  CHECK(parse_flags({"--keep-last", "3"}).keep_last == 3);
+  CHECK(Options{}.keep_last == 0);  // default: keep every checkpoint
+}
+
+TEST_CASE("rank products that overflow an int are refused", "[train][flags][errors]") {
+  // 65536 x 65536 = 2^32 wrapped to 0 in int arithmetic.
+  CHECK(contains(error_of({"--dp", "65536", "--tp", "65536"}), "more ranks than an int holds"));
+  CHECK(contains(error_of({"--dp", "65536", "--tp", "65536"}, 4), "more ranks than an int holds"));
+  CHECK(contains(error_of({"--dp", "2147483647", "--tp", "2147483647", "--pp", "2147483647"}),
+                 "more ranks than an int holds"));
+  CHECK(trellis::train::layout_ranks(2, 3, 4) == 24);
+  CHECK(trellis::train::layout_ranks(1, 1 << 16, (1 << 15) - 1) == (std::int64_t{1} << 31) - (1 << 16));
+  CHECK(trellis::train::layout_ranks(1, 1 << 16, 1 << 15) == -1);
+}
+
+TEST_CASE("files and directories are checked before any work, naming the flag and path", "[train][flags][errors]") {
+  namespace fs = std::filesystem;
+  TempDir dir("flags-paths");
+  const std::string corpus = (dir.path / "corpus.txt").string();
+  std::ofstream(corpus) << "some text to train on\n";
+  auto paths = [&](std::vector<std::string> args) {
+    std::string all;
+    for (const auto& p : train_gpt::path_problems(parse_flags(args), corpus)) all += p + "\n";
+    return all;
+  };
+  CHECK(paths({"--ckpt-dir", (dir.path / "ckpt").string()}).empty());  // created at the first save
+  CHECK(paths({"--ckpt-dir", dir.path.string()}).empty());
+  // A regular file where a directory must be (unwritable in the way that holds for root too).
+  const std::string file = (dir.path / "a-file").string();
+  std::ofstream(file) << "x";
+  CHECK(contains(paths({"--ckpt-dir", file + "/ckpt"}), "--ckpt-dir " + file + "/ckpt cannot be used: " + file +
+                                                            " is not a directory"));
+  CHECK(contains(paths({"--ckpt-dir", file}), "is not a directory"));
+  CHECK(contains(paths({"--log", file + "/m.jsonl"}), "--log"));
+  if (::geteuid() != 0) {  // permissions bind only non-root users
+    const auto ro = dir.path / "read-only";
+    fs::create_directories(ro);
+    fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+    CHECK(contains(paths({"--ckpt-dir", (ro / "ckpt").string()}), "is not writable"));
+    fs::permissions(ro, fs::perms::owner_all);
+  }
+  // Data: missing, empty, a FIFO (open() would block), a directory; every .bin shard is checked.
+  CHECK(contains(paths({"--data", (dir.path / "missing.txt").string()}), "missing.txt: no such file"));
+  const std::string empty = (dir.path / "empty.txt").string();
+  std::ofstream(empty).close();
+  CHECK(contains(paths({"--data", empty}), "--data " + empty + " is empty"));
+  const std::string fifo = (dir.path / "fifo.txt").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK(contains(paths({"--data", fifo}), "--data " + fifo + " is not a regular file (a FIFO)"));
+  CHECK(contains(paths({"--data", dir.path.string()}), "(a directory)"));
+  CHECK(contains(paths({"--data", corpus + ".bin," + fifo + ".bin"}), fifo + ".bin: no such file"));
+  CHECK(contains(paths({"--init-from", fifo}), "--init-from " + fifo + " is not a regular file"));
+  CHECK(contains(paths({"--schedule-file", fifo, "--pp", "2"}), "--schedule-file " + fifo + " is not a regular file"));
+  CHECK(paths({"--data", corpus}).empty());
+  CHECK(paths({}).empty());  // the default corpus
 }

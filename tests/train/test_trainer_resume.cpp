@@ -81,6 +81,23 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   }
 }
 
+namespace {
+// The error of loading the checkpoint under `root` into a trainer of `cfg` ("" when it loads).
+std::string load_error(const TrainerConfig& cfg, const std::filesystem::path& root) {
+  std::string error;
+  nn_test::run_ranks(cfg.pp * cfg.dp * cfg.tp, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, cfg);
+    try {
+      t.load(*trellis::train::latest_checkpoint(root));
+    } catch (const trellis::Error& e) {
+      if (comm.rank() == 0) error = e.what();
+    }
+  });
+  return error;
+}
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+}  // namespace
+
 TEST_CASE("a checkpoint of another model shape is refused naming the tensor",
           "[train][trainer][reshard][errors]") {
   TempDir dir("trainer-shape");
@@ -89,13 +106,51 @@ TEST_CASE("a checkpoint of another model shape is refused naming the tensor",
   train(tiny_config(), 1, r, w, {}, dir.path);
   auto other = tiny_config();
   other.model.width = 64;
-  nn_test::run_ranks(1, [&](ThreadComm& comm) {
-    Trainer<ThreadComm> t(comm, other);
-    try {
-      t.load(*trellis::train::latest_checkpoint(dir.path));
-      RANK_CHECK(false);
-    } catch (const trellis::Error& e) {
-      RANK_CHECK(std::string(e.what()).find("wte.weight") != std::string::npos);
+  const std::string e = load_error(other, dir.path);
+  CHECK(has(e, "width: 32 in the checkpoint, 64 in this model"));
+}
+
+// A 2-layer checkpoint resumed with 1 layer used to load layer 0 and exit 0 (its next save held
+// only layer 0); a change of heads changes no tensor shape at all.
+TEST_CASE("a checkpoint of another model configuration is refused naming both values",
+          "[train][trainer][reshard][errors]") {
+  TempDir dir("trainer-config");
+  auto two = tiny_config();
+  two.model.layers = 2;
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(two, 1, r, w, {}, dir.path);
+  }
+  auto one = two;
+  one.model.layers = 1;
+  const std::string e = load_error(one, dir.path);
+  CHECK(has(e, "step-00000001"));
+  CHECK(has(e, "layers: 2 in the checkpoint, 1 in this model"));
+  auto heads = two;
+  heads.model.heads = 2;
+  CHECK(has(load_error(heads, dir.path), "heads: 4 in the checkpoint, 2 in this model"));
+  auto layout = two;  // another layout of the same model loads
+  layout.tp = 2;
+  CHECK(load_error(layout, dir.path).empty());
+
+  SECTION("a checkpoint that did not record its model: tensors nothing loads are an error naming them") {
+    const auto index_path = dir.path / "step-00000001" / "index.json";
+    std::string index = trellis::io::read_whole_file(index_path), kept;
+    std::size_t start = 0;
+    while (start < index.size()) {  // drop every "model.*" metadata line
+      std::size_t end = index.find('\n', start);
+      end = end == std::string::npos ? index.size() : end + 1;
+      const std::string line = index.substr(start, end - start);
+      if (!has(line, "\"model.")) kept += line;
+      start = end;
     }
-  });
+    REQUIRE(kept.size() < index.size());
+    trellis::io::write_file_atomically(index_path, kept);
+    const std::string old = load_error(one, dir.path);
+    // layer 1: 12 GPT-2 tensors, each with its two AdamW moments; the first 4 names, sorted
+    CHECK(has(old, "36 tensor(s) not loaded by this model"));
+    CHECK(has(old, "\"h.1.attn.c_attn.bias\", \"h.1.attn.c_attn.weight\", \"h.1.attn.c_proj.bias\""));
+    CHECK(load_error(two, dir.path).empty());
+  }
 }

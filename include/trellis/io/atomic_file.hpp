@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,6 +23,10 @@ namespace trellis::io {
 namespace detail {
 inline std::string errno_text(int err) { return std::strerror(err); }
 }  // namespace detail
+
+// Called at the named points of a multi-step write ("before rename", ...), so tests can stop a
+// save there (throw, or end the process) and check what a crash at that point leaves.
+using StepHook = std::function<void(std::string_view point)>;
 
 // fsync on a directory makes a rename or a newly created entry in it durable.
 inline void fsync_directory(const std::filesystem::path& dir) {
@@ -68,9 +73,14 @@ class AtomicFileWriter {
   void write(std::string_view s) { write(s.data(), s.size()); }
   std::size_t bytes_written() const { return written_; }
 
-  // fsync the data, rename over the target, fsync the directory.
-  void commit() {
+  // fsync the data, rename over the target, fsync the directory. `hook` (tests) is called before
+  // the fsync, before the rename, after the rename and after the directory fsync.
+  void commit(const StepHook& hook = {}) {
     TRELLIS_CHECK(fd_ >= 0, "AtomicFileWriter for ", target_, " committed twice");
+    auto at = [&](std::string_view point) {
+      if (hook) hook(point);
+    };
+    at("before fsync");
     if (::fsync(fd_) != 0) TRELLIS_THROW("fsync of ", temp_, " failed: ", detail::errno_text(errno));
     int rc = ::close(fd_);
     fd_ = -1;
@@ -78,12 +88,15 @@ class AtomicFileWriter {
       ::unlink(temp_.c_str());
       TRELLIS_THROW("close of ", temp_, " failed: ", detail::errno_text(errno));
     }
+    at("before rename");
     if (::rename(temp_.c_str(), target_.c_str()) != 0) {
       int err = errno;
       ::unlink(temp_.c_str());
       TRELLIS_THROW("rename ", temp_, " -> ", target_, " failed: ", detail::errno_text(err));
     }
+    at("after rename");
     fsync_directory(target_.has_parent_path() ? target_.parent_path() : std::filesystem::path("."));
+    at("after directory fsync");
   }
 
  private:
@@ -93,18 +106,21 @@ class AtomicFileWriter {
   std::size_t written_ = 0;
 };
 
-inline void write_file_atomically(const std::filesystem::path& target, std::string_view content) {
+inline void write_file_atomically(const std::filesystem::path& target, std::string_view content,
+                                  const StepHook& hook = {}) {
   AtomicFileWriter w(target);
   w.write(content);
-  w.commit();
+  w.commit(hook);
 }
 
-// A read-only file descriptor with positioned reads that report short reads as errors.
+// A read-only file descriptor with positioned reads that report short reads as errors. Only
+// regular files: a FIFO, socket, device or directory is refused (opened non-blocking, so a FIFO
+// with no writer does not hang the open; its "size" would mean nothing anyway).
 class ReadOnlyFile {
  public:
   ReadOnlyFile() = default;
   explicit ReadOnlyFile(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) TRELLIS_THROW("cannot open ", path_, ": ", detail::errno_text(errno));
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
@@ -113,6 +129,15 @@ class ReadOnlyFile {
       fd_ = -1;
       TRELLIS_THROW("cannot stat ", path_, ": ", detail::errno_text(err));
     }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      fd_ = -1;
+      TRELLIS_THROW(path_, " is not a regular file (",
+                    S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "a device or socket",
+                    "): give a file");
+    }
+    const int flags = ::fcntl(fd_, F_GETFL);  // reads block as usual on the regular file
+    if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
     size_ = static_cast<std::size_t>(st.st_size);
   }
   ReadOnlyFile(ReadOnlyFile&& o) noexcept

@@ -13,7 +13,9 @@
 //   w.finish();
 // Ranks write into <root>/step-N.partial/; commit checks that the shards tile every tensor,
 // writes index.json, renames the directory to step-N and only then points `latest` at it, so
-// the previous checkpoint stays the loadable one until the new one is complete.
+// the previous checkpoint stays the loadable one until the new one is complete. A stop between
+// the two renames of a re-save (step-N -> step-N.old, step-N.partial -> step-N) is read through
+// by latest_checkpoint and repaired by the next commit (docs/checkpoint.md has the whole table).
 //
 // Loading: Checkpoint ck(root); ck.read(name, offsets, out_view) reads any box of the global
 // tensor from whichever shards overlap it, so any layout (dp/tp/pp/ZeRO-1) loads any other.
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -359,6 +362,9 @@ class CheckpointWriter {
     std::error_code ec;  // several ranks may create it at once: only its absence afterwards is an error
     fs::create_directories(staging, ec);
     TRELLIS_CHECK(fs::is_directory(staging), "cannot create checkpoint directory ", staging, ": ", ec.message());
+    // An index.json here is from an earlier attempt at this step that crashed after writing it:
+    // with it gone, the directory is no longer "complete" while this attempt rewrites the files.
+    fs::remove(staging / "index.json", ec);
     std::vector<std::vector<std::byte>> assembled;  // merged boxes, alive until written
     io::SafetensorsWriter model, optimizer;
     for (const auto& e : entries(assembled)) {
@@ -512,9 +518,68 @@ inline io::json::Value index_json(std::int64_t step, int world_size, const std::
 }
 }  // namespace detail
 
+// The newest committed checkpoint directory under `root`, if any (defined after Checkpoint).
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+
+// Run by commit_checkpoint (one rank) before it changes anything: finishes what an interrupted
+// commit left half done, so nothing committed is lost and nothing stale stays.
+//  - step-X.old without step-X (stopped between the two renames of a re-save): step-X.old is
+//    the committed checkpoint of step X and is renamed back to step-X;
+//  - `latest` naming a step whose directory is still missing (only by hand: the protocol never
+//    leaves that after the first rule): its complete, verified copy is renamed to step-X;
+//  - then removed: step-X.old next to a step-X (stopped after publishing the new step-X),
+//    step-Y.partial of every step Y but `current_step` (saves that crashed), temporary files.
+// Every change is a rename or a removal of something no reader is pointed at.
+inline void recover_interrupted_commits(const std::filesystem::path& root, std::int64_t current_step) {
+  namespace fs = std::filesystem;
+  auto entries = [&] {
+    std::vector<fs::path> out;
+    for (const auto& e : fs::directory_iterator(root)) out.push_back(e.path());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  bool changed = false;
+  for (const fs::path& p : entries()) {
+    const std::string f = p.filename().string();
+    if (!f.starts_with("step-") || !f.ends_with(".old")) continue;
+    const fs::path base = root / f.substr(0, f.size() - 4);
+    if (!fs::exists(base)) {
+      fs::rename(p, base);
+      changed = true;
+    }
+  }
+  if (changed) io::fsync_directory(root);
+  const std::string current = step_directory_name(current_step) + ".partial";
+  if (fs::exists(root / "latest")) {
+    std::string name = io::read_whole_file(root / "latest");
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    if (name.starts_with("step-") && name.find_first_of("/.") == std::string::npos && !fs::exists(root / name)) {
+      std::optional<fs::path> found;
+      try {
+        found = latest_checkpoint(root);
+      } catch (const Error&) {  // no complete copy: nothing to keep; this commit rewrites latest
+      }
+      if (found && *found != root / name && found->filename() != current) {
+        fs::rename(*found, root / name);
+        io::fsync_directory(root);
+      }
+    }
+  }
+  for (const fs::path& p : entries()) {
+    const std::string f = p.filename().string();
+    const bool stale_old = f.starts_with("step-") && f.ends_with(".old");  // its step-X exists (above)
+    const bool stale_partial = f.starts_with("step-") && f.ends_with(".partial") && f != current;
+    const bool temp = f.starts_with("latest.tmp.");
+    if (stale_old || stale_partial || temp) fs::remove_all(p);
+  }
+}
+
 // After every rank's finish(): validates the shard files, writes index.json, publishes the
 // directory as <root>/step-N and points <root>/latest at it. Call on exactly one rank.
-inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t step, int world_size) {
+// Protocol and what a crash at each point leaves: docs/checkpoint.md. `hook` (tests) is called
+// at named points between the steps (before and after each rename and fsync).
+inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t step, int world_size,
+                              const io::StepHook& hook = {}) {
   namespace fs = std::filesystem;
   const fs::path staging = detail::staging_directory(root, step);
   TRELLIS_CHECK(world_size > 0, "commit_checkpoint: world size ", world_size);
@@ -571,18 +636,37 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
     for (int r = 0; r < world_size && !ours; ++r) ours = f == shard_file_name(r) || f == optimizer_file_name(r);
     if (!ours) fs::remove_all(entry.path());
   }
-  io::write_file_atomically(staging / "index.json", io::json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n");
+  auto at = [&](std::string_view point) {
+    if (hook) hook(point);
+  };
+  auto prefixed = [&](std::string prefix) -> io::StepHook {
+    if (!hook) return {};
+    return [&hook, prefix](std::string_view point) { hook(prefix + std::string(point)); };
+  };
+  at("begin");
+  recover_interrupted_commits(root, step);
+  at("after recovery");
+  io::write_file_atomically(staging / "index.json", io::json::dump(detail::index_json(step, world_size, tensors, rank_metadata), 1) + "\n",
+                            prefixed("index.json: "));
 
   const fs::path final_dir = root / step_directory_name(step);
   const fs::path old_dir = root / (step_directory_name(step) + ".old");
   if (fs::exists(final_dir)) {  // re-saving a step: keep the old one aside until the swap is done
-    fs::remove_all(old_dir);
-    fs::rename(final_dir, old_dir);
+    at("before rename step -> step.old");
+    fs::rename(final_dir, old_dir);  // recover_interrupted_commits removed any older step-N.old
+    at("after rename step -> step.old");
+    io::fsync_directory(root);
+    at("after fsync of the root (step.old)");
   }
+  at("before rename step.partial -> step");
   fs::rename(staging, final_dir);
+  at("after rename step.partial -> step");
   io::fsync_directory(root);
-  io::write_file_atomically(root / "latest", step_directory_name(step) + "\n");
+  at("after fsync of the root");
+  io::write_file_atomically(root / "latest", step_directory_name(step) + "\n", prefixed("latest: "));
+  at("before removing step.old");
   fs::remove_all(old_dir);
+  at("end");
 }
 
 // The whole save on every rank of `comm` (which must be the writer's world, same rank order):
@@ -615,17 +699,6 @@ void save_collectively(CheckpointWriter& writer, C& comm) {
   comm.broadcast(&commit_failed, 1, 0);
   if (mine) std::rethrow_exception(mine);
   if (commit_failed) TRELLIS_THROW("checkpoint step ", writer.step(), ": the commit failed on rank 0 (see its error)");
-}
-
-// The newest committed checkpoint directory under `root`, if any.
-inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root) {
-  const auto pointer = root / "latest";
-  if (!std::filesystem::exists(pointer)) return std::nullopt;
-  std::string name = io::read_whole_file(pointer);
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  TRELLIS_CHECK(name.starts_with("step-") && name.find('/') == std::string::npos, pointer,
-                " holds \"", name, "\", not a step directory name");
-  return root / name;
 }
 
 // Removes committed step directories older than the newest `keep` (never the one `latest` names).
@@ -666,7 +739,11 @@ class Checkpoint {
     TRELLIS_CHECK(version >= 1 && version <= detail::ckpt_version, what, ": unsupported version ", version,
                   " (this build reads 1..", detail::ckpt_version, ")");
     step_ = index.at("step", what).as_int(what + " step");
-    world_size_ = static_cast<int>(index.at("world_size", what).as_int(what + " world_size"));
+    TRELLIS_CHECK(step_ >= 0, what, ": \"step\" ", step_, " is negative");
+    const std::int64_t world = index.at("world_size", what).as_int(what + " world_size");
+    TRELLIS_CHECK(world >= 1 && world <= std::numeric_limits<int>::max(), what, ": \"world_size\" ", world,
+                  " is out of range [1, ", std::numeric_limits<int>::max(), "]");
+    world_size_ = static_cast<int>(world);
     for (const auto& [k, v] : index.at("metadata", what).as_object(what)) metadata_[k] = v.as_string(what + " metadata");
     for (const auto& m : index.at("rank_metadata", what).as_array(what)) {
       rank_metadata_.emplace_back();
@@ -834,5 +911,34 @@ class Checkpoint {
   std::map<std::string, TensorInfo> tensors_;
   mutable std::map<std::string, std::unique_ptr<io::SafetensorsFile>> files_;
 };
+
+// The step directory `latest` names. Read only, so every rank may call it. When that directory is
+// missing because a commit was interrupted between its renames, the same step's committed copy
+// step-N.old, or else a complete step-N.partial (its index.json written), is returned instead,
+// after opening it and verifying every checksum; when neither is whole, the error names all three.
+inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root) {
+  namespace fs = std::filesystem;
+  const auto pointer = root / "latest";
+  if (!fs::exists(pointer)) return std::nullopt;
+  std::string name = io::read_whole_file(pointer);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  TRELLIS_CHECK(name.starts_with("step-") && name.find_first_of("/.") == std::string::npos, pointer,
+                " holds \"", name, "\", not a step directory name");
+  const fs::path named = root / name;
+  if (fs::exists(named)) return named;
+  std::string tried;
+  for (const char* suffix : {".old", ".partial"}) {
+    const fs::path copy = root / (name + suffix);
+    try {
+      TRELLIS_CHECK(fs::exists(copy / "index.json"), copy / "index.json", " does not exist");
+      Checkpoint(copy).verify();
+      return copy;
+    } catch (const Error& e) {
+      tried += "\n  - " + e.message();
+    }
+  }
+  TRELLIS_THROW(pointer, " names ", name, ", which is missing (a save was interrupted), and neither ", name,
+                ".old nor ", name, ".partial is a complete checkpoint:", tried);
+}
 
 }  // namespace trellis::train

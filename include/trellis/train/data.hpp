@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,6 +28,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
 #include "trellis/io/atomic_file.hpp"
+#include "trellis/io/number.hpp"
 #include "trellis/shard/layout.hpp"
 #include "trellis/train/rng.hpp"
 
@@ -160,21 +162,26 @@ struct Batch {
 
 // The position of a loader: restoring it resumes the exact batch sequence.
 struct DataState {
+  // next_batch is a global batch index; the loader's window arithmetic is signed 64-bit.
+  static constexpr std::uint64_t max_next_batch = static_cast<std::uint64_t>(std::numeric_limits<index_t>::max());
   std::uint64_t seed = 0;
   std::uint64_t next_batch = 0;
   std::string to_string() const {
     return "seed=" + std::to_string(seed) + ";next_batch=" + std::to_string(next_batch);
   }
-  static DataState parse(std::string_view text) {
+  // "seed=<n>;next_batch=<n>", both plain decimal, next_batch <= max_next_batch; errors start
+  // with `what` (say which file and field).
+  static DataState parse(std::string_view text, std::string_view what = "data position") {
+    constexpr std::string_view seed_key = "seed=", batch_key = ";next_batch=";
+    const auto sep = text.find(batch_key);
+    TRELLIS_CHECK(text.starts_with(seed_key) && sep != std::string_view::npos, what, ": \"", text,
+                  "\" is not \"seed=<n>;next_batch=<n>\"");
+    const std::string where(what);
     DataState s;
-    unsigned long long a = 0, b = 0;
-    std::string copy(text);
-    int n = 0;
-    TRELLIS_CHECK(std::sscanf(copy.c_str(), "seed=%llu;next_batch=%llu%n", &a, &b, &n) == 2 &&
-                      static_cast<std::size_t>(n) == copy.size(),
-                  "data position \"", text, "\" is not \"seed=<n>;next_batch=<n>\"");
-    s.seed = a;
-    s.next_batch = b;
+    s.seed = io::parse_integer<std::uint64_t>(text.substr(seed_key.size(), sep - seed_key.size()), 0,
+                                              std::numeric_limits<std::uint64_t>::max(), where + ", seed");
+    s.next_batch = io::parse_integer<std::uint64_t>(text.substr(sep + batch_key.size()), 0, max_next_batch,
+                                                    where + ", next_batch");
     return s;
   }
   bool operator==(const DataState&) const = default;
@@ -216,9 +223,11 @@ class DataLoader {
     return b;
   }
   void next(Batch& b) {
-    const index_t per_epoch = batches_per_epoch();
-    const auto epoch = static_cast<std::uint64_t>(static_cast<index_t>(next_batch_) / per_epoch);
-    const index_t in_epoch = static_cast<index_t>(next_batch_) % per_epoch;
+    TRELLIS_CHECK(next_batch_ <= DataState::max_next_batch, "DataLoader: position ", next_batch_, " is past ",
+                  DataState::max_next_batch);
+    const auto per_epoch = static_cast<std::uint64_t>(batches_per_epoch());
+    const std::uint64_t epoch = next_batch_ / per_epoch;
+    const auto in_epoch = static_cast<index_t>(next_batch_ % per_epoch);
     const index_t T = o_.seq_len;
     b.rows = local_rows_;
     b.seq_len = T;
@@ -239,6 +248,8 @@ class DataLoader {
   DataState state() const { return {o_.seed, next_batch_}; }
   void restore(const DataState& s) {
     TRELLIS_CHECK(s.seed == o_.seed, "DataLoader: saved position is for seed ", s.seed, ", this loader uses ", o_.seed);
+    TRELLIS_CHECK(s.next_batch <= DataState::max_next_batch, "DataLoader: saved next_batch ", s.next_batch,
+                  " is out of range [0, ", DataState::max_next_batch, "]");
     next_batch_ = s.next_batch;
   }
   void reset() { next_batch_ = 0; }

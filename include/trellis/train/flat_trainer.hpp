@@ -37,6 +37,7 @@
 #include "trellis/train/data.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
+#include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer.hpp"
 
@@ -110,6 +111,7 @@ class FlatTrainer {
     s.rng = Rng(cfg_.seed, 0);
     s.data = data;
     save_train_state(w, s);
+    save_model_config(w, cfg_.model);
     w.finish();
     commit_checkpoint(root, step_, 1);
   }
@@ -118,6 +120,7 @@ class FlatTrainer {
   // (restore the loader with .data). Moments missing from the file are an error.
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck(step_dir);
+    check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, 0);
     auto& o = model_.backend();
     for (const nn::FlatTensor& t : model_.tensors()) {

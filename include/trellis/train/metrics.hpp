@@ -82,6 +82,43 @@ inline std::vector<io::json::Value> read_metrics(const std::filesystem::path& pa
   return rows;
 }
 
+// A resumed run continues from its checkpoint's step, so rows a crashed run wrote after that step
+// would be written again: removes every row whose "step" is greater than `step` (and a torn last
+// line, which a crash while writing leaves), rewriting the file atomically. Returns the number of
+// rows removed. A malformed line elsewhere is an error naming the file and line.
+inline std::size_t trim_metrics_after(const std::filesystem::path& path, std::int64_t step) {
+  const std::string text = io::read_whole_file(path);
+  std::string kept;
+  std::size_t start = 0, line = 1, removed = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    const bool last = end == std::string::npos || end + 1 == text.size();
+    if (end == std::string::npos) end = text.size();
+    std::string_view row(text.data() + start, end - start);
+    bool keep = true;
+    if (!row.empty()) {
+      try {
+        const io::json::Value v = io::json::parse(row, path.string() + " line " + std::to_string(line));
+        const auto* s = v.find("step");
+        keep = !(s && s->is_number() && s->as_double() > static_cast<double>(step));
+      } catch (const Error&) {
+        if (!last) throw;
+        keep = false;  // torn by a crash while it was written
+      }
+    }
+    if (keep) {
+      kept.append(row);
+      kept += '\n';
+    } else {
+      ++removed;
+    }
+    start = end + 1;
+    ++line;
+  }
+  if (removed > 0) io::write_file_atomically(path, kept);
+  return removed;
+}
+
 // Training FLOPs per token of a GPT (forward + backward, PaLM appendix B):
 //   6 * n_params + 12 * n_layers * d_model * seq_len  (the second term is attention's QK^T and AV)
 inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, int seq_len) {

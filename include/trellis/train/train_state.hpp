@@ -10,11 +10,13 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "trellis/io/number.hpp"
 #include "trellis/optim/adamw.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/data.hpp"
@@ -40,20 +42,27 @@ inline void save_train_state(CheckpointWriter& w, const TrainState& s) {
 
 // `rank`'s saved state; a rank beyond the saved world size (resumed on more ranks) gets rank
 // 0's step and data position and an Rng it must re-derive itself (returned as rank 0's).
+// Every field is parsed strictly (train.step in [0, 2^63 - 1], next_batch likewise, the Rng as 64
+// hex digits); an error names the checkpoint's index.json, the rank and the field.
 inline TrainState load_train_state(const Checkpoint& ck, int rank = 0) {
-  const Metadata& m = rank < ck.world_size() ? ck.rank_metadata(rank) : ck.rank_metadata(0);
+  const int from = rank < ck.world_size() ? rank : 0;
+  const Metadata& m = ck.rank_metadata(from);
+  const std::string where = "checkpoint " + (ck.directory() / "index.json").string() + ", metadata of rank " +
+                            std::to_string(from) + ", \"";
   auto get = [&](const char* key) -> const std::string& {
     auto it = m.find(key);
-    if (it == m.end()) TRELLIS_THROW("checkpoint ", ck.directory(), ": no \"", key, "\" in the metadata of rank ", rank);
+    if (it == m.end()) TRELLIS_THROW("checkpoint ", ck.directory(), ": no \"", key, "\" in the metadata of rank ", from);
     return it->second;
   };
   TrainState s;
-  const std::string& step = get(train_step_key);
-  char* end = nullptr;
-  s.step = std::strtoll(step.c_str(), &end, 10);
-  TRELLIS_CHECK(end && *end == '\0' && !step.empty(), "checkpoint ", ck.directory(), ": train.step \"", step, "\" is not an integer");
-  s.rng = Rng::from_string(get(train_rng_key));
-  s.data = DataState::parse(get(train_data_key));
+  s.step = io::parse_integer<std::int64_t>(get(train_step_key), 0, std::numeric_limits<std::int64_t>::max(),
+                                           where + train_step_key + "\"");
+  try {
+    s.rng = Rng::from_string(get(train_rng_key));
+  } catch (const Error& e) {
+    TRELLIS_THROW(where, train_rng_key, "\": ", e.message());
+  }
+  s.data = DataState::parse(get(train_data_key), where + train_data_key + "\"");
   return s;
 }
 

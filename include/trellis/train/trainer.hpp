@@ -52,6 +52,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -72,6 +73,7 @@
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
 #include "trellis/train/checkpoint.hpp"
+#include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
@@ -139,6 +141,17 @@ inline std::vector<std::string> custom_schedule_problems(const TrainerConfig& c,
   return out;
 }
 
+// dp x tp x pp, or -1 when it does not fit in an int (ranks are ints everywhere); 0 when a size is < 1.
+inline std::int64_t layout_ranks(int pp, int dp, int tp) {
+  std::int64_t n = 1;
+  for (int k : {pp, dp, tp}) {
+    if (k < 1) return 0;
+    n *= k;
+    if (n > std::numeric_limits<int>::max()) return -1;
+  }
+  return n;
+}
+
 // Every problem with a layout, each saying what to change; empty when the config is usable.
 inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   std::vector<std::string> out;
@@ -150,6 +163,9 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   const auto& m = c.model;
   if (c.pp < 1 || c.dp < 1 || c.tp < 1)
     add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
+  if (layout_ranks(c.pp, c.dp, c.tp) < 0)
+    add("--dp ", c.dp, " x --tp ", c.tp, " x --pp ", c.pp, " is more ranks than an int holds (",
+        std::numeric_limits<int>::max(), "): use smaller sizes");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
   if (m.heads >= 1 && m.width % m.heads != 0)
@@ -189,7 +205,7 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       if (v < 1)
         add("--chunks must be >= 1");
       else if (m.layers < static_cast<index_t>(c.pp) * v)
-        add("--layers ", m.layers, " is fewer than the ", c.pp * v, " virtual pipeline stages of '",
+        add("--layers ", m.layers, " is fewer than the ", static_cast<index_t>(c.pp) * v, " virtual pipeline stages of '",
             c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
     }
   }
@@ -201,11 +217,11 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
 // Throws trellis::Error listing every problem (with `world_size` also checking dp x tp x pp).
 inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt) {
   auto problems = config_problems(c);
-  if (world_size && *world_size != c.dp * c.tp * c.pp) {
+  const std::int64_t ranks = layout_ranks(c.pp, c.dp, c.tp);
+  if (world_size && ranks > 0 && *world_size != ranks) {
     std::ostringstream s;
     s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x "
-      << c.pp << " = " << c.dp * c.tp * c.pp << ": start " << c.dp * c.tp * c.pp
-      << " ranks or change the layout";
+      << c.pp << " = " << ranks << ": start " << ranks << " ranks or change the layout";
     problems.push_back(s.str());
   }
   if (problems.empty()) return;
@@ -466,6 +482,7 @@ class Trainer {
     s.rng = rng_;
     s.data = data;
     save_train_state(w, s);
+    save_model_config(w, cfg_.model);
     save_collectively(w, world);
   }
 
@@ -473,6 +490,7 @@ class Trainer {
   // saving run had this rank); returns the saved train state (restore the loader with .data).
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck(step_dir);
+    check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, mesh_.world().rank());
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));

@@ -1,0 +1,151 @@
+// train_gpt's training loop (examples/train_gpt/run.hpp) on thread ranks, a tiny model and a
+// small text file: what a user sees around checkpoints. Each case compares with a run it made
+// itself (the rows and losses of an uninterrupted run, the directories a policy must leave).
+//  - a crash after logging steps past the last checkpoint, then --resume: metrics.jsonl holds
+//    every step once, and the re-trained steps' losses equal the uninterrupted run's;
+//  - --keep-last 2 leaves the newest two step directories;
+//  - resuming a finished run trains nothing and says so (no "train loss -1.0000 -> 0.0000");
+//  - data too small or empty: the error names the file and the flags.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "temp_dir.hpp"
+#include "train_gpt/flags.hpp"
+#include "train_gpt/run.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Text with structure: enough for 5000 tokens (bytes).
+std::string corpus_text() {
+  std::string s;
+  for (int i = 0; s.size() < 5000; ++i) s += "the cat " + std::to_string(i % 37) + " sat on mat " + std::to_string(i % 11) + ". ";
+  return s;
+}
+
+train_gpt::Options tiny(const TempDir& dir) {
+  train_gpt::Options o;
+  o.layers = 1;
+  o.heads = 2;
+  o.width = 16;
+  o.context = 16;
+  o.batch = 4;
+  o.microbatches = 1;
+  o.steps = 4;
+  o.warmup = 1;
+  o.eval_every = 2;
+  o.sample_tokens = 0;
+  o.peak_gflops = 1;  // no sgemm measurement
+  o.data = (dir.path / "corpus.txt").string();
+  o.ckpt_dir = (dir.path / "ckpt").string();
+  o.log = (dir.path / "metrics.jsonl").string();
+  if (!fs::exists(o.data)) std::ofstream(o.data) << corpus_text();
+  return o;
+}
+
+train_gpt::Outcome run(const train_gpt::Options& o) {
+  train_gpt::validate(o);
+  const train_gpt::Data data = train_gpt::load_data(o);
+  train_gpt::Outcome out;
+  trellis::comm::ThreadWorld world(o.dp * o.tp * o.pp);
+  world.run([&](trellis::comm::ThreadComm& comm) { train_gpt::run_rank(comm, o, data, o.peak_gflops * 1e9, out); });
+  return out;
+}
+
+// step -> loss of every row (a step twice fails).
+std::map<std::int64_t, double> rows(const std::string& log) {
+  std::map<std::int64_t, double> out;
+  for (const auto& row : trellis::train::read_metrics(log)) {
+    const auto step = static_cast<std::int64_t>(row.find("step")->as_double());
+    INFO("step " << step);
+    CHECK(out.count(step) == 0);
+    out[step] = row.find("loss")->as_double();
+  }
+  return out;
+}
+
+std::vector<std::string> step_dirs(const fs::path& root) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.is_directory()) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train_gpt: after a crash and --resume, metrics.jsonl holds every step once", "[train][train_gpt][resume]") {
+  TempDir dir("train-gpt-metrics");
+  auto o = tiny(dir);
+  o.ckpt_every = 2;
+  run(o);  // steps 1..4; checkpoints at 2 and 4
+  const auto straight = rows(o.log);
+  REQUIRE(straight.size() == 4);
+  // A crash after step 4 was logged but before it was saved: step 2 is the newest checkpoint.
+  fs::remove_all(fs::path(o.ckpt_dir) / "step-00000004");
+  trellis::io::write_file_atomically(fs::path(o.ckpt_dir) / "latest", "step-00000002\n");
+  std::ofstream(o.log, std::ios::app) << "{\"step\": 5, \"loss\": 1.0, \"to";  // and a row torn by the crash
+  o.resume = true;
+  const auto out = run(o);
+  CHECK(out.steps_done == 2);
+  const auto resumed = rows(o.log);
+  REQUIRE(resumed.size() == 4);
+  for (const auto& [step, loss] : straight) {
+    INFO("step " << step);
+    CHECK(resumed.at(step) == loss);  // steps 3 and 4 re-trained from the checkpoint: the same bits
+  }
+}
+
+TEST_CASE("train_gpt: --keep-last N keeps the newest N step directories", "[train][train_gpt][checkpoint]") {
+  TempDir dir("train-gpt-keep");
+  auto o = tiny(dir);
+  o.ckpt_every = 1;
+  o.keep_last = 2;
+  run(o);
+  CHECK(step_dirs(o.ckpt_dir) == std::vector<std::string>{"step-00000003", "step-00000004"});
+  CHECK(*trellis::train::latest_checkpoint(o.ckpt_dir) == fs::path(o.ckpt_dir) / "step-00000004");
+  o.keep_last = 0;  // without the flag nothing is removed
+  o.steps = 6;
+  o.resume = true;
+  run(o);
+  CHECK(step_dirs(o.ckpt_dir) ==
+        std::vector<std::string>{"step-00000003", "step-00000004", "step-00000005", "step-00000006"});
+}
+
+TEST_CASE("train_gpt: resuming a finished run trains nothing and says so", "[train][train_gpt][resume]") {
+  TempDir dir("train-gpt-finished");
+  auto o = tiny(dir);
+  const auto first = run(o);
+  REQUIRE(first.steps_done == 4);
+  o.resume = true;
+  const auto again = run(o);
+  CHECK(again.steps_done == 0);
+  CHECK(again.first_step == 4);
+  const train_gpt::Data data = train_gpt::load_data(o);
+  const std::string line = train_gpt::summary(o, data, again);
+  CHECK(line.find("nothing to train: the checkpoint is at step 4 and --steps is 4") != std::string::npos);
+  CHECK(line.find("-1.0000") == std::string::npos);
+  CHECK(train_gpt::summary(o, data, first).find("trained 4 steps") != std::string::npos);
+  CHECK(again.val_loss == first.val_loss);  // the same weights, evaluated again
+}
+
+TEST_CASE("train_gpt: data that is empty or too small is refused naming the file and flags",
+          "[train][train_gpt][errors]") {
+  TempDir dir("train-gpt-data");
+  auto o = tiny(dir);
+  const std::string empty = (dir.path / "empty.txt").string();
+  std::ofstream(empty).close();
+  o.data = empty;
+  CHECK_THROWS_WITH(train_gpt::load_data(o), Catch::Contains("--data " + empty + " holds no tokens"));
+  const std::string small = (dir.path / "small.txt").string();
+  std::ofstream(small) << corpus_text().substr(0, 400);  // 360 + 40 tokens: 22 + 2 windows of 16 + 1
+  o.data = small;
+  CHECK_THROWS_WITH(train_gpt::load_data(o), Catch::Contains("--data " + small) && Catch::Contains("--val-fraction 0.1") &&
+                                                 Catch::Contains("2 windows") && Catch::Contains("--batch 4"));
+}
