@@ -4,10 +4,17 @@
 // optional sequence parallelism, chunked communication overlap and per-block recompute.
 //
 // Pipeline stages: a GptModel is one stage, a contiguous range of blocks; the first stage holds
-// the embedding, the last ln_f + LM head + loss. When first and last are different stages both
-// hold a copy of wte (same initial values); each accumulates its own part of wte's gradient,
-// and the trainer must sum tied_wte()->grad over the {first, last} stage pair (all-reduce or
-// send/recv) before the optimizer step, which then keeps the copies identical.
+// the embedding, the last ln_f + LM head + loss. When first and last are different stages on
+// different ranks both hold a copy of wte (same initial values); each accumulates its own part of
+// wte's gradient, and the trainer must sum tied_wte()->grad over the {first, last} stage pair
+// (all-reduce or send/recv) before the optimizer step, which then keeps the copies identical.
+// When both stages live on one rank (vee schedules), the head stage is built with the embedding
+// stage's wte (`tied_wte` argument) and both add into its one gradient: no copy.
+//
+// Weight units: backward_weight runs the head (ln_f and the LM head), the blocks last to first,
+// then the embedding; a caller's hook hears when each unit is done, so a trainer can start a
+// unit's gradient reduction as soon as its last microbatch's W finished (weight_unit_parameters
+// lists each unit's parameters, wte excluded: its gradient comes from two units).
 //
 // Stage I/O: activations between stages are the norm-region rows (local_rows x width; with sp
 // only this rank's sequence shard), rows in sequence-major order (row = t * batch + b).
@@ -90,7 +97,10 @@ class GptModel {
   using Input = StageInputOf<act_t>;
 
   // tp_comm: the tensor-parallel communicator (size 1 for no tp); be: the compute backend.
-  GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {}, B be = {})
+  // tied_wte: for a head stage without the embedding, the wte of this rank's embedding stage (its
+  // LM head then reads and adds into it; the parameter is not this model's); nullptr: own copy.
+  GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {}, B be = {},
+           Parameter* tied_wte = nullptr)
       : cfg_(cfg), opt_(opt), stage_(stage), be_(std::move(be)) {
     if (stage_.end_layer < 0) stage_.end_layer = static_cast<int>(cfg.layers);
     TRELLIS_CHECK(0 <= stage_.first_layer && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.layers,
@@ -110,6 +120,10 @@ class GptModel {
       Parameter* wte = nullptr;
       if (embedding_) {
         wte = &embedding_->wte();
+      } else if (tied_wte) {
+        TRELLIS_CHECK(tied_wte->name == "wte.weight" && tied_wte->numel() == vocab_rows.size * cfg.width,
+                      "GptModel: the tied wte given to a head stage is not this rank's wte shard");
+        wte = shared_wte_ = tied_wte;
       } else {
         head_wte_ = std::make_unique<Parameter>(
             make_parameter("wte.weight", {cfg.vocab, cfg.width}, {}, 0, vocab_rows.offset, vocab_rows.size));
@@ -132,7 +146,7 @@ class GptModel {
   index_t local_rows(const TokenShape& shape) const { return tp_.local_rows(shape); }
 
   // This stage's parameters in GPT-2 order (wte, wpe, h.i.*, ln_f.*); a head-only stage lists
-  // its wte copy last.
+  // its own wte copy last (not a tied one: that belongs to the embedding stage).
   std::vector<Parameter*> parameters() {
     std::vector<Parameter*> out;
     auto add = [&](Parameter& p) { out.push_back(&p); };
@@ -150,7 +164,7 @@ class GptModel {
   // The wte held by this stage (embedding or LM-head copy), or nullptr.
   Parameter* tied_wte() {
     if (embedding_) return &embedding_->wte();
-    return head_wte_.get();
+    return shared_wte_ ? shared_wte_ : head_wte_.get();
   }
   // True when wte's gradient must be summed with another stage's (first != last stage).
   bool wte_grad_needs_stage_reduction() const { return stage_.embedding != stage_.head; }
@@ -193,36 +207,56 @@ class GptModel {
   // doutput: gradient of this stage's output (ignored on the last stage, whose output is the
   // loss, seeded with d loss = 1); dinput: gradient of its input (not written on the first stage).
   void backward_input(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput) {
-    const index_t n = tp_.local_rows(shape) * cfg_.width;
-    auto g = allocate(n), h = allocate(n);
-    if (head_) {
-      head_->backward_input(mb, shape, h.data());
-      ln_f_->backward_input(mb, shape, h.data(), g.data());
-    } else {
-      TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
-      be_.copy(g.data(), doutput, g.size());
-    }
-    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
-      (*it)->backward_input(mb, shape, g.data(), h.data());
-      std::swap(g, h);
-    }
-    if (embedding_) {
-      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
-      embedding_->backward_input(mb, shape, g.data());
-    } else {
-      TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
-      be_.copy(dinput, g.data(), g.size());
-    }
+    run_backward(mb, shape, doutput, dinput, false, [](int) {});
+  }
+  // backward_input and backward_weight fused unit by unit (each unit's W right after its B, the
+  // order of a plain backward pass): the gradients of the last units become final while the
+  // first ones still run, so a trainer's reductions overlap the rest of the backward.
+  // unit_done(u) as in backward_weight; the results equal backward_input + backward_weight.
+  template <class F>
+  void backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, F&& unit_done) {
+    run_backward(mb, shape, doutput, dinput, true, unit_done);
   }
 
-  // Adds microbatch mb's weight gradients and frees its saved activations.
+  // Adds microbatch mb's weight gradients and frees its saved activations, unit by unit (head,
+  // blocks last to first, embedding); unit_done(u) after unit u.
   void backward_weight(int mb) {
+    backward_weight(mb, [](int) {});
+  }
+  template <class F>
+  void backward_weight(int mb, F&& unit_done) {
+    int unit = 0;
     if (head_) {
       head_->backward_weight(mb);
       ln_f_->backward_weight(mb);
+      unit_done(unit++);
     }
-    for (auto& b : blocks_) b->backward_weight(mb);
-    if (embedding_) embedding_->backward_weight(mb);
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      (*it)->backward_weight(mb);
+      unit_done(unit++);
+    }
+    if (embedding_) {
+      embedding_->backward_weight(mb);
+      unit_done(unit++);
+    }
+  }
+  // Units of backward_weight and the parameters of each (in packing order; wte in none).
+  int weight_units() const {
+    return (head_ ? 1 : 0) + static_cast<int>(blocks_.size()) + (embedding_ ? 1 : 0);
+  }
+  std::vector<Parameter*> weight_unit_parameters(int unit) {
+    std::vector<Parameter*> out;
+    auto add = [&](Parameter& p) {
+      if (p.name != "wte.weight") out.push_back(&p);
+    };
+    int u = 0;
+    if (head_ && u++ == unit) ln_f_->for_each_parameter(add);
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+      if (u++ == unit) (*it)->for_each_parameter(add);
+    if (embedding_ && u++ == unit) embedding_->for_each_parameter(add);
+    TRELLIS_CHECK(unit >= 0 && unit < u, "GptModel: weight unit ", unit, " of ", u);
+    std::reverse(out.begin(), out.end());  // packing (backward) order
+    return out;
   }
 
   // Drops microbatch mb's saved activations without computing gradients (after a forward used
@@ -247,6 +281,45 @@ class GptModel {
   }
 
  private:
+  template <class F>
+  void run_backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, bool with_weights,
+                    F&& unit_done) {
+    const index_t n = tp_.local_rows(shape) * cfg_.width;
+    auto g = allocate(n), h = allocate(n);
+    int unit = 0;
+    if (head_) {
+      head_->backward_input(mb, shape, h.data());
+      ln_f_->backward_input(mb, shape, h.data(), g.data());
+      if (with_weights) {
+        head_->backward_weight(mb);
+        ln_f_->backward_weight(mb);
+        unit_done(unit++);
+      }
+    } else {
+      TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
+      be_.copy(g.data(), doutput, g.size());
+    }
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      (*it)->backward_input(mb, shape, g.data(), h.data());
+      std::swap(g, h);
+      if (with_weights) {
+        (*it)->backward_weight(mb);
+        unit_done(unit++);
+      }
+    }
+    if (embedding_) {
+      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
+      embedding_->backward_input(mb, shape, g.data());
+      if (with_weights) {
+        embedding_->backward_weight(mb);
+        unit_done(unit++);
+      }
+    } else {
+      TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
+      be_.copy(dinput, g.data(), g.size());
+    }
+  }
+
   typename B::template buffer<act_t> allocate(index_t n) const {
     return be_.template allocate<act_t>(static_cast<std::size_t>(n));
   }
@@ -274,6 +347,7 @@ class GptModel {
   std::vector<std::unique_ptr<TransformerBlock<C, B>>> blocks_;
   std::unique_ptr<LayerNorm<C, B>> ln_f_;
   std::unique_ptr<Parameter> head_wte_;
+  Parameter* shared_wte_ = nullptr;  // the embedding stage's wte on this rank (not ours)
   std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
   ParameterBuffer buffer_;
 };

@@ -10,7 +10,9 @@
 // ranks holding the first and last virtual stage (see GptModel::tied_wte).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -76,25 +78,49 @@ class GptPipelineStage {
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                                  grad_in.empty() ? nullptr : grad_in.data());
   }
-  void backward_weight(int mb, int chunk) { model(chunk)->backward_weight(mb); }
+  // backward_input + backward_weight fused per unit (GptModel::backward), for a plain loop.
+  void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
+    model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
+                           grad_in.empty() ? nullptr : grad_in.data(), [&](int unit) {
+                             if (unit_hook_) unit_hook_(mb, chunk, unit);
+                           });
+  }
+  void backward_weight(int mb, int chunk) {
+    if (unit_hook_)
+      model(chunk)->backward_weight(mb, [&](int unit) { unit_hook_(mb, chunk, unit); });
+    else
+      model(chunk)->backward_weight(mb);
+  }
 
-  // Sums the tied wte gradient over every chunk of every pipeline rank that holds a wte copy
-  // (first and last virtual stage) and writes the sum back into each copy. Collective over
-  // pp_comm (the ranks with this rank's tp coordinate): every pipeline rank calls it, ranks
-  // without a copy contribute zeros.
+  // Sums the tied wte gradient over every pipeline rank that holds a wte (first and last virtual
+  // stage) and leaves the sum in each. Collective over pp_comm (the ranks with this rank's tp
+  // coordinate): every pipeline rank calls it, ranks without one contribute zeros. Chunks of one
+  // rank built with a tied wte share one parameter (counted once); untied copies are summed.
   template <comm::Communicator P>
   void all_reduce_tied_wte_grad(P& pp_comm) {
+    std::vector<Parameter*> copies;
+    for (auto* m : chunks_)
+      if (Parameter* w = m->tied_wte(); w && std::find(copies.begin(), copies.end(), w) == copies.end())
+        copies.push_back(w);
+    if (pp_comm.size() == 1 && copies.size() <= 1) return;
+    if (copies.size() == 1) {  // in place
+      Parameter* w = copies.front();
+      pp_comm.all_reduce(w->grad.data(), w->grad.data(), w->grad.size(), comm::ReduceOp::sum);
+      return;
+    }
     const auto& cfg = chunks_.front()->config();
     auto& tp = chunks_.front()->tp();
     const auto rows = shard::chunk(cfg.vocab, tp.size(), tp.rank());
     std::vector<float> sum(static_cast<std::size_t>(rows.size * cfg.width), 0.0f);
-    for (auto* m : chunks_)
-      if (Parameter* w = m->tied_wte())
-        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += w->grad[i];
+    for (Parameter* w : copies)
+      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += w->grad[i];
     pp_comm.all_reduce(sum.data(), sum.data(), sum.size(), comm::ReduceOp::sum);
-    for (auto* m : chunks_)
-      if (Parameter* w = m->tied_wte()) std::copy(sum.begin(), sum.end(), w->grad.begin());
+    for (Parameter* w : copies) std::copy(sum.begin(), sum.end(), w->grad.begin());
   }
+
+  // Called after each weight unit of a chunk's backward_weight (GptModel's units) with
+  // (microbatch, chunk, unit): a trainer starts gradient reductions from it.
+  void set_weight_unit_hook(std::function<void(int, int, int)> hook) { unit_hook_ = std::move(hook); }
 
  private:
   model_type* model(int chunk) const {
@@ -124,6 +150,7 @@ class GptPipelineStage {
   double token_count_ = 0;
   DropoutContext dropout_;
   double loss_ = 0;
+  std::function<void(int, int, int)> unit_hook_;
 };
 
 }  // namespace trellis::nn

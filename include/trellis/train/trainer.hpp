@@ -12,19 +12,19 @@
 //     token count (all dp ranks, all microbatches), so gradients are those of the global mean loss
 //     and the data-parallel reduction is a plain sum;
 //  2. pp > 1: pipe::execute runs the schedule over this rank's model chunks (GptStage::of over
-//     p * v virtual stages). pp = 1: the plain loop (per microbatch F through the chunks, then B
-//     and W per chunk in reverse); with dp buckets to overlap the model is cut into one chunk per
-//     block so gradients become final block by block (otherwise one chunk);
-//  3. data parallel (dp > 1, no ZeRO): buckets are runs of a chunk's parameters in backward order
-//     (<= bucket_elements), each one range of the chunk's packed gradient buffer
-//     (nn/parameter_buffer.hpp), reduced in place (no pack/unpack copies); when a chunk's LAST W
-//     of the step is done its grads are final, and its buckets start at once as all_reduce_async
-//     on the dp communicator.
-//     What overlaps: those reductions run while the rest of the schedule runs (the B/W of earlier
-//     chunks: the other blocks at pp = 1, the other virtual chunk under interleaved / zb_v /
-//     dualpipe_v, and the other microbatches' work and the pipeline drain of the remaining
-//     chunks). Not overlapped: a chunk whose last W is the rank's last action (pp > 1, v = 1: its
-//     only chunk), and wte (its gradient is final only after the tied first/last-stage sum).
+//     p * v virtual stages; a rank holding the first and the last stage shares one wte between
+//     them). pp = 1: one model and a plain loop (per microbatch F, then the fused backward: each
+//     unit's W right after its B);
+//  3. data parallel (dp > 1, no ZeRO): buckets are runs of a weight unit's parameters (a block,
+//     ln_f, wpe; <= bucket_elements), each one range of the chunk's packed gradient buffer
+//     (nn/parameter_buffer.hpp), reduced in place (no pack/unpack copies); when a unit's LAST W of
+//     the step is done its grads are final, and its buckets start at once as all_reduce_async on
+//     the dp communicator.
+//     What overlaps: those reductions run while the rest of the schedule runs (at pp = 1 the
+//     backward of the blocks before it; under pp, the remaining units of the W, the other virtual
+//     chunk under interleaved / zb_v / dualpipe_v, and the pipeline drain). Not overlapped: the
+//     rank's last unit (the embedding's wpe), and wte (its gradient is final only after the tied
+//     first/last-stage sum).
 //     overlap_dp = false starts every bucket after the schedule instead (the baseline);
 //  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
 //     then reduced over dp;
@@ -314,32 +314,34 @@ class Trainer {
                                        : pipe::make_schedule(cfg_.schedule, cfg_.pp, cfg_.microbatches, cfg_.virtual_chunks);
       chunks = schedule_->chunks;
       stages = schedule_->virtual_stages();
-    } else {
-      // With buckets to overlap (dp > 1, no ZeRO): one block per chunk, so gradients become final
-      // block by block. Otherwise one chunk (no second wte copy, no tied sum).
-      chunks = stages = cfg_.dp > 1 ? static_cast<int>(cfg_.model.layers) : 1;
     }
     nn::GptOptions options = cfg_.options;
     if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over dp
       options.pack_alignment = std::lcm(options.pack_alignment, static_cast<std::size_t>(cfg_.dp));
-    std::vector<Model*> raw;
-    for (int c = 0; c < chunks; ++c) {
-      const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c;
-      models_.push_back(
-          std::make_unique<Model>(cfg_.model, *tp_comm_, options, nn::GptStage::of(vs, stages, cfg_.model.layers), be));
-      raw.push_back(models_.back().get());
+    // The embedding stage first, so that a head stage on the same rank (vee schedules) shares its
+    // wte (one parameter, one gradient) instead of holding a copy.
+    auto virtual_stage = [&](int c) { return cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c; };
+    models_.resize(static_cast<std::size_t>(chunks));
+    std::vector<int> order(static_cast<std::size_t>(chunks));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_partition(order.begin(), order.end(), [&](int c) { return virtual_stage(c) == 0; });
+    nn::Parameter* tied = nullptr;
+    for (int c : order) {
+      const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
+      auto& m = models_[static_cast<std::size_t>(c)];
+      m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be, st.embedding ? nullptr : tied);
+      if (st.embedding) tied = &m->embedding()->wte();
     }
+    std::vector<Model*> raw;
+    for (auto& m : models_) raw.push_back(m.get());
     shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq};
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
-    // Primary parameters: every parameter once per rank (a second wte copy on this rank aliases
-    // the first and is overwritten after each update).
+    stage_->set_weight_unit_hook([this](int, int c, int u) { on_weight_unit(c, u); });
+    // Every parameter once per rank (chunks list only what they own; wte at most once).
     for (std::size_t c = 0; c < models_.size(); ++c)
       for (nn::Parameter* p : models_[c]->parameters()) {
         if (p->name == "wte.weight") {
-          if (primary_wte_) {
-            wte_aliases_.push_back(p);
-            continue;
-          }
+          TRELLIS_CHECK(!primary_wte_, "Trainer: two wte copies on one rank");
           primary_wte_ = p;
         }
         params_.push_back(p);
@@ -391,6 +393,9 @@ class Trainer {
     const double token_count = global_token_count(batch);
     set_microbatches(batch, token_count, true);
     w_done_.assign(models_.size(), 0);
+    unit_done_.assign(models_.size(), {});
+    for (std::size_t c = 0; c < models_.size(); ++c)
+      unit_done_[c].assign(static_cast<std::size_t>(models_[c]->weight_units()), 0);
     overlapped_ = 0;
     if (cfg_.pp > 1) {
       Counting counting{this};
@@ -408,7 +413,6 @@ class Trainer {
       zero1_update(r);
     else
       plain_update(r);
-    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     r.step = state_.step();
     r.buckets = static_cast<int>(buckets_.size());
     r.buckets_overlapped = overlapped_;
@@ -503,7 +507,6 @@ class Trainer {
       read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, m_full[i]);
       read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, v_full[i]);
     }
-    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     if (cfg_.zero1) {
       for (std::size_t k = 0; k < zpieces_.size(); ++k) {
         const auto& pc = zpieces_[k];
@@ -533,7 +536,6 @@ class Trainer {
         hf.read(p->name, Box{pc.offsets, pc.shape}, piece.data());
         scatter_piece(pc, piece, p->value);
       }
-    for (nn::Parameter* alias : wte_aliases_) alias->value.assign_from(primary_wte_->value);
     for (std::size_t k = 0; k < state_.tensors(); ++k) {
       std::ranges::fill(state_.m(k), 0.0f);
       std::ranges::fill(state_.v(k), 0.0f);
@@ -542,8 +544,8 @@ class Trainer {
   }
 
  private:
-  // The pipe::Stage the executor drives: forwards to the model stage and starts a chunk's dp
-  // reduction when its last W of the step is done.
+  // The pipe::Stage the executor drives: forwards to the model stage and counts W actions per
+  // chunk (a unit's reductions start from the stage's weight-unit hook, on_weight_unit).
   struct Counting {
     using value_type = act_t;
     Trainer* t;
@@ -556,8 +558,8 @@ class Trainer {
       t->stage_->backward_input(mb, c, g, gi);
     }
     void backward_weight(int mb, int c) {
-      t->stage_->backward_weight(mb, c);
-      if (++t->w_done_[static_cast<std::size_t>(c)] == t->cfg_.microbatches) t->start_chunk_reduction(c);
+      t->stage_->backward_weight(mb, c);  // each finished unit calls on_weight_unit
+      ++t->w_done_[static_cast<std::size_t>(c)];
     }
   };
 
@@ -568,7 +570,7 @@ class Trainer {
     index_t tensor_begin = 0, shard_offset = 0, size = 0;
   };
   struct Bucket {
-    int chunk = 0;
+    int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
     std::vector<std::size_t> params;  // indices into params_
     std::span<float> grads, values;   // their gradients and values: one padded range of the chunk's packed buffers
     std::size_t shard_begin = 0;      // ZeRO-1: this rank's reduced shard of grads, at zgrads_[shard_begin]
@@ -607,63 +609,70 @@ class Trainer {
     stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout);
   }
 
+  // pp = 1: per microbatch F through the chunks, then the fused backward (each unit's W right
+  // after its B) through them in reverse, so the last microbatch's buckets start during its
+  // backward.
   void run_local_loop() {
-    Counting counting{this};
     const int chunks = static_cast<int>(models_.size());
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       std::vector<act_t> in;
       for (int c = 0; c < chunks; ++c) {
         std::vector<act_t> out(stage_->output_size(c));
-        counting.forward(mb, c, std::span<const act_t>(in), std::span<act_t>(out));
+        stage_->forward(mb, c, std::span<const act_t>(in), std::span<act_t>(out));
         in = std::move(out);
       }
       std::vector<act_t> grad_out;
       for (int c = chunks - 1; c >= 0; --c) {
         std::vector<act_t> grad_in(c > 0 ? stage_->input_size(c) : 0);
-        counting.backward_input(mb, c, std::span<const act_t>(grad_out), std::span<act_t>(grad_in));
-        counting.backward_weight(mb, c);
+        stage_->backward(mb, c, std::span<const act_t>(grad_out), std::span<act_t>(grad_in));
+        ++w_done_[static_cast<std::size_t>(c)];
         grad_out = std::move(grad_in);
       }
     }
   }
 
-  // Buckets: runs of consecutive parameters of one chunk in backward order, <= bucket_elements
-  // each, so each bucket is one range of the chunk's packed gradient buffer (nn/parameter_buffer.hpp)
-  // and reduces in place. wte's primary copy is its own bucket, reduced after the tied sum.
+  // Buckets: runs of one weight unit's parameters (a block, the head's ln_f, the embedding's wpe;
+  // GptModel::weight_unit_parameters) in packing order, <= bucket_elements each, so each bucket is
+  // one range of the chunk's packed gradient buffer (nn/parameter_buffer.hpp) and reduces in
+  // place. wte is its own bucket, reduced after the tied sum.
   void setup_buckets() {
     for (int c = static_cast<int>(models_.size()) - 1; c >= 0; --c) {
-      std::vector<std::size_t> idx;
-      for (std::size_t i = 0; i < params_.size(); ++i)
-        if (chunk_of_[i] == c && params_[i] != primary_wte_) idx.push_back(i);
-      std::reverse(idx.begin(), idx.end());  // backward order
-      std::vector<std::size_t> run;
-      std::size_t n = 0;
-      auto close = [&] {
-        if (!run.empty()) add_bucket(c, run);
-        run.clear();
-        n = 0;
-      };
-      for (std::size_t i : idx) {
-        const auto sz = static_cast<std::size_t>(params_[i]->numel());
-        if (!run.empty() && n + sz > cfg_.bucket_elements) close();
-        run.push_back(i);
-        n += sz;
+      Model& m = *models_[static_cast<std::size_t>(c)];
+      for (int u = 0; u < m.weight_units(); ++u) {
+        std::vector<std::size_t> run;
+        std::size_t n = 0;
+        auto close = [&] {
+          if (!run.empty()) add_bucket(c, u, run);
+          run.clear();
+          n = 0;
+        };
+        for (nn::Parameter* p : m.weight_unit_parameters(u)) {
+          const std::size_t i = param_index(p);
+          const auto sz = static_cast<std::size_t>(p->numel());
+          if (!run.empty() && n + sz > cfg_.bucket_elements) close();
+          run.push_back(i);
+          n += sz;
+        }
+        close();
       }
-      close();
     }
     if (primary_wte_) {
       Bucket b;
       b.chunk = -1;  // after the tied reduction
-      for (std::size_t i = 0; i < params_.size(); ++i)
-        if (params_[i] == primary_wte_) b.params.push_back(i);
+      b.params.push_back(param_index(primary_wte_));
       auto& buffer = models_[static_cast<std::size_t>(chunk_of_[b.params.front()])]->parameter_buffer();
       b.grads = buffer.grad_range(*primary_wte_, *primary_wte_);
       b.values = buffer.value_range(*primary_wte_, *primary_wte_);
       buckets_.push_back(std::move(b));
     }
   }
-  // A bucket of chunk c over params_[run[0..]] (consecutive in the chunk's packing order).
-  void add_bucket(int c, const std::vector<std::size_t>& run) {
+  std::size_t param_index(const nn::Parameter* p) const {
+    const auto it = std::find(params_.begin(), params_.end(), p);
+    TRELLIS_CHECK(it != params_.end(), "Trainer: parameter ", p->name, " is not one of this rank's");
+    return static_cast<std::size_t>(it - params_.begin());
+  }
+  // A bucket of chunk c's weight unit u over params_[run[0..]] (consecutive in the packing order).
+  void add_bucket(int c, int u, const std::vector<std::size_t>& run) {
     auto& buffer = models_[static_cast<std::size_t>(c)]->parameter_buffer();
     for (std::size_t k = 1; k < run.size(); ++k)
       TRELLIS_CHECK(buffer.index_of(*params_[run[k]]) == buffer.index_of(*params_[run[k - 1]]) + 1,
@@ -671,6 +680,7 @@ class Trainer {
                     " are not consecutive in the packed gradient buffer");
     Bucket b;
     b.chunk = c;
+    b.unit = u;
     b.params = run;
     b.grads = buffer.grad_range(*params_[run.front()], *params_[run.back()]);
     b.values = buffer.value_range(*params_[run.front()], *params_[run.back()]);
@@ -687,13 +697,17 @@ class Trainer {
       b.request.emplace(
           dp_comm_->all_reduce_async(b.grads.data(), b.grads.data(), b.grads.size(), comm::ReduceOp::sum));
   }
-  void start_chunk_reduction(int chunk) {
+  // Unit u of chunk c finished one microbatch's W; after the last, its buckets start.
+  void on_weight_unit(int c, int u) {
+    auto& done = unit_done_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
+    if (++done != cfg_.microbatches) return;
     if ((cfg_.dp == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
-    int w_total = 0;
+    int w_total = 1;  // the W running now
     for (int w : w_done_) w_total += w;
-    const bool compute_left = w_total < cfg_.microbatches * static_cast<int>(models_.size());
+    const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
+                              w_total < cfg_.microbatches * static_cast<int>(models_.size());
     for (auto& b : buckets_)
-      if (b.chunk == chunk) {
+      if (b.chunk == c && b.unit == u) {
         start_bucket(b);
         overlapped_ += compute_left ? 1 : 0;
       }
@@ -860,12 +874,12 @@ class Trainer {
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;
   nn::Parameter* primary_wte_ = nullptr;
-  std::vector<nn::Parameter*> wte_aliases_;
   bool holds_embedding_ = false;
   std::vector<float> norm_weight_, decay_;
   optim::AdamWState state_;
   std::vector<Bucket> buckets_;
-  std::vector<int> w_done_;
+  std::vector<int> w_done_;                   // W actions done per chunk, this step
+  std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)
   int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
   // ZeRO-1: this rank's pieces (its shard of each bucket, cut at parameter boundaries), their
