@@ -60,7 +60,7 @@ TEST_CASE("CUDA FlatGpt: loss and gradients of one step match the host fp32 mode
     ref_loss = model.forward(0, shape, in, nullptr);
     model.backward_input(0, shape, nullptr, nullptr);
     model.backward_weight(0);
-    for (auto* p : model.parameters()) ref_values[p->name] = p->value, ref_grads[p->name] = p->grad;
+    for (auto* p : model.parameters()) ref_values[p->name].assign(p->value.begin(), p->value.end()), ref_grads[p->name].assign(p->grad.begin(), p->grad.end());
   });
 
   Stream stream;

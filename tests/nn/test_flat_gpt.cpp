@@ -72,8 +72,8 @@ Reference reference(const GptConfig& cfg, const GptOptions& opt, index_t batch, 
     model.backward_input(0, shape, nullptr, nullptr);
     model.backward_weight(0);
     for (auto* p : model.parameters()) {
-      ref.values[p->name] = p->value;
-      ref.grads[p->name] = p->grad;
+      ref.values[p->name].assign(p->value.begin(), p->value.end());
+      ref.grads[p->name].assign(p->grad.begin(), p->grad.end());
     }
   });
   return ref;

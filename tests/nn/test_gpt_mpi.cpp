@@ -45,7 +45,7 @@ Reference reference() {
       model.backward_input(mb, {kBatch, kSeq}, nullptr, nullptr);
       model.backward_weight(mb);
     }
-    for (Parameter* p : model.parameters()) ref.grad[p->name] = p->grad;
+    for (Parameter* p : model.parameters()) ref.grad[p->name].assign(p->grad.begin(), p->grad.end());
   });
   return ref;
 }
