@@ -31,7 +31,8 @@ inline void ref_layernorm(const std::vector<double>& x, trellis::index_t rows, t
 }
 // y (rows, out) = x (rows, in) W (in, out) + b
 inline std::vector<double> ref_linear(const std::vector<double>& x, trellis::index_t rows, trellis::index_t in,
-                                      const std::vector<double>& W, const std::vector<double>& b, trellis::index_t out) {
+                                      const std::vector<double>& W, const std::vector<double>& b,
+                                      trellis::index_t out) {
   std::vector<double> y(rows * out);
   for (trellis::index_t r = 0; r < rows; ++r)
     for (trellis::index_t o = 0; o < out; ++o) {

@@ -59,7 +59,8 @@ class VocabParallelEmbedding {
     }
     const auto ids = upload(row_tokens);
     detail::produce_then_all_reduce(tp_, rows, width_, y, [&](index_t row0, index_t n, act_t* dst) {
-      be_.embedding_forward(token_args(n), ids.data() + row0, wte_.value.data(), static_cast<const float*>(nullptr), dst);
+      be_.embedding_forward(token_args(n), ids.data() + row0, wte_.value.data(), static_cast<const float*>(nullptr),
+                            dst);
     });
     const auto positions = upload(position_ids(step.start * step.batch, rows, step.batch));
     auto pos = be_.template allocate<act_t>(static_cast<std::size_t>(rows * width_));

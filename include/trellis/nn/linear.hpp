@@ -87,9 +87,10 @@ class ColumnParallelLinear {
     const act_t* w = w_.of(be_, weight_);
     const act_t* b = cfg_.bias ? b_.of(be_, bias_) : nullptr;
     using namespace kernels::epilogue;
-    if (cfg_.activation == Activation::gelu_tanh) detail::matmul(be_, rows, out_local_, cfg_.in, x, w, y, BiasGelu<act_t>{b});
-    else if (b) detail::matmul(be_, rows, out_local_, cfg_.in, x, w, y, Bias<act_t>{b});
-    else detail::matmul(be_, rows, out_local_, cfg_.in, x, w, y);
+    const index_t m = rows, n = out_local_, k = cfg_.in;
+    if (cfg_.activation == Activation::gelu_tanh) detail::matmul(be_, m, n, k, x, w, y, BiasGelu<act_t>{b});
+    else if (b) detail::matmul(be_, m, n, k, x, w, y, Bias<act_t>{b});
+    else detail::matmul(be_, m, n, k, x, w, y);
   }
 
   // x: (local_rows, in) (sp: this rank's sequence shard; else all rows) -> y: (rows, local_out).
