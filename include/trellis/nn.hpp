@@ -1,5 +1,6 @@
 // trellis::nn: tensor-parallel layers (column/row linear, vocab-parallel embedding and
-// cross-entropy, attention, MLP, LayerNorm, transformer block) and the GPT-2 model.
+// cross-entropy, attention, MLP, LayerNorm, transformer block) and the GPT-2 model, with its KV
+// cache for decoding.
 #pragma once
 
 #include "trellis/nn/attention.hpp"
@@ -8,6 +9,7 @@
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/embedding.hpp"
 #include "trellis/nn/gpt.hpp"
+#include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/linear.hpp"
 #include "trellis/nn/mlp.hpp"

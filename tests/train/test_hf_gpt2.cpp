@@ -12,8 +12,13 @@
 //    on that batch (exactly on one rank, 1e-5 under tp2 x pp2 and FlatTrainer), step count 0;
 //  - Hugging Face's own layout (bare names, attn.bias buffers) loads; a missing tensor, a wrong
 //    shape and a tensor of a bigger model are refused naming the tensor.
+//  - Generator (train/generate.hpp) on a checkpoint: greedy text and every step's logits equal the
+//    independent double-precision GPT-2 (tests/nn/reference_gpt.hpp) run without a cache over the
+//    last `positions` tokens, past the context length (the re-prefill path); 1e-5 of the largest
+//    logit.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -22,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/reference_gpt.hpp"
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
 #include "trellis/io/json.hpp"
@@ -386,5 +392,65 @@ TEST_CASE("init_from_hf reads Hugging Face's bare names and refuses bad files na
   nn_test::run_ranks(2, [&](ThreadComm& comm) {
     Trainer<ThreadComm> t(comm, with_layout(tiny_config(), Layout{.tp = 2}));
     RANK_CHECK_THROWS_AS(t.init_from_hf(dir.path / "missing.safetensors"), trellis::Error);
+  });
+}
+
+TEST_CASE("Generator: greedy decoding through the KV cache equals greedy decoding of the double-precision "
+          "GPT-2 without a cache, past the context length",
+          "[train][generate]") {
+  TempDir dir("generate");
+  train_one_rank(3, dir.path / "ckpt");
+  const train::Checkpoint ck(dir.path / "ckpt");
+  const auto cfg = tiny_config().model;  // 16 positions
+  nn_test::RefParams P;
+  for (const auto& [name, shape] : tiny_tensors()) {
+    const auto v = ck.read_whole<float>(name);
+    P[name].assign(v.begin(), v.end());
+  }
+  // The reference: every token from a whole forward over the last `positions` tokens, in double.
+  auto ref_next_logits = [&](const std::vector<std::int32_t>& tokens) {
+    const auto T = std::min<std::size_t>(tokens.size(), static_cast<std::size_t>(cfg.positions));
+    const std::vector<std::int32_t> window(tokens.end() - static_cast<std::ptrdiff_t>(T), tokens.end());
+    const auto h = nn_test::ref_final_hidden(cfg, P, window, 1, static_cast<index_t>(T));
+    const auto d = nn_test::ref_row_logits(cfg, P, h, static_cast<index_t>(T) - 1);
+    return std::vector<float>(d.begin(), d.end());
+  };
+  const std::vector<std::int32_t> prompt = {5, 17, 33, 2, 60};
+  const int n = 20;  // contexts of 5..24 tokens: the last 8 are longer than the 16 positions
+  std::vector<std::int32_t> ref = prompt;
+  double min_margin = 1e30;  // reference top-1 minus top-2 logit: how safe greedy equality is
+  for (int i = 0; i < n; ++i) {
+    const auto l = ref_next_logits(ref);
+    const auto best = std::max_element(l.begin(), l.end()) - l.begin();
+    float second = -1e30f;
+    for (std::size_t v = 0; v < l.size(); ++v)
+      if (static_cast<std::ptrdiff_t>(v) != best) second = std::max(second, l[v]);
+    min_margin = std::min(min_margin, static_cast<double>(l[best] - second));
+    ref.push_back(static_cast<std::int32_t>(best));
+  }
+  nn_test::run_ranks(1, [&](ThreadComm& c) {
+    train::Generator<ThreadComm> gen(ck, cfg, c);
+    train::Rng rng(1, 2);
+    std::vector<std::int32_t> ours = prompt;
+    double worst = 0;
+    for (int i = 0; i < n; ++i) {
+      const auto l = gen.next_logits(ours);
+      worst = std::max(worst, nn_test::rel_error(l, ref_next_logits(ours)));
+      ours.push_back(gen.pick(l, 0.0, rng));
+    }
+    WARN("Generator vs double reference: max relative logit error " << worst << ", smallest greedy margin "
+                                                                       << min_margin);
+    CHECK(worst <= 1e-5);
+    CHECK(ours == ref);
+    // One prefill for the prompt, then single-token decodes up to 16 tokens, then a re-prefill of
+    // the last 16 for each of the contexts of 17..24 tokens.
+    CHECK(gen.prefills() == 1 + 8);
+    // The public loop gives the same text from a fresh generator; a context that does not extend
+    // the cached one (another prompt) is prefilled again and still gives the reference logits.
+    train::Generator<ThreadComm> fresh(ck, cfg, c);
+    CHECK(fresh.generate(prompt, n, 0.0, rng) == ref);
+    const std::vector<std::int32_t> other = {9, 12, 63, 0};
+    CHECK(nn_test::rel_error(fresh.next_logits(other), ref_next_logits(other)) <= 1e-5);
+    CHECK(nn_test::rel_error(fresh.next_logits(other), ref_next_logits(prompt)) > 1e-3);  // it can fail
   });
 }

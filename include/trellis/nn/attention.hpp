@@ -7,6 +7,7 @@
 #include <string>
 
 #include "trellis/kernels/heads.hpp"
+#include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/linear.hpp"
 
 namespace trellis::nn {
@@ -37,6 +38,41 @@ class CausalSelfAttention {
   template <class F> void for_each_parameter(F&& f) {
     c_attn_.for_each_parameter(f);
     c_proj_.for_each_parameter(f);
+  }
+
+  // Incremental forward for decoding (nn/kv_cache.hpp), no saved state: x, y (step.rows(), width)
+  // are the rows of the new positions [step.start, step.end()) of every sample (whole rows, whatever
+  // the sequence-parallel option). Their K and V (this rank's heads) are appended to `cache` rows,
+  // then the new queries attend over positions [0, step.end()): the backend's attention with
+  // q_len = count < kv_len = end, whose bottom-right causal mask lets new row i see keys
+  // <= start + i. The cached rows are permuted into the kernel's [batch, heads, kv_len, head_dim]
+  // on each call (O(end * width) copies, the order of the attention's own reads). c_proj reduces
+  // over tp as in forward.
+  void decode(const DecodeStep& step, KvBuffers<B>& cache, const act_t* x, act_t* y) {
+    const index_t rows = step.rows(), cl = local_heads_ * head_dim_, Bt = step.batch;
+    TRELLIS_CHECK(cache.k.size() >= static_cast<std::size_t>(step.end() * Bt * cl) && cache.v.size() == cache.k.size(),
+                  "CausalSelfAttention::decode: the cache holds fewer than ", step.end(), " positions of ", Bt,
+                  " samples x ", cl, " columns");
+    auto qkv = allocate<act_t>(rows * 3 * cl);  // (rows, [q | k | v] of the local heads)
+    c_attn_.infer(rows, x, qkv.data());
+    // k and v columns of the new rows -> cache rows start * batch..: a column block of qkv is one
+    // "head" of cl columns to the permute.
+    const kernels::HeadsLayout block{1, rows, 1, cl, kernels::RowOrder::sequence_major};
+    be_.rows_to_heads(block, qkv.data() + cl, 3 * cl, cache.k.data() + step.start * Bt * cl);
+    be_.rows_to_heads(block, qkv.data() + 2 * cl, 3 * cl, cache.v.data() + step.start * Bt * cl);
+    kernels::AttentionArgs args = attention_args({Bt, step.count});
+    args.kv_len = step.end();
+    const auto new_heads = heads_layout({Bt, step.count}), all_heads = heads_layout({Bt, step.end()});
+    auto q = allocate<act_t>(args.q_elements()), o = allocate<act_t>(args.q_elements());
+    auto k = allocate<act_t>(args.kv_elements()), v = allocate<act_t>(args.kv_elements());
+    auto lse = allocate<float>(args.lse_elements());
+    be_.rows_to_heads(new_heads, qkv.data(), 3 * cl, q.data());
+    be_.rows_to_heads(all_heads, cache.k.data(), cl, k.data());
+    be_.rows_to_heads(all_heads, cache.v.data(), cl, v.data());
+    be_.attention_forward(args, q.data(), k.data(), v.data(), o.data(), lse.data());
+    auto a = allocate<act_t>(rows * cl);
+    be_.heads_to_rows(new_heads, o.data(), a.data(), cl);
+    c_proj_.infer(rows, a.data(), y);
   }
 
   // x, y: (local_rows, width).

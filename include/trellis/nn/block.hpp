@@ -58,6 +58,19 @@ class TransformerBlock {
     mlp_.for_each_parameter(f);
   }
 
+  // Incremental forward for decoding (nn/kv_cache.hpp): the rows of the new positions of `step`
+  // (whole rows), attention through this block's cache; inference, so no dropout and no saved state.
+  void decode(const DecodeStep& step, KvBuffers<B>& cache, const act_t* x, act_t* y) {
+    const index_t rows = step.rows(), n = rows * cfg_.width;
+    auto h = allocate(n), x2 = allocate(n);
+    ln_1_.infer(rows, x, h.data());
+    attn_.decode(step, cache, h.data(), x2.data());
+    be_.add(n, x2.data(), x, x2.data());  // x2 = x + attn(ln_1(x))
+    ln_2_.infer(rows, x2.data(), h.data());
+    mlp_.infer(rows, h.data(), y);
+    be_.add(n, y, x2.data(), y);          // y = x2 + mlp(ln_2(x2))
+  }
+
   // x, y: (local_rows, width) in B's memory.
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);

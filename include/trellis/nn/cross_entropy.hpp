@@ -33,6 +33,33 @@ class VocabParallelLMHeadLoss {
     vocab_local_ = wte->numel() / width;
   }
 
+  // Logits without a loss (generation): h (rows, width), whole rows, in B's memory -> out (rows,
+  // vocab) of the FULL vocabulary, in B's memory. Each rank computes its shard h wte_r^T into a
+  // block padded to the largest shard; one all-gather over tp and a copy per (rank, row) place the
+  // shards at their vocabulary offsets (the library's uneven rule, as GptModel splits wte).
+  void logits(const act_t* h, index_t rows, act_t* out) {
+    const index_t vocab = wte_->global_numel() / width_, V = vocab_local_, n = tp_.size();
+    const auto mine = shard::chunk(vocab, n, tp_.rank());
+    TRELLIS_CHECK(mine.offset == vocab_start_ && mine.size == V, "VocabParallelLMHeadLoss::logits: this rank's rows [",
+                  vocab_start_, ", ", vocab_start_ + V, ") are not shard ", tp_.rank(), " of ", vocab, " over ", n);
+    const act_t* w = w_.of(be_, *wte_);
+    if (n == 1) {
+      detail::matmul_bt(be_, rows, V, width_, h, w, out);
+      return;
+    }
+    const index_t padded = shard::chunk(vocab, n, 0).size;  // rank 0 holds a largest shard
+    auto mine_padded = allocate<act_t>(rows * padded), all = allocate<act_t>(n * rows * padded);  // (rows, padded)
+    auto args = kernels::gemm_args(rows, V, width_, kernels::Op::none, kernels::Op::transpose);
+    args.ldc = padded;
+    be_.gemm(args, h, w, mine_padded.data());
+    tp_.comm->all_gather(mine_padded.data(), all.data(), mine_padded.size());  // (tp, rows, padded)
+    for (int r = 0; r < n; ++r) {
+      const auto c = shard::chunk(vocab, n, r);
+      for (index_t i = 0; i < rows; ++i)
+        be_.copy(out + i * vocab + c.offset, all.data() + (r * rows + i) * padded, static_cast<std::size_t>(c.size));
+    }
+  }
+
   // h: (local_rows, width); targets: (batch, seq) row-major host ids. Returns this microbatch's
   // loss sum divided by token_count (the same value on every tp rank).
   double forward(int mb, const TokenShape& shape, const act_t* h, const std::int32_t* targets, double token_count) {

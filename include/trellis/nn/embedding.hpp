@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "trellis/backend/host.hpp"
+#include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
 
@@ -42,6 +43,30 @@ class VocabParallelEmbedding {
   template <class F> void for_each_parameter(F&& f) {
     f(wte_);
     f(wpe_);
+  }
+
+  // Inference (decoding, nn/kv_cache.hpp): tokens (step.batch, step.count) row-major host ids at
+  // positions [step.start, step.end()) -> y (step.rows(), width), whole rows; nothing is saved.
+  void infer(const DecodeStep& step, const std::int32_t* tokens, act_t* y) {
+    TRELLIS_CHECK(step.start >= 0 && step.end() <= positions_, "embedding: positions [", step.start, ", ", step.end(),
+                  ") outside the ", positions_, " learned positions");
+    const index_t rows = step.rows();
+    std::vector<std::int32_t> row_tokens(static_cast<std::size_t>(rows));
+    for (index_t r = 0; r < rows; ++r) {
+      const std::int32_t id = tokens[(r % step.batch) * step.count + r / step.batch];
+      TRELLIS_CHECK(id >= 0 && id < vocab_, "embedding: token id ", id, " outside the vocabulary 0..", vocab_ - 1);
+      row_tokens[r] = id;
+    }
+    const auto ids = upload(row_tokens);
+    detail::produce_then_all_reduce(tp_, rows, width_, y, [&](index_t row0, index_t n, act_t* dst) {
+      be_.embedding_forward(token_args(n), ids.data() + row0, wte_.value.data(), static_cast<const float*>(nullptr),
+                            dst);
+    });
+    const auto positions = upload(position_ids(step.start * step.batch, rows, step.batch));
+    auto pos = be_.template allocate<act_t>(static_cast<std::size_t>(rows * width_));
+    be_.embedding_forward(position_args(rows), positions.data(), wpe_.value.data(), static_cast<const float*>(nullptr),
+                          pos.data());
+    be_.add(rows * width_, y, pos.data(), y);
   }
 
   // tokens: (batch, seq) row-major host ids -> y: (local_rows, width), row = t * batch + b.

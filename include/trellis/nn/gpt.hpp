@@ -18,6 +18,9 @@
 //
 // Stage I/O: activations between stages are the norm-region rows (local_rows x width; with sp
 // only this rank's sequence shard), rows in sequence-major order (row = t * batch + b).
+//
+// Generation: decode() runs the same layers incrementally over a KV cache (nn/kv_cache.hpp).
+//
 // Parameter names and global shapes are GPT-2's (weights of linear layers stored in x out, as
 // HF's Conv1D), so checkpoints map one to one.
 #pragma once
@@ -36,6 +39,7 @@
 #include "trellis/nn/cross_entropy.hpp"
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/embedding.hpp"
+#include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/parameter_buffer.hpp"
 
@@ -278,6 +282,51 @@ class GptModel {
     if (ln_f_) n += ln_f_->saved_microbatches();
     if (head_) n += head_->saved_microbatches();
     return n;
+  }
+
+  // ---- generation: incremental decoding with a KV cache (nn/kv_cache.hpp) ----------------------
+  // A cache for `batch` sequences of up to `capacity` positions (0: cfg.positions), this rank's heads.
+  KvCache<B> make_kv_cache(index_t batch, index_t capacity = 0) const {
+    TRELLIS_CHECK(capacity <= cfg_.positions, "GptModel::make_kv_cache: capacity ", capacity, " exceeds the ",
+                  cfg_.positions, " learned positions");
+    const index_t local_width = shard::chunk(cfg_.heads, tp_.size(), tp_.rank()).size * (cfg_.width / cfg_.heads);
+    return KvCache<B>(be_, static_cast<index_t>(blocks_.size()), batch, capacity > 0 ? capacity : cfg_.positions,
+                      local_width);
+  }
+
+  // Appends n_new tokens per sequence (tokens: (cache.batch(), n_new) row-major host ids, at
+  // positions cache.length()..) and writes the logits of the last new position of every sequence
+  // to `logits` (host, (cache.batch(), vocab) fp32, the FULL vocabulary on every tp rank). The
+  // first call on an empty cache is the prefill (the whole prompt in one call), later calls decode.
+  // Runs the model's own layers (embedding, blocks through their caches, ln_f, the tied LM head)
+  // in inference mode: no dropout, no saved state. Needs the whole model on this stage (embedding
+  // and head); tensor parallel over this stage's tp group (heads, hidden units and vocabulary
+  // shards as in training; every tp rank calls it with the same tokens). Sequence parallelism is
+  // not used here: rows are replicated over tp, whatever the option.
+  void decode(KvCache<B>& cache, const std::int32_t* tokens, index_t n_new, float* logits) {
+    TRELLIS_CHECK(embedding_ && head_, "GptModel::decode: needs the whole model on one stage (embedding and head)");
+    TRELLIS_CHECK(cache.layers() == static_cast<index_t>(blocks_.size()), "GptModel::decode: a cache of ",
+                  cache.layers(), " layers for ", blocks_.size(), " blocks");
+    const DecodeStep step = cache.next(n_new);
+    const index_t W = cfg_.width, batch = step.batch, V = cfg_.vocab;
+    auto x = allocate(step.rows() * W), y = allocate(step.rows() * W);
+    embedding_->infer(step, tokens, x.data());
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      blocks_[i]->decode(step, cache.layer(static_cast<index_t>(i)), x.data(), y.data());
+      std::swap(x, y);
+    }
+    cache.advance(step);
+    const act_t* last = x.data() + (n_new - 1) * batch * W;  // the last position's rows (row = t * batch + b)
+    auto h = allocate(batch * W), out = allocate(batch * V);
+    ln_f_->infer(batch, last, h.data());
+    head_->logits(h.data(), batch, out.data());
+    if constexpr (std::is_same_v<act_t, float>) {
+      be_.download(logits, out.data(), out.size());
+    } else {
+      std::vector<act_t> host(out.size());
+      be_.download(host.data(), out.data(), host.size());
+      for (std::size_t i = 0; i < host.size(); ++i) logits[i] = static_cast<float>(host[i]);
+    }
   }
 
  private:

@@ -36,6 +36,13 @@ class LayerNorm {
     f(bias_);
   }
 
+  // Inference (decoding): y = LayerNorm(x) on `rows` rows; nothing is saved.
+  void infer(index_t rows, const act_t* x, act_t* y) const {
+    auto stats = be_.template allocate<float>(static_cast<std::size_t>(2 * rows));  // mean, rstd
+    be_.layernorm_forward(rows, dim_, x, weight_.value.data(), bias_.value.data(), y, stats.data(),
+                          stats.data() + rows, eps_);
+  }
+
   // x, y: (local_rows, dim).
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);

@@ -81,6 +81,18 @@ class ColumnParallelLinear {
     if (cfg_.bias) f(bias_);
   }
 
+  // Inference (decoding, nn/kv_cache.hpp): y (rows, local_out) = x (rows, in) W_r + b_r [+ GELU]
+  // on whole rows, whatever the sequence-parallel option; nothing is saved.
+  void infer(index_t rows, const act_t* x, act_t* y) {
+    const act_t* w = w_.of(be_, weight_);
+    const act_t* b = cfg_.bias ? b_.of(be_, bias_) : nullptr;
+    using namespace kernels::epilogue;
+    const index_t m = rows, n = out_local_, k = cfg_.in;
+    if (cfg_.activation == Activation::gelu_tanh) detail::matmul(be_, m, n, k, x, w, y, BiasGelu<act_t>{b});
+    else if (b) detail::matmul(be_, m, n, k, x, w, y, Bias<act_t>{b});
+    else detail::matmul(be_, m, n, k, x, w, y);
+  }
+
   // x: (local_rows, in) (sp: this rank's sequence shard; else all rows) -> y: (rows, local_out).
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
@@ -204,6 +216,18 @@ class RowParallelLinear {
   template <class F> void for_each_parameter(F&& f) {
     f(weight_);
     if (cfg_.bias) f(bias_);
+  }
+
+  // Inference (decoding): y (rows, out) = all-reduce over tp of x (rows, local_in) W_r, plus bias,
+  // on whole rows, whatever the sequence-parallel option; nothing is saved.
+  void infer(index_t rows, const act_t* x, act_t* y) {
+    const act_t* w = w_.of(be_, weight_);
+    const act_t* b = cfg_.bias && tp_.rank() == 0 ? b_.of(be_, bias_) : nullptr;  // enters the sum once
+    detail::produce_then_all_reduce(tp_, rows, cfg_.out, y, [&](index_t row0, index_t n, act_t* dst) {
+      const act_t* xr = x + row0 * in_local_;
+      if (b) detail::matmul(be_, n, cfg_.out, in_local_, xr, w, dst, kernels::epilogue::Bias<act_t>{b});
+      else detail::matmul(be_, n, cfg_.out, in_local_, xr, w, dst);
+    });
   }
 
   // x: (rows, local_in) -> y: (local_rows, out), reduced over tp, plus bias.

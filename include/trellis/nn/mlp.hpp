@@ -29,6 +29,12 @@ class Mlp {
     c_proj_.for_each_parameter(f);
   }
 
+  // Inference (decoding): whole rows, nothing saved.
+  void infer(index_t rows, const act_t* x, act_t* y) {
+    auto h = be_.template allocate<act_t>(static_cast<std::size_t>(rows * c_fc_.local_out_features()));
+    c_fc_.infer(rows, x, h.data());
+    c_proj_.infer(rows, h.data(), y);
+  }
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     auto h = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
     c_fc_.forward(mb, shape, x, h.data());

@@ -1,65 +1,61 @@
 // Text generation from a checkpoint: the parameters (any saved layout) are read into a 1-rank
-// GPT-2 (the checkpoint reshard path), which runs the blocks; ln_f and the tied LM head are
-// applied here to the last position only, giving the next token's logits. Greedy at
-// temperature 0, else sampling from softmax(logits / temperature) with the given Rng.
+// GPT-2 with its embedding and its tied LM head (the checkpoint reshard path), which decodes
+// through a KV cache (nn/kv_cache.hpp): the context is prefilled in one call, then each new token
+// costs one row per layer. Logits come from the model's own ln_f and head. Greedy at temperature
+// 0, else sampling from softmax(logits / temperature) with the given Rng.
+//
+// Positions are learned and absolute, so once the context is longer than cfg.positions the window
+// of its last `positions` tokens shifts at every token and no cached row stays valid: the window
+// is prefilled again (one forward over `positions` tokens per generated token, as without a
+// cache). A context that does not extend the cached tokens (another prompt) is prefilled too.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "trellis/comm/communicator.hpp"
 #include "trellis/nn/gpt.hpp"
+#include "trellis/nn/kv_cache.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/trainer.hpp"
 
 namespace trellis::train {
 
-template <comm::Communicator C>
+template <comm::Communicator C, backend::Backend B = backend::Host<float>>
+  requires backend::CompatibleWith<B, C>
 class Generator {
  public:
   // one_rank: a communicator of size 1 (the model is whole here).
-  Generator(const Checkpoint& ck, const nn::GptConfig& cfg, C& one_rank)
+  Generator(const Checkpoint& ck, const nn::GptConfig& cfg, C& one_rank, B be = {})
       : cfg_(cfg),
-        model_(cfg, one_rank, nn::GptOptions{}, nn::GptStage{0, static_cast<int>(cfg.layers), true, false}) {
-    TRELLIS_CHECK(one_rank.size() == 1, "Generator: needs a 1-rank communicator, got ", one_rank.size(),
-                  " ranks");
+        model_(checked(cfg, one_rank), one_rank, nn::GptOptions{},
+               nn::GptStage{0, static_cast<int>(cfg.layers), true, true}, be),
+        cache_(model_.make_kv_cache(1)),
+        logits_(static_cast<std::size_t>(cfg.vocab)) {
     for (nn::Parameter* p : model_.parameters()) read_parameter_shaped(ck, p->name, *p, p->value);
-    wte_ = ck.read_whole<float>("wte.weight");
-    ln_w_ = ck.read_whole<float>("ln_f.weight");
-    ln_b_ = ck.read_whole<float>("ln_f.bias");
   }
 
   // Logits (vocab) of the token after `tokens` (the last `positions` of them are used).
   std::vector<float> next_logits(const std::vector<std::int32_t>& tokens) {
     TRELLIS_CHECK(!tokens.empty(), "Generator: empty context");
-    const std::size_t T = std::min<std::size_t>(tokens.size(), static_cast<std::size_t>(cfg_.positions));
-    std::vector<std::int32_t> window(tokens.end() - static_cast<std::ptrdiff_t>(T), tokens.end());
-    const index_t W = cfg_.width;
-    std::vector<float> out(T * static_cast<std::size_t>(W));
-    nn::StageInput in;
-    in.tokens = window.data();
-    nn::TokenShape shape{1, static_cast<index_t>(T)};
-    shape.train = false;  // inference: no dropout, whatever options a caller's model was built with
-    model_.forward(0, shape, in, out.data());
-    model_.release(0);
-    const float* x = out.data() + (T - 1) * static_cast<std::size_t>(W);  // rows are t * batch + b
-    double mean = 0, var = 0;
-    for (index_t c = 0; c < W; ++c) mean += x[c];
-    mean /= static_cast<double>(W);
-    for (index_t c = 0; c < W; ++c) var += (x[c] - mean) * (x[c] - mean);
-    var /= static_cast<double>(W);
-    const double rs = 1.0 / std::sqrt(var + cfg_.ln_eps);
-    std::vector<float> h(static_cast<std::size_t>(W));
-    for (index_t c = 0; c < W; ++c) h[c] = static_cast<float>((x[c] - mean) * rs) * ln_w_[c] + ln_b_[c];
-    std::vector<float> logits(static_cast<std::size_t>(cfg_.vocab));
-    for (index_t v = 0; v < cfg_.vocab; ++v) {
-      double s = 0;
-      for (index_t c = 0; c < W; ++c) s += static_cast<double>(h[c]) * wte_[v * W + c];
-      logits[v] = static_cast<float>(s);
+    const auto T = std::min<std::size_t>(tokens.size(), static_cast<std::size_t>(cfg_.positions));
+    const auto window = tokens.end() - static_cast<std::ptrdiff_t>(T);
+    const bool extends = cached_.size() <= T && std::equal(cached_.begin(), cached_.end(), window);
+    if (!extends) {
+      cache_.clear();
+      cached_.clear();
+    } else if (cached_.size() == T) {
+      return logits_;  // the same context again
     }
-    return logits;
+    const std::size_t done = cached_.size();
+    if (done == 0) ++prefills_;
+    model_.decode(cache_, &*(window + static_cast<std::ptrdiff_t>(done)), static_cast<index_t>(T - done),
+                  logits_.data());
+    cached_.assign(window, tokens.end());
+    return logits_;
   }
 
   std::int32_t pick(const std::vector<float>& logits, double temperature, Rng& rng) const {
@@ -83,10 +79,22 @@ class Generator {
     return prompt;
   }
 
+  // Prefills so far (the first call's, and one per context that did not extend the cached one):
+  // how often the cache had to start again.
+  std::size_t prefills() const { return prefills_; }
+
  private:
+  static const nn::GptConfig& checked(const nn::GptConfig& cfg, C& one_rank) {
+    TRELLIS_CHECK(one_rank.size() == 1, "Generator: needs a 1-rank communicator, got ", one_rank.size(), " ranks");
+    return cfg;
+  }
+
   nn::GptConfig cfg_;
-  nn::GptModel<C> model_;
-  std::vector<float> wte_, ln_w_, ln_b_;
+  nn::GptModel<C, B> model_;
+  nn::KvCache<B> cache_;
+  std::vector<std::int32_t> cached_;  // the tokens whose K and V are in cache_, at positions 0..
+  std::vector<float> logits_;         // of the token after cached_
+  std::size_t prefills_ = 0;
 };
 
 }  // namespace trellis::train
