@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include "support/blas_peer.hpp"
@@ -16,8 +17,10 @@
 
 namespace trellis::bench {
 
-// Seconds (minimum over `iters` timed repetitions) for the GEMMs of one step over `tokens` rows.
-inline double gpt_sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int iters) {
+// Seconds (minimum and median over `iters` timed repetitions) for the GEMMs of one step over
+// `tokens` rows.
+inline std::pair<double, double> gpt_sgemm_floor_min_median(const nn::GptConfig& cfg, int tokens, int warmup,
+                                                            int iters) {
   const int C = static_cast<int>(cfg.width), N = tokens, V = static_cast<int>(cfg.vocab);
   struct Shape {
     int n, k;  // y (N x n) = x (N x k) W (k x n)
@@ -47,7 +50,12 @@ inline double gpt_sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int 
                   1.0f, dw.data(), s.n);
     }
   };
-  return time_min_median(run, warmup, iters).first;
+  return time_min_median(run, warmup, iters);
+}
+
+// The minimum alone.
+inline double gpt_sgemm_floor_seconds(const nn::GptConfig& cfg, int tokens, int warmup, int iters) {
+  return gpt_sgemm_floor_min_median(cfg, tokens, warmup, iters).first;
 }
 
 // FLOPs of those GEMMs: 2 per multiply-add, forward + 2 backward products.
