@@ -10,6 +10,8 @@
 //      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so;
 //  (d) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
 //      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32).
+// (a), (b), Trainer and (d) run round robin, one step each in turn, so a change of load on a shared
+// machine touches them alike; each side's minimum and median are reported.
 //   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
 //
 // --layout: a smaller GPT (default 8 layers, 4 heads, width 256, vocab 8192, T 128, global batch
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -249,34 +252,33 @@ int main(int argc, char** argv) {
   const int warmup = 1, iters = quick ? 2 : std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
   const double tokens = static_cast<double>(c.batch * c.seq);
 
-  const auto [floor_s, floor_med] =
-      bench::gpt_sgemm_floor_min_median(c.model, static_cast<int>(tokens), warmup, iters);
+  // The four C++ sides run round robin (floor, Trainer fp32, FlatTrainer, Trainer bf16, then
+  // again), so load changes on the shared machine touch each alike; PyTorch runs after them.
   const train::Batch b = make_batch(c.batch, c.seq, c.model.vocab);
-  double t_min = 0, t_med = 0;
+  double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, f_min = 0, f_med = 0, h_min = 0, h_med = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
+    bench::GptSgemmFloor floor(c.model, static_cast<int>(tokens));
     train::Trainer<comm::ThreadComm> trainer(comm, c);
-    std::tie(t_min, t_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
-  });
-  // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
-  double f_min = 0, f_med = 0;
-  {
+    // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
     train::FlatTrainer<backend::Host<float>> flat(c);
-    std::tie(f_min, f_med) = bench::time_min_median([&] { flat.step(b); }, warmup, iters);
-  }
-  // Trainer with bf16 compute (fp32 master weights, gradients and AdamW): same step. (Spelled
-  // trellis::bfloat16: OpenBLAS' cblas.h declares a global bfloat16 typedef.)
-  double h_min = 0, h_med = 0;
-  world.run([&](comm::ThreadComm& comm) {
-    train::Trainer<comm::ThreadComm, backend::Host<trellis::bfloat16>> trainer(comm, c);
-    std::tie(h_min, h_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
+    // Trainer with bf16 compute (fp32 master weights, gradients and AdamW): same step. (Spelled
+    // trellis::bfloat16: OpenBLAS' cblas.h declares a global bfloat16 typedef.)
+    train::Trainer<comm::ThreadComm, backend::Host<trellis::bfloat16>> bf16(comm, c);
+    std::vector<std::function<void()>> sides = {
+        [&] { floor.run(); }, [&] { trainer.step(b); }, [&] { flat.step(b); }, [&] { bf16.step(b); }};
+    const auto t = bench::time_round_robin(sides, warmup, iters);
+    std::tie(floor_s, floor_med) = t[0];
+    std::tie(t_min, t_med) = t[1];
+    std::tie(f_min, f_med) = t[2];
+    std::tie(h_min, h_med) = t[3];
   });
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
   const double gf = bench::gpt_gemm_flops(c.model, tokens);
   std::printf(
       "# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, 1 host rank; Trainer step = "
-      "F + B + W + clip + AdamW; %d timed steps after 1 warm-up, each side\n",
+      "F + B + W + clip + AdamW; %d timed rounds (sides in turn) after 1 warm-up\n",
       quick ? "(quick, reduced)" : "124M", static_cast<long long>(c.model.layers),
       static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab),
       static_cast<long long>(c.seq), static_cast<long long>(c.batch), iters);
