@@ -44,6 +44,28 @@ std::pair<double, double> time_min_median(Fn&& fn, int warmup, int iters) {
   return {t.front(), t[t.size() / 2]};
 }
 
+// Runs every function `warmup` times, then `iters` rounds of one call each, in turn (round robin),
+// so a change of machine load between rounds touches every side alike; returns each function's
+// minimum and median seconds.
+template <class Fn>
+std::vector<std::pair<double, double>> time_round_robin(std::vector<Fn>& fns, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i)
+    for (auto& fn : fns) fn();
+  std::vector<std::vector<double>> t(fns.size());
+  for (int i = 0; i < iters; ++i)
+    for (std::size_t k = 0; k < fns.size(); ++k) {
+      const double t0 = now_seconds();
+      fns[k]();
+      t[k].push_back(now_seconds() - t0);
+    }
+  std::vector<std::pair<double, double>> out;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    out.emplace_back(v.front(), v[v.size() / 2]);
+  }
+  return out;
+}
+
 // One row of results: ordered key -> value (numbers or strings), printed and written as JSON.
 struct Row {
   std::vector<std::pair<std::string, std::string>> fields;

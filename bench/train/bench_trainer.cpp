@@ -7,16 +7,32 @@
 //      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
 //  (b) train::FlatTrainer (the one-device GPT of the CUDA path) on the host, fp32, same step;
 //  (c) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
-//      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so.
+//      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so;
+//  (d) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
+//      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32).
+// (a), (b), Trainer and (d) run round robin, one step each in turn, so a change of load on a shared
+// machine touches them alike; each side's minimum and median are reported.
 //   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
+//
+// --layout: a smaller GPT (default 8 layers, 4 heads, width 256, vocab 8192, T 128, global batch
+// 16) on one thread rank against dp2 x tp2 x pp2 on 8 thread ranks (--schedule, default 1f1b;
+// --microbatches, default 4), with and without ZeRO-1: step time, tokens/s, and the bytes each
+// step puts on the wire per communicator (bench/support/counting_comm.hpp: ring model), summed
+// over the ranks. All layouts start from the same weights, so their first-step losses agree.
+//   bench_trainer --layout [--layers L] [--heads H] [--width C] [--vocab V] [--seq T] [--batch B]
+//                 [--microbatches M] [--schedule S] [--iters N] [--json FILE]
 #include <cblas.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "support/counting_comm.hpp"
 #include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
@@ -61,9 +77,168 @@ TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
   return r;
 }
 
+// Builds a batch of `rows` x `seq` tokens whose global sample index starts at `first_row`.
+train::Batch make_batch(index_t rows, index_t seq, index_t vocab, index_t first_row = 0) {
+  train::Batch b;
+  b.rows = rows;
+  b.seq_len = seq;
+  const auto n = static_cast<std::size_t>(rows * seq);
+  b.inputs.resize(n);
+  b.targets.resize(n);
+  const auto base = static_cast<std::size_t>(first_row * seq);
+  for (std::size_t i = 0; i < n; ++i) {
+    b.inputs[i] = static_cast<std::int32_t>(((base + i) * 7919) % static_cast<std::size_t>(vocab));
+    b.targets[i] = static_cast<std::int32_t>(((base + i) * 104729 + 3) % static_cast<std::size_t>(vocab));
+  }
+  return b;
+}
+
+struct LayoutResult {
+  std::string name;
+  int ranks = 1;
+  double ms_min = 0, ms_median = 0;
+  double first_loss = 0;
+  // bytes on the wire per step, summed over the ranks (ring model), per communicator of the mesh
+  double dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, other_bytes = 0;
+  double calls = 0;  // communicator calls per step, summed over the ranks
+};
+
+// One configuration on pp*dp*tp thread ranks: a step's wall time is the slowest rank's (a world
+// barrier before and after each timed step), the communication counted over the timed steps.
+LayoutResult run_layout(const std::string& name, const train::TrainerConfig& c, int warmup, int iters) {
+  using Comm = bench::CountingComm<comm::ThreadComm>;
+  LayoutResult res;
+  res.name = name;
+  res.ranks = c.pp * c.dp * c.tp;
+  std::vector<double> times;
+  std::vector<LayoutResult> per_rank(static_cast<std::size_t>(res.ranks));
+  comm::ThreadWorld world(res.ranks);
+  world.run([&](comm::ThreadComm& tc) {
+    Comm comm(tc.split(0, tc.rank()));
+    train::Trainer<Comm> trainer(comm, c);
+    auto& mesh = trainer.mesh();
+    const index_t rows = c.batch / c.dp;
+    const train::Batch b = make_batch(rows, c.seq, c.model.vocab, mesh.template coord<trellis::dp>() * rows);
+    auto all = [&]() -> std::vector<Comm*> {
+      return {&mesh.template comm<trellis::dp>(), &mesh.template comm<trellis::tp>(),
+              &mesh.template comm<trellis::pp>(), &mesh.template comm<trellis::pp, trellis::dp>(),
+              &mesh.template comm<trellis::pp, trellis::tp>(), &comm};
+    };
+    for (int i = 0; i < warmup; ++i) {
+      const double loss = trainer.step(b).loss;
+      if (i == 0 && comm.rank() == 0) res.first_loss = loss;
+    }
+    for (Comm* x : all()) x->reset_counters();
+    for (int i = 0; i < iters; ++i) {
+      comm.barrier();
+      const double t0 = bench::now_seconds();
+      trainer.step(b);
+      comm.barrier();
+      if (comm.rank() == 0) times.push_back(bench::now_seconds() - t0);
+    }
+    auto& mine = per_rank[static_cast<std::size_t>(comm.rank())];
+    const auto v = all();
+    mine.dp_bytes = v[0]->counters().bytes;
+    mine.tp_bytes = v[1]->counters().bytes;
+    mine.pp_bytes = v[2]->counters().bytes;
+    mine.other_bytes = v[3]->counters().bytes + v[4]->counters().bytes + v[5]->counters().bytes;
+    for (Comm* x : v) mine.calls += static_cast<double>(x->counters().calls);
+    mine.calls -= 2.0 * iters;  // the timing barriers
+  });
+  std::sort(times.begin(), times.end());
+  res.ms_min = times.front() * 1e3;
+  res.ms_median = times[times.size() / 2] * 1e3;
+  for (const auto& r : per_rank) {
+    res.dp_bytes += r.dp_bytes / iters;
+    res.tp_bytes += r.tp_bytes / iters;
+    res.pp_bytes += r.pp_bytes / iters;
+    res.other_bytes += r.other_bytes / iters;
+    res.calls += r.calls / iters;
+  }
+  return res;
+}
+
+int layout_main(int argc, char** argv) {
+  train::TrainerConfig c;
+  c.model = {.vocab = bench::int_flag(argc, argv, "--vocab", 8192),
+             .positions = 1024,
+             .layers = bench::int_flag(argc, argv, "--layers", 8),
+             .heads = bench::int_flag(argc, argv, "--heads", 4),
+             .width = bench::int_flag(argc, argv, "--width", 256)};
+  c.seq = bench::int_flag(argc, argv, "--seq", 128);
+  c.batch = bench::int_flag(argc, argv, "--batch", 16);
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  c.model.positions = std::max<index_t>(c.model.positions, c.seq);
+  const int m = static_cast<int>(bench::int_flag(argc, argv, "--microbatches", 4));
+  const std::string schedule = bench::flag_value(argc, argv, "--schedule", "1f1b");
+  const int warmup = 1, iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
+  const double tokens = static_cast<double>(c.batch * c.seq);
+
+  struct Case {
+    std::string name;
+    int pp, dp, tp, microbatches;
+    bool zero1;
+  };
+  const std::vector<Case> cases = {
+      {"1 rank, m1", 1, 1, 1, 1, false},
+      {"1 rank, m" + std::to_string(m), 1, 1, 1, m, false},
+      {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m), 2, 2, 2, m, false},
+      {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m) + " zero1", 2, 2, 2, m, true},
+  };
+  std::vector<LayoutResult> results;
+  for (const auto& k : cases) {
+    train::TrainerConfig ck = c;
+    ck.pp = k.pp;
+    ck.dp = k.dp;
+    ck.tp = k.tp;
+    ck.microbatches = k.microbatches;
+    ck.zero1 = k.zero1;
+    ck.schedule = schedule;
+    if (auto problems = train::config_problems(ck); !problems.empty()) {
+      for (auto& p : problems) std::fprintf(stderr, "%s: %s\n", k.name.c_str(), p.c_str());
+      return 1;
+    }
+    results.push_back(run_layout(k.name, ck, warmup, iters));
+  }
+
+  std::printf(
+      "# GPT %lld layers, %lld heads, width %lld, vocab %lld, T %lld, global batch %lld (%.0f tokens), fp32, "
+      "host thread ranks (%u hardware threads); %d timed steps after 1 warm-up\n",
+      static_cast<long long>(c.model.layers), static_cast<long long>(c.model.heads),
+      static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab), static_cast<long long>(c.seq),
+      static_cast<long long>(c.batch), tokens, std::thread::hardware_concurrency(), iters);
+  std::printf("# comm MB/step: bytes on the wire per step summed over the ranks (ring model), per communicator\n");
+  std::printf("%-32s %5s %10s %10s %10s %9s %12s %9s %9s %9s %9s %8s\n", "layout", "ranks", "ms min", "ms median",
+              "tokens/s", "x 1 rank", "first loss", "dp MB", "tp MB", "pp MB", "other MB", "calls");
+  const double base = results.front().ms_min;
+  bench::JsonReport report("bench_trainer_layout");
+  for (const auto& r : results) {
+    std::printf("%-32s %5d %10.1f %10.1f %10.0f %9.2f %12.6f %9.1f %9.1f %9.1f %9.3f %8.0f\n", r.name.c_str(),
+                r.ranks, r.ms_min, r.ms_median, tokens / (r.ms_min / 1e3), r.ms_min / base, r.first_loss,
+                r.dp_bytes / 1e6, r.tp_bytes / 1e6, r.pp_bytes / 1e6, r.other_bytes / 1e6, r.calls);
+    bench::Row row;
+    row.add_text("layout", r.name)
+        .add("ranks", static_cast<long long>(r.ranks))
+        .add("ms_min", r.ms_min)
+        .add("ms_median", r.ms_median)
+        .add("tokens_per_s", tokens / (r.ms_min / 1e3), "%.0f")
+        .add("over_one_rank", r.ms_min / base)
+        .add("first_loss", r.first_loss, "%.6f")
+        .add("dp_bytes_per_step", r.dp_bytes, "%.0f")
+        .add("tp_bytes_per_step", r.tp_bytes, "%.0f")
+        .add("pp_bytes_per_step", r.pp_bytes, "%.0f")
+        .add("other_bytes_per_step", r.other_bytes, "%.0f")
+        .add("calls_per_step", r.calls, "%.0f");
+    report.add(row);
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (bench::has_flag(argc, argv, "--layout")) return layout_main(argc, argv);
   const bool quick = bench::has_flag(argc, argv, "--quick");
   train::TrainerConfig c;
   c.model = {
@@ -77,52 +252,57 @@ int main(int argc, char** argv) {
   const int warmup = 1, iters = quick ? 2 : std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
   const double tokens = static_cast<double>(c.batch * c.seq);
 
-  const double floor_s = bench::gpt_sgemm_floor_seconds(c.model, static_cast<int>(tokens), warmup, iters);
-  train::Batch b;
-  b.rows = c.batch;
-  b.seq_len = c.seq;
-  b.inputs.resize(static_cast<std::size_t>(tokens));
-  b.targets.resize(static_cast<std::size_t>(tokens));
-  for (std::size_t i = 0; i < b.inputs.size(); ++i) {
-    b.inputs[i] = static_cast<std::int32_t>((i * 7919) % c.model.vocab);
-    b.targets[i] = static_cast<std::int32_t>((i * 104729 + 3) % c.model.vocab);
-  }
-  double t_min = 0, t_med = 0;
+  // The four C++ sides run round robin (floor, Trainer fp32, FlatTrainer, Trainer bf16, then
+  // again), so load changes on the shared machine touch each alike; PyTorch runs after them.
+  const train::Batch b = make_batch(c.batch, c.seq, c.model.vocab);
+  double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, f_min = 0, f_med = 0, h_min = 0, h_med = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
+    bench::GptSgemmFloor floor(c.model, static_cast<int>(tokens));
     train::Trainer<comm::ThreadComm> trainer(comm, c);
-    std::tie(t_min, t_med) = bench::time_min_median([&] { trainer.step(b); }, warmup, iters);
-  });
-  // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
-  double f_min = 0, f_med = 0;
-  {
+    // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
     train::FlatTrainer<backend::Host<float>> flat(c);
-    std::tie(f_min, f_med) = bench::time_min_median([&] { flat.step(b); }, warmup, iters);
-  }
+    // Trainer with bf16 compute (fp32 master weights, gradients and AdamW): same step. (Spelled
+    // trellis::bfloat16: OpenBLAS' cblas.h declares a global bfloat16 typedef.)
+    train::Trainer<comm::ThreadComm, backend::Host<trellis::bfloat16>> bf16(comm, c);
+    std::vector<std::function<void()>> sides = {
+        [&] { floor.run(); }, [&] { trainer.step(b); }, [&] { flat.step(b); }, [&] { bf16.step(b); }};
+    const auto t = bench::time_round_robin(sides, warmup, iters);
+    std::tie(floor_s, floor_med) = t[0];
+    std::tie(t_min, t_med) = t[1];
+    std::tie(f_min, f_med) = t[2];
+    std::tie(h_min, h_med) = t[3];
+  });
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
   const double gf = bench::gpt_gemm_flops(c.model, tokens);
   std::printf(
-      "# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, fp32, 1 host rank; Trainer step = "
-      "F + B + W + clip + AdamW\n",
+      "# GPT-2 %s: %lld layers, width %lld, vocab %lld, T %lld, B %lld, 1 host rank; Trainer step = "
+      "F + B + W + clip + AdamW; %d timed rounds (sides in turn) after 1 warm-up\n",
       quick ? "(quick, reduced)" : "124M", static_cast<long long>(c.model.layers),
       static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab),
-      static_cast<long long>(c.seq), static_cast<long long>(c.batch));
+      static_cast<long long>(c.seq), static_cast<long long>(c.batch), iters);
   std::printf(
       "# floor (same run): the step's GEMMs as bare cblas_sgemm: %.1f ms = %.1f GFLOP/s over %.1f GFLOP\n",
       floor_s * 1e3, gf / floor_s / 1e9, gf / 1e9);
-  std::printf("%-28s %12s %12s %12s %10s\n", "implementation", "ms min", "ms median", "tokens/s", "x floor");
-  std::printf("%-28s %12.1f %12s %12.0f %10.2f\n", "cblas_sgemm floor", floor_s * 1e3, "-", tokens / floor_s,
-              1.0);
-  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis Trainer", t_min * 1e3, t_med * 1e3,
-              tokens / t_min, t_min / floor_s);
-  std::printf("%-28s %12.1f %12.1f %12.0f %10.2f\n", "trellis FlatTrainer (host)", f_min * 1e3, f_med * 1e3,
-              tokens / f_min, f_min / floor_s);
+  std::printf("%-30s %12s %12s %12s %10s %12s\n", "implementation", "ms min", "ms median", "tokens/s", "x floor",
+              "x floor med");
+  auto line = [&](const char* name, double mn, double md) {
+    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f\n", name, mn * 1e3, md * 1e3, tokens / mn, mn / floor_s,
+                md / floor_med);
+  };
+  line("cblas_sgemm floor", floor_s, floor_med);
+  line("trellis Trainer fp32", t_min, t_med);
+  line("trellis FlatTrainer (host)", f_min, f_med);
+  line("trellis Trainer bf16 compute", h_min, h_med);
   if (torch.ok)
-    std::printf("%-28s %12.1f %12.1f %12.0f %10.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
-                tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.note.c_str());
+    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
+                tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.ms_median / 1e3 / floor_med,
+                torch.note.c_str());
   else
-    std::printf("%-28s %s\n", "PyTorch CPU", torch.note.c_str());
+    std::printf("%-30s %s\n", "PyTorch CPU", torch.note.c_str());
+  std::printf("# Trainer fp32 / FlatTrainer: %.2f (min), %.2f (median); Trainer bf16 / fp32: %.2f (min)\n",
+              t_min / f_min, t_med / f_med, h_min / t_min);
   if (torch.ok)
     std::printf("# trellis / PyTorch: Trainer %.2f, FlatTrainer %.2f\n", t_min * 1e3 / torch.ms_min,
                 f_min * 1e3 / torch.ms_min);
@@ -131,11 +311,17 @@ int main(int argc, char** argv) {
   bench::Row row;
   row.add_text("model", quick ? "quick" : "gpt2-124M")
       .add("floor_ms", floor_s * 1e3)
+      .add("floor_ms_median", floor_med * 1e3)
       .add("trellis_ms_min", t_min * 1e3)
       .add("trellis_ms_median", t_med * 1e3)
       .add("trellis_over_floor", t_min / floor_s)
       .add("flat_ms_min", f_min * 1e3)
-      .add("flat_over_floor", f_min / floor_s);
+      .add("flat_ms_median", f_med * 1e3)
+      .add("flat_over_floor", f_min / floor_s)
+      .add("trellis_over_flat", t_min / f_min)
+      .add("bf16_ms_min", h_min * 1e3)
+      .add("bf16_ms_median", h_med * 1e3)
+      .add("bf16_over_floor", h_min / floor_s);
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
   report.add(row);
   report.write(bench::json_path(argc, argv));
