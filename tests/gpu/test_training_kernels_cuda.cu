@@ -1,7 +1,7 @@
 // CUDA training kernels against their host twins on the same inputs: LayerNorm / RMSNorm forward
 // (with and without the fused residual) and backward, softmax cross-entropy forward / backward /
 // fused in place (ignore index), embedding forward / backward (repeated tokens, vocab-sharded),
-// GELU forward / backward, add, column sums, multi-tensor AdamW (more tensors than one launch
+// GELU forward / backward, add, column sums, dropout masks (bitwise), multi-tensor AdamW (more tensors than one launch
 // holds) and the global gradient norm.
 // Tolerances: fp32 results 1e-5 + 1e-5|want| elementwise, 1e-4 relative for reductions (the
 // summation orders differ); 16-bit results one rounding apart: 1e-2 + 8e-3|want| (bf16), 2e-3
@@ -17,6 +17,8 @@
 #include "support/gpu_test.hpp"
 #include "trellis/kernels/adamw_cuda.cuh"
 #include "trellis/kernels/adamw_host.hpp"
+#include "trellis/kernels/dropout_cuda.cuh"
+#include "trellis/kernels/dropout_host.hpp"
 #include "trellis/kernels/elementwise_cuda.cuh"
 #include "trellis/kernels/elementwise_host.hpp"
 #include "trellis/kernels/embedding_cuda.cuh"
@@ -285,6 +287,30 @@ TEMPLATE_TEST_CASE("CUDA GELU, add and column sums match the host", "[gpu][eleme
   Buffer<char, Cuda> gws(ws, stream, false);
   k::cuda::column_sums(rows, cols, ld, gm.data(), gs.data(), gws.data(), ws, stream, true);
   require_close(to_host(gs), sums, 1e-4, 1e-4, "column sums");
+}
+
+// The masks are one TRELLIS_HD hash (kernels/dropout.hpp): every kept element is scaled in fp32 and
+// rounded once on both sides, so the results are the same bits.
+TEMPLATE_TEST_CASE("CUDA dropout draws the host's masks", "[gpu][dropout]", float, bfloat16) {
+  using T = TestType;
+  Stream stream;
+  k::DropoutArgs a;
+  a.seed = 12345;
+  a.site = trellis::name_hash("h.3.mlp");
+  a.p = 0.1f;
+  a.batch = 6;
+  a.first_sample = 18;  // a microbatch of another dp rank
+  a.row0 = 40;          // a sequence shard
+  a.rows = 300;
+  a.width = 96;
+  auto x = random_vector<T>(a.rows * a.width, 41, -3.0f, 3.0f);
+  auto gx = to_device(x, stream);
+  k::host::dropout_apply(a, x.data());
+  k::cuda::dropout_apply(a, gx.data(), stream);
+  require_close(to_host(gx), x, 0.0, 0.0, "dropout (bitwise)");
+  std::size_t zeros = 0;
+  for (const T& v : x) zeros += static_cast<float>(v) == 0.0f;
+  CHECK(static_cast<double>(zeros) / static_cast<double>(x.size()) == Approx(0.1).margin(0.02));
 }
 
 TEST_CASE("CUDA multi-tensor AdamW and grad norm match the host", "[gpu][adamw]") {
