@@ -6,6 +6,7 @@
 #include "trellis/kernels/adamw_host.hpp"        // defines: adamw_step, grad_norm_squared, clip_scale
 #include "trellis/kernels/attention.hpp"         // defines: AttentionArgs, merge_partials_row
 #include "trellis/kernels/attention_host.hpp"    // defines: attention_forward/backward, merge_attention_partials
+#include "trellis/kernels/blas_core.hpp"         // defines: cpu_features, blas_core_warning
 #include "trellis/kernels/dropout.hpp"           // defines: DropoutArgs, dropout_keep, dropout_row_key
 #include "trellis/kernels/dropout_host.hpp"      // defines: dropout_apply
 #include "trellis/kernels/elementwise_host.hpp"  // defines: gelu_forward/backward, add, column_sums

@@ -272,3 +272,35 @@ TEST_CASE("gemm gives the same bits on the thread pool and inline", "[kernels][g
   REQUIRE(pre1 == pre2);
   REQUIRE(db1 == db2);
 }
+
+// The generic-kernel check (kernels/blas_core.hpp) on faked core reports and CPU features.
+TEST_CASE("a BLAS on kernels narrower than the CPU is reported, with the core type to set", "[kernels][gemm][blas]") {
+  using trellis::kernels::host::blas_core_warning;
+  using trellis::kernels::host::CpuFeatures;
+  using trellis::kernels::host::recommended_openblas_core;
+  const CpuFeatures amx{.avx2 = true, .avx512f = true, .avx512_bf16 = true, .amx_bf16 = true};
+  const CpuFeatures skx{.avx2 = true, .avx512f = true};
+  const CpuFeatures hsw{.avx2 = true};
+  const CpuFeatures old{};
+  CHECK(recommended_openblas_core(amx) == "Cooperlake");
+  CHECK(recommended_openblas_core(skx) == "SkylakeX");
+  CHECK(recommended_openblas_core(hsw) == "Haswell");
+  CHECK(recommended_openblas_core(old).empty());
+  // the case of issue #19: Debian's OpenBLAS 0.3.21 on a Sapphire Rapids Xeon reports Prescott
+  const std::string w = blas_core_warning("Prescott", amx);
+  CHECK_THAT(w, Catch::Contains("runs its Prescott kernels on a CPU with AVX-512 + BF16"));
+  CHECK_THAT(w, Catch::Contains("OPENBLAS_CORETYPE=Cooperlake"));
+  CHECK_THAT(blas_core_warning("Haswell", skx), Catch::Contains("OPENBLAS_CORETYPE=SkylakeX"));
+  CHECK_THAT(blas_core_warning("Sandybridge", hsw), Catch::Contains("OPENBLAS_CORETYPE=Haswell"));
+  // no warning: the right kernels, wider ones, an old CPU, or a core name the table does not know
+  CHECK(blas_core_warning("Cooperlake", amx).empty());
+  CHECK(blas_core_warning("SapphireRapids", amx).empty());
+  CHECK(blas_core_warning("SkylakeX", hsw).empty());
+  CHECK(blas_core_warning("Prescott", old).empty());
+  CHECK(blas_core_warning("NeoverseV2", amx).empty());
+  // the live check runs (prints at most once) and this machine's features are self-consistent
+  trellis::kernels::host::warn_if_generic_blas();
+  const CpuFeatures here = trellis::kernels::host::cpu_features();
+  CHECK((!here.avx512f || here.avx2));
+  CHECK((!here.avx512_bf16 || here.avx512f));
+}

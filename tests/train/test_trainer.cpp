@@ -1,7 +1,7 @@
 // Trainer parity matrix (thread ranks, fp32): every layout trains 6 steps of the tiny GPT on the
 // same global batches and must equal the single-rank run (the plain loop, microbatches 1):
 //   loss per step: |loss - ref| <= 1e-5 |ref|;  grad norm: same 1e-5;
-//   final weights: per tensor max |w - ref| <= 1e-5 * max |ref|   (after AdamW with clipping)
+//   final weights: per tensor max |w - ref| <= 5e-5 * max |ref|   (after AdamW with clipping; see below)
 // and the replicated copies (dp replicas, tp-replicated tensors, the wte copies of the first and
 // last pipeline stage) must agree to 1e-6. Layouts: dp2; tp2; tp2+sp; pp2 with every schedule of
 // pipe/ that trains the GPT (gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v) at 4
@@ -61,10 +61,11 @@ void check_against_reference(const Layout& l, const char* label) {
   for (const auto& name : got.names) {
     INFO("tensor " << name);
     CHECK(weights.complete(name));
-    // 2e-5: Adam (eps 1e-5 here) turns the rounding noise of near-zero bias gradients into weight
-    // differences; measured up to 1.4e-5 (dp2 with dropout, h.2.mlp.c_proj.bias) since the bias
-    // gradients are summed in 64-row blocks (kernels/elementwise_host.hpp column_sums).
-    CHECK(nn_test::rel_error(weights.get(name), ref.weights.get(name)) <= 2e-5);
+    // 5e-5: Adam (eps 1e-5 here) turns the rounding noise of near-zero bias gradients into weight
+    // differences; measured up to 1.4e-5 with OpenBLAS's Prescott kernels and 3.8e-5 with its
+    // Cooperlake ones (dp2.tp2+sp.pp2 with dropout, h.2.mlp.c_proj.bias: 7e-7 absolute), since
+    // the bias gradients are summed in 64-row blocks (kernels/elementwise_host.hpp column_sums).
+    CHECK(nn_test::rel_error(weights.get(name), ref.weights.get(name)) <= 5e-5);
   }
 }
 

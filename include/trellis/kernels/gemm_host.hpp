@@ -22,6 +22,7 @@
 #include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/epilogue.hpp"
+#include "trellis/kernels/blas_core.hpp"
 #include "trellis/kernels/host_math.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 
@@ -102,6 +103,7 @@ inline TileShape tile_shape(const GemmArgs& args, const GemmOptions& options) {
 // calling thread for the OpenMP one): tiles run in parallel on the kernel pool instead.
 inline void use_single_threaded_blas() {
 #if defined(TRELLIS_HAS_CBLAS)
+  warn_if_generic_blas();
   if (openblas_set_num_threads && openblas_get_num_threads && openblas_get_num_threads() != 1)
     openblas_set_num_threads(1);
 #endif
