@@ -3,7 +3,8 @@
 // display and loss curves: trellis/report.hpp.
 #pragma once
 
-#include "trellis/train/checkpoint.hpp"   // defines: CheckpointWriter, commit_checkpoint, Checkpoint, Box
+#include "trellis/train/checkpoint.hpp"   // defines: CheckpointWriter, commit_checkpoint, Checkpoint
+#include "trellis/train/checkpoint_box.hpp"  // defines: Box, split_box, flat_range_boxes
 #include "trellis/train/checkpoint_model.hpp"  // defines: save_model_config, check_model_config
 #include "trellis/train/data.hpp"         // defines: TokenData, DataLoader, Batch, unigram_entropy
 #include "trellis/train/generate.hpp"     // defines: Generator (text from a checkpoint, 1 rank)
