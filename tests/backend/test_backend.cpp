@@ -4,14 +4,19 @@
 //  - the head permutes against the index formula written out here (both row orders), and their
 //    round trip;
 //  - Host<bfloat16>::convert rounds like bfloat16's own conversion (round to nearest even);
-//  - workspace: queries answer 0 on the host, reserve_workspace only grows.
+//  - workspace: queries answer 0 on the host, reserve_workspace only grows;
+//  - backend::DeviceChecked: kernels refuse host pointers (naming the kernel and argument),
+//    upload/download refuse swapped sides, buffers unregister when freed, results equal the inner
+//    backend's, and parameters packed with it refuse host element access.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
 #include <vector>
 
 #include "trellis/backend.hpp"
+#include "trellis/backend/device_checked.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/nn/parameter_buffer.hpp"
 
 using namespace trellis;
 
@@ -87,4 +92,63 @@ TEST_CASE("host workspace: queries are 0 and reservations only grow", "[backend]
   be.reserve_workspace(100);
   be.reserve_workspace(10);
   CHECK(be.workspace_reserved() == 100);
+}
+
+TEST_CASE("DeviceChecked: kernels take only backend memory, and compute like the inner backend", "[backend][device]") {
+  using Checked = backend::DeviceChecked<backend::Host<float>>;
+  static_assert(backend::CompatibleWith<Checked, comm::ThreadComm> && !Checked::host_readable);
+  Checked be;
+  const std::vector<float> a_host = {1, -2, 3, 4}, b_host = {0.5f, 0.25f, -1, 2};
+  auto a = be.allocate<float>(4), b = be.allocate<float>(4), out = be.allocate<float>(4);
+  CHECK(be.registry().allocations() == 3);
+  be.upload(a.data(), a_host.data(), 4);
+  be.upload(b.data(), b_host.data(), 4);
+  be.add(index_t{4}, a.data(), b.data(), out.data());
+  const auto got = backend::download_vector(be, out.data(), 4);
+  std::vector<float> want(4);
+  backend::Host<float>{}.add(index_t{4}, a_host.data(), b_host.data(), want.data());
+  CHECK(got == want);
+  CHECK(be.sum(out.data(), 4) == Approx(7.75));
+  // a host pointer where the kernel needs device memory: refused, naming the kernel and argument
+  std::vector<float> host(4);
+  CHECK_THROWS_WITH(be.add(index_t{4}, a.data(), host.data(), out.data()),
+                    Catch::Contains("add argument 2 of (a, b, out)") && Catch::Contains("not backend memory"));
+  CHECK_THROWS_WITH(be.upload(host.data(), a.data(), 4), Catch::Contains("upload argument 1 of (dst)"));
+  CHECK_THROWS_WITH(be.download(a.data(), b.data(), 4), Catch::Contains("download dst is backend memory"));
+  CHECK_THROWS_WITH(be.copy(out.data(), host.data(), 4), Catch::Contains("copy argument 1 of (src)"));
+  const std::vector<std::span<const float>> grads = {std::span<const float>(host)};
+  CHECK_THROWS_WITH(be.sum_of_squares(grads), Catch::Contains("sum_of_squares"));
+  // freed memory leaves the registry: a stale pointer is refused like a host one
+  const float* stale = a.data();
+  a = Checked::buffer<float>{};
+  CHECK(be.registry().allocations() == 2);
+  CHECK_FALSE(be.owns(stale));
+  // copies of the backend share the registry (a model and its trainer hold copies)
+  Checked copy = be;
+  CHECK(copy.owns(b.data()));
+}
+
+TEST_CASE("DeviceChecked: packed parameters live in backend memory and refuse host access", "[backend][device]") {
+  using Checked = backend::DeviceChecked<backend::Host<float>>;
+  Checked be;
+  nn::Parameter w = nn::make_parameter("w", {3, 5}), bias = nn::make_parameter("b", {5});
+  for (index_t i = 0; i < w.numel(); ++i) w.value[static_cast<std::size_t>(i)] = static_cast<float>(i);
+  bias.value.fill(-1.0f);
+  std::vector<nn::Parameter*> order = {&bias, &w};
+  nn::ParameterBuffer<Checked> packed(order, 16, be);
+  CHECK(be.owns(w.value.data()));
+  CHECK(be.owns(bias.grad.data()));
+  CHECK_FALSE(w.value.host_readable());
+  CHECK_THROWS_WITH(w.value[0], Catch::Contains("device memory"));
+  CHECK_THROWS_WITH(bias.grad.fill(0.0f), Catch::Contains("device memory"));
+  // the values were uploaded: a download gives them back
+  const auto got = backend::download_vector(be, w.value.data(), w.value.size());
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == static_cast<float>(i));
+  CHECK(backend::download_vector(be, bias.value.data(), 5) == std::vector<float>(5, -1.0f));
+  // on a host backend the same packing stays host-readable
+  nn::Parameter h = nn::make_parameter("h", {4});
+  std::vector<nn::Parameter*> host_order = {&h};
+  nn::ParameterBuffer<> host_packed(host_order);
+  CHECK(h.value.host_readable());
+  CHECK(h.value[3] == 0.0f);
 }

@@ -82,7 +82,7 @@ TEST_CASE("AdamWState::update matches a double-precision AdamW", "[optim][adamw]
       gs.emplace_back(grads[i]);
     }
     const float lr_now = static_cast<float>(lr(step));
-    state.update<float>(hp, lr_now, ps, gs, decay);
+    state.update(hp, lr_now, ps, gs, decay);
     for (std::size_t i = 0; i < sizes.size(); ++i)
       adamw_reference(ref_p[i], std::vector<double>(grads[i].begin(), grads[i].end()), ref_m[i], ref_v[i], hp,
                       lr_now, step + 1, decay[i]);
@@ -97,7 +97,7 @@ TEST_CASE("AdamWState::update matches a double-precision AdamW", "[optim][adamw]
   REQUIRE(worst < 2e-6);  // fp32 vs fp64 over 5 steps of size ~1e-2
   std::vector<std::span<float>> wrong = {params[0]};
   std::vector<std::span<const float>> wrong_g = {std::span<const float>(params[0])};
-  REQUIRE_THROWS_WITH(state.update<float>(hp, 1e-3f, wrong, wrong_g), Catch::Contains("state of 3 tensors"));
+  REQUIRE_THROWS_WITH(state.update(hp, 1e-3f, wrong, wrong_g), Catch::Contains("state of 3 tensors"));
   REQUIRE_THROWS_AS(state.m(3), Error);
 }
 
@@ -159,7 +159,7 @@ TEST_CASE("ZeRO-1: partitions tile the flat buffer and partitioned AdamW == repl
   AdamWState whole({200});
   std::vector<std::span<float>> wp = {replicated};
   std::vector<std::span<const float>> wg = {std::span<const float>(grads)};
-  whole.update<float>(hp, hp.lr, wp, wg);
+  whole.update(hp, hp.lr, wp, wg);
 
   for (int dp : {1, 2, 3, 7}) {
     INFO("dp = " << dp);
@@ -184,7 +184,7 @@ TEST_CASE("ZeRO-1: partitions tile the flat buffer and partitioned AdamW == repl
       }
       REQUIRE(in_part == part.size);
       AdamWState mine(piece_sizes);
-      mine.update<float>(hp, hp.lr, ps, gs);
+      mine.update(hp, hp.lr, ps, gs);
     }
     REQUIRE(covered == 200);
     REQUIRE(sharded == replicated);  // elementwise math: bit-identical

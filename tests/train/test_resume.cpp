@@ -43,7 +43,7 @@ double bigram_loss(const std::vector<float>& w, const Batch& b, std::vector<floa
 
 struct Run {
   std::vector<float> w = std::vector<float>(V * V, 0.0f);
-  optim::AdamWState state{V * V};
+  optim::AdamWState<> state{V * V};
   DataLoader loader;
   Rng rng;
   Run(std::span<const token_t> tokens, std::uint64_t seed)
@@ -68,7 +68,7 @@ double train_steps(Run& r, std::int64_t from, std::int64_t to, MetricsWriter* me
     const double lr = schedule(step);
     std::vector<std::span<float>> ps = {r.w};
     std::vector<std::span<const float>> cg = {std::span<const float>(grad)};
-    r.state.update<float>(hp, static_cast<float>(lr), ps, cg);
+    r.state.update(hp, static_cast<float>(lr), ps, cg);
     r.rng.next_u64();  // stands in for dropout etc.: its state must resume too
     if (metrics) metrics->write({.step = step, .loss = loss, .lr = lr, .grad_norm = clip.norm});
   }

@@ -10,6 +10,7 @@
 // and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
 // Host bf16 (backend::Host<bfloat16>: the CUDA backend's rounding points): every layout against
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there.
+// DeviceChecked (device-memory discipline on the host): six layouts equal host fp32 bitwise.
 // Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
 // generator bitwise, a hand-written all-F-then-B-then-W one equals one rank; a bad one is refused.
 #include <catch2/catch.hpp>
@@ -19,6 +20,7 @@
 
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
+#include "trellis/backend/device_checked.hpp"
 #include "trellis/pipe/text.hpp"
 
 using namespace trainer_test;
@@ -162,6 +164,34 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
       "bf16 dp2.tp2+sp.pp2 zero1 zb_v");
   run({.dp = 2, .dropout = kDropout, .recompute = true}, drop, drop_w, cut, "bf16 dp2 dropout recompute");
   run({.tp = 2, .sp = true, .dropout = kDropout}, drop, drop_w, split, "bf16 tp2+sp dropout");
+}
+
+// backend::DeviceChecked: the host arithmetic under the discipline of device memory (every kernel
+// argument a backend allocation, packed parameters and moments not host-readable). A layout run
+// with it must equal the same layout on backend::Host bit for bit: that every layer, the pipe
+// executor's buffers, the optimizer, ZeRO-1 and the tied-wte sum reach memory only through the
+// backend is what a CUDA run needs.
+TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
+          "[train][trainer][device]") {
+  using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
+  for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero1 = true}, Layout{.tp = 2, .sp = true},
+                          Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v",
+                                 .microbatches = 2},
+                          Layout{.dp = 2, .dropout = kDropout, .recompute = true}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " " << l.schedule);
+    nn_test::Collector host_w, checked_w;
+    RunResult host, checked;
+    train(with_layout(tiny_config(), l), 3, host, host_w);
+    train<Checked>(with_layout(tiny_config(), l), 3, checked, checked_w);
+    CHECK(checked.losses == host.losses);
+    CHECK(checked.norms == host.norms);
+    REQUIRE(checked.names == host.names);
+    for (const auto& name : host.names) {
+      INFO("tensor " << name);
+      CHECK(nn_test::rel_error(checked_w.get(name), host_w.get(name)) == 0.0);
+    }
+  }
 }
 
 TEST_CASE("with dropout every layout equals one rank (masks per global sample)", "[train][trainer][parity][dropout]") {

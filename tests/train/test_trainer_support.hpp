@@ -92,7 +92,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
 }
 
 // Runs `steps` steps of layout l (optionally loading `load_from` first, saving to `save_to` after)
-// on compute backend B (host fp32 by default; backend::Host<bfloat16> for the bf16 numerics).
+// on compute backend B (host fp32 by default; backend::Host<bfloat16> for the bf16 numerics;
+// backend::DeviceChecked<...> for the discipline of device memory).
 template <class B = trellis::backend::Host<float>>
 void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
                   const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {}) {
@@ -113,14 +114,15 @@ void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collect
       my_norms.push_back(r.grad_norm);
     }
     if (!save_to.empty()) t.save(save_to, loader.state());
-    for (auto* p : t.parameters())
+    auto put = [&](trellis::nn::Parameter* p) {  // host copy: the values may live in device memory
+      const auto host = trellis::backend::download_vector(t.backend(), p->value.data(), p->value.size());
       for (index_t i = 0; i < p->numel(); ++i)
-        weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+        weights.put(p->name, p->global_numel(), p->global_index(i), host[static_cast<std::size_t>(i)]);
+    };
+    for (auto* p : t.parameters()) put(p);
     for (auto& m : t.chunks())  // every wte copy must equal the primary one
       for (auto* p : m->parameters())
-        if (p->name == "wte.weight")
-          for (index_t i = 0; i < p->numel(); ++i)
-            weights.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+        if (p->name == "wte.weight") put(p);
     std::lock_guard<std::mutex> lock(mutex);
     if (comm.rank() == 0) {
       losses = my_losses;

@@ -20,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
+#include <vector>
 
 #include "trellis/core/space.hpp"
 #include "trellis/core/tensor.hpp"
@@ -47,6 +49,8 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   typename B::event_type;
   typename B::template buffer<float>;
   typename B::template buffer<typename B::act_t>;
+  // whether host code may read and write its buffers' elements (false for device memory)
+  { B::host_readable } -> std::convertible_to<bool>;
   { cb.stream() } -> std::same_as<typename B::stream_type>;
   { cb.record_event() } -> std::same_as<typename B::event_type>;
   cb.synchronize();
@@ -100,5 +104,14 @@ using space_of = typename C::space;
 // Layers built on backend B run collectives of communicator C on B's buffers.
 template <class B, class C>
 concept CompatibleWith = Backend<B> && std::same_as<typename B::space, space_of<C>>;
+
+// A host copy of n elements of B's memory: how host code (checkpoints, tests) reads parameters,
+// moments and activations on any backend.
+template <Backend B, class T>
+std::vector<std::remove_const_t<T>> download_vector(const B& be, T* src, std::size_t n) {
+  std::vector<std::remove_const_t<T>> out(n);
+  be.download(out.data(), src, n);
+  return out;
+}
 
 }  // namespace trellis::backend

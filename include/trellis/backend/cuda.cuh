@@ -89,6 +89,7 @@ class Cuda {
   using stream_type = cudaStream_t;
   using event_type = CudaEvent;
   template <class T> using buffer = Buffer<T, trellis::Cuda>;
+  static constexpr bool host_readable = false;
 
   explicit Cuda(cudaStream_t s = nullptr)
       : stream_(s), state_(std::make_shared<Shared>()) {}

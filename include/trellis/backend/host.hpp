@@ -40,6 +40,7 @@ class Host {
   using stream_type = HostStream;
   using event_type = HostEvent;
   template <class T> using buffer = Buffer<T, trellis::Host>;
+  static constexpr bool host_readable = true;  // host code may touch its buffers' elements
 
   stream_type stream() const { return {}; }
   event_type record_event() const { return {}; }

@@ -140,7 +140,7 @@ class GptModel {
     // first come first, so a dp bucket of consecutive parameters is one range of grads().
     auto order = parameters();
     std::reverse(order.begin(), order.end());
-    buffer_ = ParameterBuffer(order, opt.pack_alignment);
+    buffer_ = ParameterBuffer<B>(order, opt.pack_alignment, be_);
   }
 
   const GptConfig& config() const { return cfg_; }
@@ -174,7 +174,7 @@ class GptModel {
   bool wte_grad_needs_stage_reduction() const { return stage_.embedding != stage_.head; }
   void zero_grad() { buffer_.zero_grads(); }
   // This stage's parameters as two flat buffers (values, gradients), in backward order.
-  ParameterBuffer& parameter_buffer() { return buffer_; }
+  ParameterBuffer<B>& parameter_buffer() { return buffer_; }
 
   VocabParallelEmbedding<C, B>* embedding() { return embedding_.get(); }
   TransformerBlock<C, B>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
@@ -398,7 +398,7 @@ class GptModel {
   std::unique_ptr<Parameter> head_wte_;
   Parameter* shared_wte_ = nullptr;  // the embedding stage's wte on this rank (not ours)
   std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
-  ParameterBuffer buffer_;
+  ParameterBuffer<B> buffer_;
 };
 
 // This rank's GPT-2 stage on a device mesh: tensor parallel over mesh.comm<tp>(); with a pp axis,

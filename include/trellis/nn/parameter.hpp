@@ -31,19 +31,28 @@
 
 namespace trellis::nn {
 
-// The fp32 elements of a parameter's value or gradient: an owned, zeroed array, or a view into a
-// flat buffer after ParameterBuffer packed it. Move-only; copying elements is explicit
-// (assign_from), so `a = b` can never silently rebind a view.
+// The fp32 elements of a parameter's value or gradient: an owned, zeroed host array, or a view
+// into a flat buffer after ParameterBuffer packed it, possibly in device memory. Move-only;
+// copying elements is explicit (assign_from), so `a = b` can never silently rebind a view.
+//
+// data() and elements() give the elements where they live (for kernels and collectives). Element
+// access from the host (operator[], begin/end, the span conversions, fill, assign_from) is refused
+// once the elements live in memory the host cannot read (a GPU's, or backend::DeviceChecked's):
+// host code reaches such parameters through its backend's upload/download.
 class ParamArray {
  public:
   ParamArray() = default;
   explicit ParamArray(std::size_t n) : own_(n), data_(own_.data()), size_(n) {}
   ParamArray(ParamArray&& o) noexcept
-      : own_(std::move(o.own_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+      : own_(std::move(o.own_)),
+        data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        host_readable_(std::exchange(o.host_readable_, true)) {}
   ParamArray& operator=(ParamArray&& o) noexcept {
     own_ = std::move(o.own_);
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
+    host_readable_ = std::exchange(o.host_readable_, true);
     return *this;
   }
   ParamArray(const ParamArray&) = delete;
@@ -51,34 +60,46 @@ class ParamArray {
 
   float* data() noexcept { return data_; }
   const float* data() const noexcept { return data_; }
+  std::span<float> elements() noexcept { return {data_, size_}; }
+  std::span<const float> elements() const noexcept { return {data_, size_}; }
   std::size_t size() const noexcept { return size_; }
   bool empty() const noexcept { return size_ == 0; }
-  float& operator[](std::size_t i) noexcept { return data_[i]; }
-  const float& operator[](std::size_t i) const noexcept { return data_[i]; }
-  float* begin() noexcept { return data_; }
-  float* end() noexcept { return data_ + size_; }
-  const float* begin() const noexcept { return data_; }
-  const float* end() const noexcept { return data_ + size_; }
-  operator std::span<float>() noexcept { return {data_, size_}; }
-  operator std::span<const float>() const noexcept { return {data_, size_}; }
+  bool host_readable() const noexcept { return host_readable_; }
+
+  float& operator[](std::size_t i) { return host()[i]; }
+  const float& operator[](std::size_t i) const { return host()[i]; }
+  float* begin() { return host(); }
+  float* end() { return host() + size_; }
+  const float* begin() const { return host(); }
+  const float* end() const { return host() + size_; }
+  operator std::span<float>() { return {host(), size_}; }
+  operator std::span<const float>() const { return {host(), size_}; }
 
   void assign_from(std::span<const float> src) {
     TRELLIS_CHECK(src.size() == size_, "ParamArray::assign_from: ", src.size(), " elements into ", size_);
-    std::copy(src.begin(), src.end(), data_);
+    std::copy(src.begin(), src.end(), host());
   }
-  void fill(float v) { std::fill(begin(), end(), v); }
-  // Moves the elements to `flat` (size() floats owned by someone else) and views them there.
-  void move_to(float* flat) {
-    std::copy(begin(), end(), flat);
+  void fill(float v) { std::fill_n(host(), size_, v); }
+  // Views size() floats at `flat` (owned by someone else, which already holds this array's
+  // elements) instead of its own storage. host_readable: whether the host may touch them.
+  void rebind(float* flat, bool host_readable) {
     own_ = {};
     data_ = flat;
+    host_readable_ = host_readable;
   }
   bool is_view() const noexcept { return own_.empty() && size_ > 0; }
 
  private:
+  float* host() const {
+    TRELLIS_CHECK(host_readable_ || size_ == 0,
+                  "ParamArray: host access to parameter elements that live in device memory (use the backend's "
+                  "upload/download)");
+    return data_;
+  }
   Buffer<float, Host> own_;
   float* data_ = nullptr;
   std::size_t size_ = 0;
+  bool host_readable_ = true;
 };
 
 // A box of the global tensor (GPT-2 shape) held by this rank, and where its elements sit in

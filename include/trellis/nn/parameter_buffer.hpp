@@ -1,7 +1,10 @@
-// ParameterBuffer: a model's parameters packed into two flat fp32 buffers (values and gradients),
+// ParameterBuffer<B>: a model's parameters packed into two flat fp32 buffers (values and gradients)
+// in backend B's memory,
 // in the order given, each parameter starting at a multiple of `alignment` floats (16: 64 bytes;
 // the Trainer asks lcm(16, dp) under ZeRO-1, so that every range splits evenly over dp ranks); the
-// parameters' ParamArrays become views into them. Built once after the layers created (and initialised) their parameters.
+// parameters' ParamArrays become views into them (not host-readable unless B's memory is). Built
+// once after the layers created (and initialised, on the host) their parameters: their values are
+// uploaded here.
 //
 // Why: with the gradients of consecutive parameters in one contiguous range, a data-parallel
 // bucket is a span of the gradient buffer that a collective reduces in place (no pack/unpack
@@ -16,20 +19,22 @@
 #include <utility>
 #include <vector>
 
-#include "trellis/core/buffer.hpp"
+#include "trellis/backend/backend.hpp"
+#include "trellis/backend/host.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/nn/parameter.hpp"
 
 namespace trellis::nn {
 
+template <backend::Backend B = backend::Host<float>>
 class ParameterBuffer {
  public:
   static constexpr std::size_t default_alignment = 16;  // floats: 64 bytes
 
   ParameterBuffer() = default;
   // Packs `order` (distinct parameters with their own storage) in that order.
-  explicit ParameterBuffer(std::span<Parameter* const> order, std::size_t alignment = default_alignment)
-      : order_(order.begin(), order.end()), alignment_(alignment) {
+  explicit ParameterBuffer(std::span<Parameter* const> order, std::size_t alignment = default_alignment, B be = {})
+      : be_(std::move(be)), order_(order.begin(), order.end()), alignment_(alignment) {
     TRELLIS_CHECK(alignment > 0 && alignment % default_alignment == 0, "ParameterBuffer: alignment ", alignment,
                   " floats is not a positive multiple of ", default_alignment);
     std::size_t n = 0;
@@ -40,11 +45,14 @@ class ParameterBuffer {
       offsets_.push_back(n);
       n = round_up(n + p->value.size());
     }
-    values_ = Buffer<float, Host>(n);
-    grads_ = Buffer<float, Host>(n);
+    values_ = be_.template allocate<float>(n);  // zeroed, padding included
+    grads_ = be_.template allocate<float>(n);
     for (std::size_t i = 0; i < order_.size(); ++i) {
-      order_[i]->value.move_to(values_.data() + offsets_[i]);
-      order_[i]->grad.move_to(grads_.data() + offsets_[i]);
+      Parameter& p = *order_[i];
+      be_.upload(values_.data() + offsets_[i], p.value.data(), p.value.size());
+      be_.upload(grads_.data() + offsets_[i], p.grad.data(), p.grad.size());
+      p.value.rebind(values_.data() + offsets_[i], B::host_readable);
+      p.grad.rebind(grads_.data() + offsets_[i], B::host_readable);
     }
   }
 
@@ -52,7 +60,7 @@ class ParameterBuffer {
   std::span<float> grads() { return {grads_.data(), grads_.size()}; }
   std::size_t parameters() const { return order_.size(); }
   std::size_t alignment() const { return alignment_; }
-  void zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+  void zero_grads() { be_.fill_zero(grads_.data(), grads_.size()); }
 
   // The range from the start of `first` to the padded end of `last` (both packed here, first not
   // after last): every parameter packed between them and the padding, a multiple of alignment().
@@ -79,10 +87,11 @@ class ParameterBuffer {
     return {offsets_[a], round_up(offsets_[b] + last.grad.size()) - offsets_[a]};
   }
 
+  B be_;
   std::vector<Parameter*> order_;
   std::size_t alignment_ = default_alignment;
   std::vector<std::size_t> offsets_;
-  Buffer<float, Host> values_, grads_;
+  typename B::template buffer<float> values_, grads_;
 };
 
 }  // namespace trellis::nn

@@ -30,11 +30,11 @@ struct DropoutContext {
 template <comm::Communicator C, backend::Backend B = backend::Host<float>>
 class GptPipelineStage {
  public:
-  // Activations and their gradients between stages: the backend's activation type. The pipe
-  // executor holds them in host vectors, so this stage runs on host backends (a device backend
-  // needs device-resident stage buffers: docs/backend.md, roadmap).
+  // Activations and their gradients between stages: the backend's activation type, in buffers of
+  // the backend's memory (allocate: the pipe executor's buffers).
   using value_type = typename B::act_t;
   using model_type = GptModel<C, B>;
+  using buffer_type = typename B::template buffer<value_type>;
 
   GptPipelineStage(std::vector<model_type*> chunks, const TokenShape& shape)
       : chunks_(std::move(chunks)), shape_(shape) {
@@ -55,6 +55,8 @@ class GptPipelineStage {
     loss_ = 0.0;
   }
   double loss() const { return loss_; }
+  const B& backend() const { return chunks_.front()->backend(); }
+  buffer_type allocate(std::size_t n) const { return backend().template allocate<value_type>(n); }
 
   std::size_t input_size(int chunk) const {
     auto* m = model(chunk);
@@ -108,14 +110,17 @@ class GptPipelineStage {
       pp_comm.all_reduce(w->grad.data(), w->grad.data(), w->grad.size(), comm::ReduceOp::sum);
       return;
     }
+    const B& be = backend();
     const auto& cfg = chunks_.front()->config();
     auto& tp = chunks_.front()->tp();
-    const auto rows = shard::chunk(cfg.vocab, tp.size(), tp.rank());
-    std::vector<float> sum(static_cast<std::size_t>(rows.size * cfg.width), 0.0f);
-    for (Parameter* w : copies)
-      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += w->grad[i];
-    pp_comm.all_reduce(sum.data(), sum.data(), sum.size(), comm::ReduceOp::sum);
-    for (Parameter* w : copies) std::copy(sum.begin(), sum.end(), w->grad.begin());
+    const auto n = static_cast<std::size_t>(shard::chunk(cfg.vocab, tp.size(), tp.rank()).size * cfg.width);
+    auto sum = be.template allocate<float>(n);  // zeroed
+    for (Parameter* w : copies) {
+      TRELLIS_CHECK(w->grad.size() == n, "GptPipelineStage: wte copies of ", n, " and ", w->grad.size(), " elements");
+      be.add(static_cast<index_t>(n), sum.data(), w->grad.data(), sum.data());
+    }
+    pp_comm.all_reduce(sum.data(), sum.data(), n, comm::ReduceOp::sum);
+    for (Parameter* w : copies) be.copy(w->grad.data(), sum.data(), n);
   }
 
   // Called after each weight unit of a chunk's backward_weight (GptModel's units) with

@@ -1,7 +1,7 @@
 // AdamW: hyper-parameters, the optimizer state (first and second moments per parameter tensor,
-// and the step count), and one update over many tensors. The arithmetic is the host kernel
-// kernels::host::adamw_step (fused, multi-threaded, fp32 master weights); this file holds what
-// a trainer keeps between steps. Formula (PyTorch's torch.optim.AdamW), t = step count from 1:
+// and the step count, in a backend's memory), and one update over many tensors. The arithmetic is
+// the backend's fused AdamW kernel (kernels/adamw_host.hpp, kernels/adamw_cuda.cuh; fp32 master
+// weights); this file holds what a trainer keeps between steps. Formula (PyTorch's torch.optim.AdamW), t = step count from 1:
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // Defaults are PyTorch's; GPT training commonly uses {.beta2 = 0.95, .weight_decay = 0.1} with
@@ -9,15 +9,17 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "trellis/core/buffer.hpp"
+#include "trellis/backend/backend.hpp"
+#include "trellis/backend/host.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
-#include "trellis/kernels/adamw_host.hpp"
+#include "trellis/kernels/adamw.hpp"
 
 namespace trellis::optim {
 
@@ -36,67 +38,79 @@ inline std::string adamw_m_name(std::string_view param) { return "optimizer.m." 
 inline std::string adamw_v_name(std::string_view param) { return "optimizer.v." + std::string(param); }
 
 // m and v for a list of tensors (the local shards of parameters, or ZeRO-1 pieces), fp32, zero
-// at the start; step() counts updates done.
+// at the start, in backend B's memory (one flat buffer each); step() counts updates done. The
+// update is the backend's fused AdamW kernel over every tensor at once.
+template <backend::Backend B = backend::Host<float>>
 class AdamWState {
-  template <class Buffers>
-  static auto& at(Buffers& buffers, std::size_t i) {
-    TRELLIS_CHECK(i < buffers.size(), "AdamWState: tensor ", i, " of ", buffers.size());
-    return buffers[i];
-  }
-
  public:
   AdamWState() = default;
-  explicit AdamWState(std::span<const index_t> sizes) {
+  explicit AdamWState(std::span<const index_t> sizes, B be = {}) : be_(std::move(be)) {
+    std::size_t total = 0;
     for (index_t n : sizes) {
       TRELLIS_CHECK(n >= 0, "AdamWState: negative tensor size ", n);
-      m_.emplace_back(static_cast<std::size_t>(n));
-      v_.emplace_back(static_cast<std::size_t>(n));
+      offsets_.push_back(total);
+      sizes_.push_back(static_cast<std::size_t>(n));
+      total += static_cast<std::size_t>(n);
     }
+    m_ = be_.template allocate<float>(total);
+    v_ = be_.template allocate<float>(total);
   }
   AdamWState(std::initializer_list<index_t> sizes) : AdamWState(std::span<const index_t>(sizes.begin(), sizes.size())) {}
 
-  std::size_t tensors() const { return m_.size(); }
-  std::span<float> m(std::size_t i) { return at(m_, i).span(); }
-  std::span<float> v(std::size_t i) { return at(v_, i).span(); }
-  std::span<const float> m(std::size_t i) const { return at(m_, i).span(); }
-  std::span<const float> v(std::size_t i) const { return at(v_, i).span(); }
+  std::size_t tensors() const { return sizes_.size(); }
+  // Tensor i's moments, in B's memory (host code reads them with B's download unless B::host_readable).
+  std::span<float> m(std::size_t i) { return {m_.data() + offset(i), sizes_[i]}; }
+  std::span<float> v(std::size_t i) { return {v_.data() + offset(i), sizes_[i]}; }
+  std::span<const float> m(std::size_t i) const { return {m_.data() + offset(i), sizes_[i]}; }
+  std::span<const float> v(std::size_t i) const { return {v_.data() + offset(i), sizes_[i]}; }
   std::int64_t step() const { return step_; }
   void set_step(std::int64_t s) {
     TRELLIS_CHECK(s >= 0, "AdamWState: negative step ", s);
     step_ = s;
   }
+  // Zero moments and step 0 (a fresh optimizer).
+  void reset() {
+    be_.fill_zero(m_.data(), m_.size());
+    be_.fill_zero(v_.data(), v_.size());
+    step_ = 0;
+  }
 
   // One AdamW update of every tensor: params[i] -= ... using grads[i] * grad_scale and this
-  // state's m/v[i]. `decay_mults` (optional, one per tensor) scales weight decay (0 = none).
-  template <class G>
+  // state's m/v[i] (all in B's memory). `decay_mults` (optional, one per tensor) scales weight
+  // decay (0 = none).
   void update(const AdamW& hp, float lr_now, std::span<const std::span<float>> params,
-              std::span<const std::span<const G>> grads, std::span<const float> decay_mults = {},
+              std::span<const std::span<const float>> grads, std::span<const float> decay_mults = {},
               float grad_scale = 1.0f) {
     TRELLIS_CHECK(params.size() == tensors() && grads.size() == tensors(), "AdamW update: ", params.size(),
                   " params and ", grads.size(), " grads for a state of ", tensors(), " tensors");
     TRELLIS_CHECK(decay_mults.empty() || decay_mults.size() == tensors(), "AdamW update: ", decay_mults.size(),
                   " decay multipliers for ", tensors(), " tensors");
-    std::vector<kernels::AdamWTensor<G>> work;
+    std::vector<kernels::AdamWTensor<float>> work;
     work.reserve(tensors());
     for (std::size_t i = 0; i < tensors(); ++i) {
-      TRELLIS_CHECK(params[i].size() == m_[i].size(), "AdamW update: tensor ", i, " has ", params[i].size(),
-                    " parameters but the state holds ", m_[i].size());
+      TRELLIS_CHECK(params[i].size() == sizes_[i], "AdamW update: tensor ", i, " has ", params[i].size(),
+                    " parameters but the state holds ", sizes_[i]);
       work.push_back({params[i], grads[i], m(i), v(i), decay_mults.empty() ? 1.0f : decay_mults[i]});
     }
-    kernels::host::adamw_step<G>(std::span<const kernels::AdamWTensor<G>>(work), hp.config(lr_now),
-                                 step_ + 1, grad_scale);
+    be_.adamw(std::span<const kernels::AdamWTensor<float>>(work), hp.config(lr_now), step_ + 1, grad_scale);
     ++step_;
   }
-  template <class G>
   void update(const AdamW& hp, float lr_now, const std::vector<std::span<float>>& params,
-              const std::vector<std::span<const G>>& grads, std::span<const float> decay_mults = {},
+              const std::vector<std::span<const float>>& grads, std::span<const float> decay_mults = {},
               float grad_scale = 1.0f) {
-    update<G>(hp, lr_now, std::span<const std::span<float>>(params), std::span<const std::span<const G>>(grads),
-              decay_mults, grad_scale);
+    update(hp, lr_now, std::span<const std::span<float>>(params), std::span<const std::span<const float>>(grads),
+           decay_mults, grad_scale);
   }
 
  private:
-  std::vector<Buffer<float>> m_, v_;
+  std::size_t offset(std::size_t i) const {
+    TRELLIS_CHECK(i < sizes_.size(), "AdamWState: tensor ", i, " of ", sizes_.size());
+    return offsets_[i];
+  }
+
+  B be_;
+  std::vector<std::size_t> offsets_, sizes_;
+  typename B::template buffer<float> m_, v_;
   std::int64_t step_ = 0;
 };
 

@@ -18,6 +18,10 @@
 //                                            needs it (first stage, local learning)
 //   backward_weight(mb, chunk)               W: accumulate parameter gradients (summed over the
 //                                            step's microbatches) and free what F/B kept for mb
+//   allocate(n)  (optional)                  an owning buffer of n value_type (data(), size()) in the
+//                                            stage's memory: the executor's activation and gradient
+//                                            buffers (device memory for a device backend). Without
+//                                            it they are std::vector.
 // The spans are valid only during the call: a stage copies what it keeps. The executor frees its
 // own buffers as soon as they are consumed (sent, or passed to the next chunk on the same rank);
 // an activation counts as alive from its F to its W (ExecutionResult::peak_live_activations).
@@ -54,6 +58,23 @@ concept Stage = requires(S& s, const S& cs, int mb, int chunk, std::span<const t
   s.backward_weight(mb, chunk);
 };
 
+namespace detail {
+// The executor's buffers: the stage's own (allocate(n)) where it has them, else host vectors.
+template <class S>
+auto stage_buffer(const S& stage, std::size_t n) {
+  if constexpr (requires { stage.allocate(n); })
+    return stage.allocate(n);
+  else
+    return std::vector<typename S::value_type>(n);
+}
+template <class S>
+using stage_buffer_t = decltype(stage_buffer(std::declval<const S&>(), std::size_t{}));
+template <class Buf>
+auto view(Buf& b) { return std::span(b.data(), b.size()); }
+template <class Buf>
+auto const_view(const Buf& b) { return std::span(b.data(), b.size()); }
+}  // namespace detail
+
 struct ExecuteOptions {
   // Time zero of the recorded timeline. Give every rank the same origin (ThreadWorld: one clock
   // read before run) so the ranks' timelines line up; by default each rank uses its own start.
@@ -85,6 +106,7 @@ inline int message_tag(const Schedule& s, int rank, const Action& a) {
 template <comm::Communicator Comm, Stage S>
 ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const ExecuteOptions& options = {}) {
   using T = typename S::value_type;
+  using Buf = detail::stage_buffer_t<S>;
   using clock = std::chrono::steady_clock;
   const int rank = comm.rank();
   if (comm.size() != schedule.stages)
@@ -96,37 +118,37 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
   auto seconds_since = [&](clock::time_point t) { return std::chrono::duration<double>(t - origin).count(); };
 
   using Key = std::pair<int, int>;               // (microbatch, chunk)
-  std::map<Key, std::vector<T>> activation_in;   // input of F(mb, chunk): received or local
-  std::map<Key, std::vector<T>> gradient_in;     // output gradient for B(mb, chunk)
-  std::map<Key, std::vector<T>> activation_out;  // F's output waiting for its send
-  std::map<Key, std::vector<T>> gradient_out;    // B's input gradient waiting for its send
+  std::map<Key, Buf> activation_in;   // input of F(mb, chunk): received or local
+  std::map<Key, Buf> gradient_in;     // output gradient for B(mb, chunk)
+  std::map<Key, Buf> activation_out;  // F's output waiting for its send
+  std::map<Key, Buf> gradient_out;    // B's input gradient waiting for its send
   struct PendingSend {
     typename Comm::request_type request;
-    std::vector<T> buffer;  // kept alive until the send completes
+    Buf buffer;  // kept alive until the send completes
   };
   std::deque<PendingSend> sends;
 
   ExecutionResult result;
   int live = 0;
   const auto t_begin = clock::now();
-  auto take = [&](std::map<Key, std::vector<T>>& from, Key key, const Action& a, const char* what) {
+  auto take = [&](std::map<Key, Buf>& from, Key key, const Action& a, const char* what) {
     auto it = from.find(key);
     if (it == from.end())
       TRELLIS_THROW("pipe::execute: rank ", rank, ": ", describe(a), " has no ", what,
                     " (schedule not verified?)");
-    std::vector<T> out = std::move(it->second);
+    Buf out = std::move(it->second);
     from.erase(it);
     return out;
   };
 
   struct PendingRecv {
     typename Comm::request_type request;
-    std::vector<T> buffer;
+    Buf buffer;
     std::size_t action;  // index in the rank's list
     double posted;
   };
   std::vector<PendingRecv> recvs;       // the current run's receives (isend mode)
-  std::vector<std::vector<T>> buffers;  // the current run's buffers (batch mode)
+  std::vector<Buf> buffers;  // the current run's buffers (batch mode)
   const auto& list = schedule.ranks[rank];
   try {
     for (std::size_t i = 0; i < list.size();) {
@@ -147,8 +169,8 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
             buffers.push_back(take(act ? activation_out : gradient_out, {c.microbatch, c.chunk}, c,
                                    act ? "output activation" : "input gradient"));
           else
-            buffers.emplace_back(
-                static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+            buffers.push_back(detail::stage_buffer(
+                stage, static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk))));
           ops.push_back(
               comm::P2POp{c.kind == ActionKind::send ? comm::P2POp::Kind::send : comm::P2POp::Kind::recv,
                           buffers.back().data(), buffers.back().size(), dtype_v<T>, c.peer,
@@ -177,15 +199,15 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
           const auto posted = clock::now();
           if (c.kind == ActionKind::send) {
             auto& from = c.direction == Direction::activation ? activation_out : gradient_out;
-            std::vector<T> buffer = take(
+            Buf buffer = take(
                 from, ckey, c, c.direction == Direction::activation ? "output activation" : "input gradient");
             auto request = comm.isend(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
             sends.push_back(PendingSend{std::move(request), std::move(buffer)});
             result.events.push_back({rank, c, seconds_since(posted), seconds_since(clock::now())});
           } else {
             const bool act = c.direction == Direction::activation;
-            std::vector<T> buffer(
-                static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
+            Buf buffer = detail::stage_buffer(
+                stage, static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
             auto request = comm.irecv(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
             recvs.push_back(PendingRecv{std::move(request), std::move(buffer), end, seconds_since(posted)});
           }
@@ -205,12 +227,12 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
       const bool last = schedule.is_last(rank, a.chunk);
       switch (a.kind) {
         case ActionKind::forward: {
-          std::vector<T> input;
+          Buf input;
           if (!first) input = take(activation_in, key, a, "input activation");
-          std::vector<T> output(static_cast<std::size_t>(stage.output_size(a.chunk)));
+          Buf output = detail::stage_buffer(stage, static_cast<std::size_t>(stage.output_size(a.chunk)));
           ++live;
           result.peak_live_activations = std::max(result.peak_live_activations, live);
-          stage.forward(a.microbatch, a.chunk, std::span<const T>(input), std::span<T>(output));
+          stage.forward(a.microbatch, a.chunk, std::span<const T>(detail::const_view(input)), detail::view(output));
           if (!last) {
             auto next = schedule.next_slot(rank, a.chunk);
             if (next.rank == rank)
@@ -223,11 +245,12 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
         case ActionKind::backward_input: {
           const bool own_loss = last || schedule.local_learning;
           const bool pass_back = !first && !schedule.local_learning;
-          std::vector<T> grad_output;
+          Buf grad_output;
           if (!own_loss) grad_output = take(gradient_in, key, a, "output gradient");
-          std::vector<T> grad_input(pass_back ? static_cast<std::size_t>(stage.input_size(a.chunk)) : 0);
-          stage.backward_input(a.microbatch, a.chunk, std::span<const T>(grad_output),
-                               std::span<T>(grad_input));
+          Buf grad_input =
+              detail::stage_buffer(stage, pass_back ? static_cast<std::size_t>(stage.input_size(a.chunk)) : 0);
+          stage.backward_input(a.microbatch, a.chunk, std::span<const T>(detail::const_view(grad_output)),
+                               detail::view(grad_input));
           if (pass_back) {
             auto prev = schedule.prev_slot(rank, a.chunk);
             if (prev.rank == rank)
@@ -254,7 +277,7 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
     struct InFlight {
       std::deque<PendingSend> sends;
       std::vector<PendingRecv> recvs;
-      std::vector<std::vector<T>> buffers;
+      std::vector<Buf> buffers;
     };
     [[maybe_unused]] auto* leaked = new InFlight{std::move(sends), std::move(recvs), std::move(buffers)};
     throw;

@@ -5,15 +5,20 @@
 // whose recorded configuration differs, and, for checkpoints written before it was recorded too,
 // one holding tensors this model would not load (another layer count leaves "h.1.*" behind,
 // silently, otherwise). Layout (dp/tp/pp/ZeRO-1) is not part of it: any layout loads any other.
+// Also here: cutting a rank's parameter-shaped arrays into the boxes a checkpoint stores, and
+// reading them back into backend memory.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <limits>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "trellis/backend/backend.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/io/number.hpp"
 #include "trellis/nn/gpt.hpp"
@@ -22,6 +27,54 @@
 #include "trellis/train/train_state.hpp"
 
 namespace trellis::train {
+
+// ---- a rank's parameter shards (host copies; train/checkpoint.hpp stores them as boxes) -------
+// Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
+inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const float> local) {
+  std::vector<float> out(static_cast<std::size_t>(io::shape_elements(pc.shape)));
+  const std::size_t r = pc.shape.size();
+  std::vector<index_t> idx(r, 0);
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    index_t off = pc.local_offset;
+    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
+    out[k] = local[static_cast<std::size_t>(off)];
+    for (std::size_t d = r; d-- > 0;)
+      if (++idx[d] < pc.shape[d])
+        break;
+      else
+        idx[d] = 0;
+  }
+  return out;
+}
+inline void scatter_piece(const nn::ShardPiece& pc, std::span<const float> piece, std::span<float> local) {
+  const std::size_t r = pc.shape.size();
+  std::vector<index_t> idx(r, 0);
+  for (std::size_t k = 0; k < piece.size(); ++k) {
+    index_t off = pc.local_offset;
+    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
+    local[static_cast<std::size_t>(off)] = piece[k];
+    for (std::size_t d = r; d-- > 0;)
+      if (++idx[d] < pc.shape[d])
+        break;
+      else
+        idx[d] = 0;
+  }
+}
+// Reads tensor `name` (the parameter's GPT-2 global shape) into `local`, an array of B's memory
+// shaped like `p` (its value, or a moment): each of p's boxes into a host copy, then one upload.
+template <backend::Backend B>
+void read_parameter_shaped(const Checkpoint& ck, const std::string& name, const nn::Parameter& p,
+                           std::span<float> local, const B& be) {
+  ck.expect(name, DType::f32, p.global_shape);
+  std::vector<float> host(local.size(), 0.0f);
+  for (const auto& pc : p.pieces()) {
+    std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
+    ck.read(name, DType::f32, Box{pc.offsets, pc.shape}, piece.data());
+    scatter_piece(pc, piece, host);
+  }
+  be.upload(local.data(), host.data(), host.size());
+}
+
 
 inline constexpr std::array<std::pair<const char*, index_t nn::GptConfig::*>, 5> model_config_fields{{
     {"vocab", &nn::GptConfig::vocab},

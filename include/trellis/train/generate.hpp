@@ -35,7 +35,7 @@ class Generator {
                nn::GptStage{0, static_cast<int>(cfg.layers), true, true}, be),
         cache_(model_.make_kv_cache(1)),
         logits_(static_cast<std::size_t>(cfg.vocab)) {
-    for (nn::Parameter* p : model_.parameters()) read_parameter_shaped(ck, p->name, *p, p->value);
+    for (nn::Parameter* p : model_.parameters()) read_parameter_shaped(ck, p->name, *p, p->value.elements(), model_.backend());
   }
 
   // Logits (vocab) of the token after `tokens` (the last `positions` of them are used).

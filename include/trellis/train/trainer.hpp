@@ -244,48 +244,6 @@ struct StepResult {
   int buckets_overlapped = 0;
 };
 
-// Contiguous copy of one piece of a parameter-shaped local array (value, grad or a moment).
-inline std::vector<float> gather_piece(const nn::ShardPiece& pc, std::span<const float> local) {
-  std::vector<float> out(static_cast<std::size_t>(io::shape_elements(pc.shape)));
-  const std::size_t r = pc.shape.size();
-  std::vector<index_t> idx(r, 0);
-  for (std::size_t k = 0; k < out.size(); ++k) {
-    index_t off = pc.local_offset;
-    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
-    out[k] = local[static_cast<std::size_t>(off)];
-    for (std::size_t d = r; d-- > 0;)
-      if (++idx[d] < pc.shape[d])
-        break;
-      else
-        idx[d] = 0;
-  }
-  return out;
-}
-inline void scatter_piece(const nn::ShardPiece& pc, std::span<const float> piece, std::span<float> local) {
-  const std::size_t r = pc.shape.size();
-  std::vector<index_t> idx(r, 0);
-  for (std::size_t k = 0; k < piece.size(); ++k) {
-    index_t off = pc.local_offset;
-    for (std::size_t d = 0; d < r; ++d) off += idx[d] * pc.local_strides[d];
-    local[static_cast<std::size_t>(off)] = piece[k];
-    for (std::size_t d = r; d-- > 0;)
-      if (++idx[d] < pc.shape[d])
-        break;
-      else
-        idx[d] = 0;
-  }
-}
-// Reads tensor `name` (the parameter's GPT-2 global shape) into a local array shaped like `p`.
-inline void read_parameter_shaped(const Checkpoint& ck, const std::string& name, const nn::Parameter& p,
-                                  std::span<float> local) {
-  ck.expect(name, DType::f32, p.global_shape);
-  for (const auto& pc : p.pieces()) {
-    std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
-    ck.read(name, DType::f32, Box{pc.offsets, pc.shape}, piece.data());
-    scatter_piece(pc, piece, local);
-  }
-}
-
 template <comm::Communicator C, backend::Backend B = backend::Host<float>>
   requires backend::CompatibleWith<B, C>
 class Trainer {
@@ -294,6 +252,7 @@ class Trainer {
   using backend_type = B;
   using act_t = typename B::act_t;
   using Model = nn::GptModel<C, B>;
+  using ActBuffer = typename B::template buffer<act_t>;  // stage activations and gradients, in B's memory
 
   // be: the compute backend every layer runs on (host fp32 by default; backend::Host<bfloat16>
   // gives the CUDA backend's bf16 rounding points on the host). Master weights, gradients and
@@ -306,7 +265,8 @@ class Trainer {
         tp_comm_(&mesh_.template comm<trellis::tp>()),
         pp_dp_comm_(&mesh_.template comm<trellis::pp, trellis::dp>()),
         pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
-        rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())) {
+        rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())),
+        be_(std::move(be)) {
     const int pp_rank = mesh_.template coord<trellis::pp>();
     int chunks = 1, stages = 1;
     if (cfg_.pp > 1) {
@@ -329,7 +289,7 @@ class Trainer {
     for (int c : order) {
       const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
       auto& m = models_[static_cast<std::size_t>(c)];
-      m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be, st.embedding ? nullptr : tied);
+      m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied);
       if (st.embedding) tied = &m->embedding()->wte();
     }
     std::vector<Model*> raw;
@@ -361,11 +321,12 @@ class Trainer {
     else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
-      state_ = optim::AdamWState(std::span<const index_t>(sizes));
+      state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
     }
   }
 
   const TrainerConfig& config() const { return cfg_; }
+  const B& backend() const { return be_; }
   Mesh& mesh() { return mesh_; }
   std::int64_t step_count() const { return state_.step(); }
   const nn::TokenShape& microbatch_shape() const { return shape_; }
@@ -427,7 +388,7 @@ class Trainer {
     double loss = 0;
     const int pp_rank = mesh_.template coord<trellis::pp>();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      std::vector<act_t> act;
+      ActBuffer act;
       const int stages = cfg_.pp > 1 ? schedule_->virtual_stages() : static_cast<int>(models_.size());
       auto holder = [&](int vs) -> std::pair<int, int> {  // (pipeline rank, chunk)
         if (cfg_.pp == 1) return {pp_rank, vs};
@@ -438,13 +399,13 @@ class Trainer {
         auto [rank, chunk] = holder(vs);
         if (rank != pp_rank) continue;
         if (vs > 0 && holder(vs - 1).first != pp_rank) {
-          act.assign(stage_->input_size(chunk), act_t{});
+          act = stage_->allocate(stage_->input_size(chunk));
           pp_comm_->recv(act.data(), act.size(), holder(vs - 1).first, 0);
         }
-        std::vector<act_t> next(stage_->output_size(chunk));
+        ActBuffer next = stage_->allocate(stage_->output_size(chunk));
         const double before = stage_->loss();
         stage_->forward(mb, chunk, std::span<const act_t>(act.data(), vs == 0 ? 0 : act.size()),
-                        std::span<act_t>(next));
+                        std::span<act_t>(next.data(), next.size()));
         loss += stage_->loss() - before;
         models_[static_cast<std::size_t>(chunk)]->release(mb);
         act = std::move(next);
@@ -465,13 +426,16 @@ class Trainer {
     std::vector<std::vector<float>> keep;  // contiguous copies, alive until finish()
     std::vector<std::vector<float>> m_full, v_full;
     full_moments(m_full, v_full);
+    std::vector<std::vector<float>> values;  // host copies of the parameters this rank writes
+    for (nn::Parameter* p : params_)
+      values.push_back(backend::download_vector(be_, p->value.data(), p->value.size()));
     const bool writer = mesh_.template coord<trellis::dp>() == 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
       if (!writer || norm_weight_[i] == 0.0f) continue;  // each box once
       for (const auto& pc : p->pieces()) {
         const Box box{pc.offsets, pc.shape};
-        keep.push_back(gather_piece(pc, p->value));
+        keep.push_back(gather_piece(pc, values[i]));
         w.add(p->name, DType::f32, p->global_shape, box, keep.back().data());
         keep.push_back(gather_piece(pc, m_full[i]));
         const float* m = keep.back().data();
@@ -501,23 +465,22 @@ class Trainer {
     std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
-      read_parameter_shaped(ck, p->name, *p, p->value);
+      read_parameter_shaped(ck, p->name, *p, p->value.elements(), be_);
       m_full[i].assign(p->value.size(), 0.0f);
       v_full[i].assign(p->value.size(), 0.0f);
-      read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, m_full[i]);
-      read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, v_full[i]);
+      read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, std::span<float>(m_full[i]), backend::Host<float>{});
+      read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, std::span<float>(v_full[i]), backend::Host<float>{});
     }
     if (cfg_.zero1) {
       for (std::size_t k = 0; k < zpieces_.size(); ++k) {
         const auto& pc = zpieces_[k];
-        auto dst_m = state_.m(k), dst_v = state_.v(k);
-        std::copy_n(m_full[pc.param].begin() + pc.tensor_begin, pc.size, dst_m.begin());
-        std::copy_n(v_full[pc.param].begin() + pc.tensor_begin, pc.size, dst_v.begin());
+        be_.upload(state_.m(k).data(), m_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
+        be_.upload(state_.v(k).data(), v_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
       }
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        std::copy(m_full[i].begin(), m_full[i].end(), state_.m(i).begin());
-        std::copy(v_full[i].begin(), v_full[i].end(), state_.v(i).begin());
+        be_.upload(state_.m(i).data(), m_full[i].data(), m_full[i].size());
+        be_.upload(state_.v(i).data(), v_full[i].data(), v_full[i].size());
       }
     }
     state_.set_step(s.step);
@@ -530,17 +493,16 @@ class Trainer {
   // state starts fresh (zero moments, step 0); the Rng is this rank's, as constructed.
   void init_from_hf(const std::filesystem::path& file) {
     HfGpt2File hf(file, cfg_.model);
-    for (nn::Parameter* p : params_)
+    for (nn::Parameter* p : params_) {
+      std::vector<float> host(p->value.size(), 0.0f);
       for (const auto& pc : p->pieces()) {
         std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
         hf.read(p->name, Box{pc.offsets, pc.shape}, piece.data());
-        scatter_piece(pc, piece, p->value);
+        scatter_piece(pc, piece, host);
       }
-    for (std::size_t k = 0; k < state_.tensors(); ++k) {
-      std::ranges::fill(state_.m(k), 0.0f);
-      std::ranges::fill(state_.v(k), 0.0f);
+      be_.upload(p->value.data(), host.data(), host.size());
     }
-    state_.set_step(0);
+    state_.reset();
   }
 
  private:
@@ -549,6 +511,7 @@ class Trainer {
   struct Counting {
     using value_type = act_t;
     Trainer* t;
+    ActBuffer allocate(std::size_t n) const { return t->stage_->allocate(n); }
     std::size_t input_size(int c) const { return t->stage_->input_size(c); }
     std::size_t output_size(int c) const { return t->stage_->output_size(c); }
     void forward(int mb, int c, std::span<const act_t> in, std::span<act_t> out) {
@@ -614,17 +577,18 @@ class Trainer {
   // backward.
   void run_local_loop() {
     const int chunks = static_cast<int>(models_.size());
+    auto view = [](ActBuffer& b) { return std::span<act_t>(b.data(), b.size()); };
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      std::vector<act_t> in;
+      ActBuffer in;
       for (int c = 0; c < chunks; ++c) {
-        std::vector<act_t> out(stage_->output_size(c));
-        stage_->forward(mb, c, std::span<const act_t>(in), std::span<act_t>(out));
+        ActBuffer out = stage_->allocate(stage_->output_size(c));
+        stage_->forward(mb, c, std::span<const act_t>(view(in)), view(out));
         in = std::move(out);
       }
-      std::vector<act_t> grad_out;
+      ActBuffer grad_out;
       for (int c = chunks - 1; c >= 0; --c) {
-        std::vector<act_t> grad_in(c > 0 ? stage_->input_size(c) : 0);
-        stage_->backward(mb, c, std::span<const act_t>(grad_out), std::span<act_t>(grad_in));
+        ActBuffer grad_in = stage_->allocate(c > 0 ? stage_->input_size(c) : 0);
+        stage_->backward(mb, c, std::span<const act_t>(view(grad_out)), view(grad_in));
         ++w_done_[static_cast<std::size_t>(c)];
         grad_out = std::move(grad_in);
       }
@@ -734,18 +698,18 @@ class Trainer {
   void plain_update(StepResult& r) {
     std::vector<std::span<const float>> counted;  // vectorised, multi-threaded fp64 sum of squares
     for (std::size_t i = 0; i < params_.size(); ++i)
-      if (norm_weight_[i] != 0.0f) counted.emplace_back(params_[i]->grad);
-    double sq = kernels::host::grad_norm_squared<float>(counted);
+      if (norm_weight_[i] != 0.0f) counted.emplace_back(params_[i]->grad.elements());
+    double sq = be_.sum_of_squares(counted);
     double total = 0;
     pp_tp_comm_->all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
     finish_update(r, total, [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (nn::Parameter* p : params_) {
-        values.emplace_back(p->value);
-        grads.emplace_back(p->grad);
+        values.emplace_back(p->value.elements());
+        grads.emplace_back(p->grad.elements());
       }
-      state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(decay_), scale);
+      state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(decay_), scale);
     });
   }
 
@@ -788,8 +752,8 @@ class Trainer {
         zdecay_.push_back(decay_[b.params[pc.tensor]]);
       }
     }
-    zgrads_.assign(shards, 0.0f);
-    state_ = optim::AdamWState(std::span<const index_t>(piece_sizes));
+    zgrads_ = be_.template allocate<float>(shards);
+    state_ = optim::AdamWState<B>(std::span<const index_t>(piece_sizes), be_);
   }
   // Piece k's reduced gradient (in zgrads_) and value (in the packed values).
   std::span<const float> zgrad(const ZeroPiece& pc) const {
@@ -802,7 +766,7 @@ class Trainer {
     std::vector<std::span<const float>> counted;
     for (auto& pc : zpieces_)
       if (norm_weight_[pc.param] != 0.0f) counted.push_back(zgrad(pc));
-    double sq = kernels::host::grad_norm_squared<float>(counted);
+    double sq = be_.sum_of_squares(counted);
     double total = 0;
     mesh_.world().all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
     finish_update(r, total, [&](float lr, float scale) {
@@ -812,7 +776,7 @@ class Trainer {
         values.push_back(zvalue(pc));
         grads.push_back(zgrad(pc));
       }
-      state_.update<float>(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
+      state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
     });
     // all-gather of the updated shards, in place: this rank's shard is already at r L/dp
     const auto r_dp = static_cast<std::size_t>(mesh_.template coord<trellis::dp>());
@@ -832,8 +796,8 @@ class Trainer {
     }
     if (!cfg_.zero1) {
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        std::copy(state_.m(i).begin(), state_.m(i).end(), m[i].begin());
-        std::copy(state_.v(i).begin(), state_.v(i).end(), v[i].begin());
+        be_.download(m[i].data(), state_.m(i).data(), m[i].size());
+        be_.download(v[i].data(), state_.v(i).data(), v[i].size());
       }
       return;
     }
@@ -848,7 +812,7 @@ class Trainer {
         for (std::size_t q = 0; q < zpieces_.size(); ++q)
           if (zpieces_[q].bucket == k) {
             auto src = which == 0 ? state_.m(q) : state_.v(q);
-            std::copy(src.begin(), src.end(), mine.begin() + zpieces_[q].shard_offset);
+            be_.download(mine.data() + zpieces_[q].shard_offset, src.data(), src.size());
           }
         dp_comm_->all_gather(mine.data(), all.data(), n);
         for (std::size_t i : b.params) {
@@ -867,6 +831,7 @@ class Trainer {
   C* pp_dp_comm_;
   C* pp_tp_comm_;
   Rng rng_;
+  B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
   std::optional<pipe::Schedule> schedule_;
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
@@ -876,7 +841,7 @@ class Trainer {
   nn::Parameter* primary_wte_ = nullptr;
   bool holds_embedding_ = false;
   std::vector<float> norm_weight_, decay_;
-  optim::AdamWState state_;
+  optim::AdamWState<B> state_;
   std::vector<Bucket> buckets_;
   std::vector<int> w_done_;                   // W actions done per chunk, this step
   std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)
@@ -885,7 +850,7 @@ class Trainer {
   // ZeRO-1: this rank's pieces (its shard of each bucket, cut at parameter boundaries), their
   // reduced gradients (one shard per bucket) and weight-decay flags
   std::vector<ZeroPiece> zpieces_;
-  std::vector<float> zgrads_;
+  typename B::template buffer<float> zgrads_;
   std::vector<float> zdecay_;
 };
 
