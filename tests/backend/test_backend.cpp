@@ -7,7 +7,8 @@
 //  - workspace: queries answer 0 on the host, reserve_workspace only grows;
 //  - backend::DeviceChecked: kernels refuse host pointers (naming the kernel and argument),
 //    upload/download refuse swapped sides, buffers unregister when freed, results equal the inner
-//    backend's, and parameters packed with it refuse host element access.
+//    backend's, a kernel needing more workspace than reserved is refused, and parameters packed
+//    with it refuse host element access.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -118,14 +119,20 @@ TEST_CASE("DeviceChecked: kernels take only backend memory, and compute like the
   CHECK_THROWS_WITH(be.copy(out.data(), host.data(), 4), Catch::Contains("copy argument 1 of (src)"));
   const std::vector<std::span<const float>> grads = {std::span<const float>(host)};
   CHECK_THROWS_WITH(be.sum_of_squares(grads), Catch::Contains("sum_of_squares"));
-  // freed memory leaves the registry: a stale pointer is refused like a host one
-  const float* stale = a.data();
+  // freed memory leaves the registry (a stale pointer is then refused like a host one)
   a = Checked::buffer<float>{};
   CHECK(be.registry().allocations() == 2);
-  CHECK_FALSE(be.owns(stale));
   // copies of the backend share the registry (a model and its trainer hold copies)
   Checked copy = be;
   CHECK(copy.owns(b.data()));
+  // workspace as on CUDA: a kernel whose query exceeds the shared reservation is refused
+  auto sums = be.allocate<float>(2);
+  CHECK(be.column_sums_workspace(2, 2) > 0);  // a stand-in size: the host kernel needs none
+  CHECK_THROWS_WITH(be.column_sums(2, 2, 2, b.data(), sums.data()), Catch::Contains("column_sums needs") &&
+                                                                      Catch::Contains("reserve_workspace"));
+  copy.reserve_workspace(be.column_sums_workspace(2, 2));
+  be.column_sums(2, 2, 2, b.data(), sums.data());  // b = (2, 2) rows {0.5, 0.25}, {-1, 2}
+  CHECK(backend::download_vector(be, sums.data(), 2) == std::vector<float>{-0.5f, 2.25f});
 }
 
 TEST_CASE("DeviceChecked: packed parameters live in backend memory and refuse host access", "[backend][device]") {

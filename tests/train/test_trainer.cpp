@@ -10,7 +10,7 @@
 // and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
 // Host bf16 (backend::Host<bfloat16>: the CUDA backend's rounding points): every layout against
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there.
-// DeviceChecked (device-memory discipline on the host): six layouts equal host fp32 bitwise.
+// DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
 // Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
 // generator bitwise, a hand-written all-F-then-B-then-W one equals one rank; a bad one is refused.
 #include <catch2/catch.hpp>
@@ -170,12 +170,14 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
 // argument a backend allocation, packed parameters and moments not host-readable). A layout run
 // with it must equal the same layout on backend::Host bit for bit: that every layer, the pipe
 // executor's buffers, the optimizer, ZeRO-1 and the tied-wte sum reach memory only through the
-// backend is what a CUDA run needs.
+// backend is what a CUDA run needs (pp2 zb_h1 posts its sends and receives as one group, as the
+// trainer does on NCCL; the vee and interleaved schedules cannot, and are refused there).
 TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
           "[train][trainer][device]") {
   using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
   for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero1 = true}, Layout{.tp = 2, .sp = true},
                           Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 4, .batch_p2p = true},
                           Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v",
                                  .microbatches = 2},
                           Layout{.dp = 2, .dropout = kDropout, .recompute = true}}) {
@@ -272,6 +274,18 @@ TEST_CASE("a text schedule from a file trains like the generator's", "[train][tr
   INFO(problems[0]);
   CHECK(problems[0].find("does not verify") != std::string::npos);
   CHECK(problems[0].find("rank 1: backward-weight of microbatch 3, chunk 0 (W3.0) never runs") != std::string::npos);
+}
+
+TEST_CASE("grouped point-to-point (as on NCCL) refuses a schedule that needs asynchronous sends",
+          "[train][trainer][errors][pipe]") {
+  // interleaved 1F1B deadlocks when every send waits for its receive (verifier, rendezvous mode):
+  // refused at construction with the schedules that work, not at the first step
+  TrainerConfig cfg = with_layout(tiny_config(), {.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4,
+                                                  .batch_p2p = true});
+  trellis::comm::ThreadWorld world(2);
+  REQUIRE_THROWS_WITH(world.run([&](ThreadComm& comm) { Trainer<ThreadComm> t(comm, cfg); }),
+                      Catch::Contains("schedule 'interleaved_1f1b' cannot run with grouped sends") &&
+                          Catch::Contains("deadlock (rendezvous sends)") && Catch::Contains("zb_h1"));
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

@@ -75,6 +75,7 @@ struct Layout {
   float dropout = 0.0f;
   bool recompute = false;
   std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
+  bool batch_p2p = false;  // the pipe executor's sends/receives as one group (as on NCCL)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -88,6 +89,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.options.dropout = l.dropout;
   c.options.recompute = l.recompute;
   c.custom_schedule = l.custom_schedule;
+  if (l.batch_p2p) c.p2p = trellis::pipe::ExecuteOptions::P2P::batch;
   return c;
 }
 

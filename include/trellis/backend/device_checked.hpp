@@ -7,11 +7,15 @@
 //
 // The arithmetic is Inner's (backend::Host<float> or <bfloat16>), so a run with DeviceChecked<B>
 // must equal a run with B bit for bit; the memory is host memory, so host communicators work on
-// it as NCCL works on device memory. Why this exists: without a GPU, it is how the CI proves that
+// it as NCCL works on device memory. Workspace follows backend::Cuda's rule: a kernel whose query
+// exceeds what reserve_workspace() reserved (shared by all copies) is refused; where Inner needs
+// no scratch the queries answer stand-in sizes that grow with the problem as CUDA's do, so a
+// missing or too small reservation is caught on the host too. Why this exists: without a GPU, it is how the CI proves that
 // layers, models and trainers reach parameters, moments and activations only through the backend
 // (docs/backend.md, "device discipline on the host").
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -52,11 +56,21 @@ class DeviceRegistry {
     std::lock_guard lock(mu_);
     return ranges_.size();
   }
+  // The workspace reservation, shared like backend::Cuda's (every copy of the backend sees it).
+  void reserve(std::size_t bytes) {
+    std::lock_guard lock(mu_);
+    reserved_ = std::max(reserved_, bytes);
+  }
+  std::size_t reserved() const {
+    std::lock_guard lock(mu_);
+    return reserved_;
+  }
 
  private:
   static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
   mutable std::mutex mu_;
   std::map<std::uintptr_t, std::size_t> ranges_;
+  std::size_t reserved_ = 0;
 };
 
 // An owning, zeroed buffer in "device" memory: data() and size() only, like Buffer<T, Cuda>.
@@ -144,17 +158,24 @@ class DeviceChecked {
     inner_.fill_zero(p, n);
   }
 
-  // ---- workspace ------------------------------------------------------------------------------
-  std::size_t layernorm_backward_workspace(index_t r, index_t d) const { return inner_.layernorm_backward_workspace(r, d); }
+  // ---- workspace (Inner's sizes, or stand-ins growing like CUDA's where Inner needs none) -------
+  std::size_t layernorm_backward_workspace(index_t r, index_t d) const {
+    return or_stand_in(inner_.layernorm_backward_workspace(r, d), 2 * d * row_blocks(r));
+  }
   std::size_t attention_backward_workspace(const kernels::AttentionArgs& a) const {
-    return inner_.attention_backward_workspace(a);
+    return or_stand_in(inner_.attention_backward_workspace(a), a.batch * a.q_heads * a.q_len);
   }
-  std::size_t column_sums_workspace(index_t r, index_t c) const { return inner_.column_sums_workspace(r, c); }
+  std::size_t column_sums_workspace(index_t r, index_t c) const {
+    return or_stand_in(inner_.column_sums_workspace(r, c), c * row_blocks(r));
+  }
   std::size_t sum_of_squares_workspace(std::span<const std::span<const float>> g) const {
-    return inner_.sum_of_squares_workspace(g);
+    return or_stand_in(inner_.sum_of_squares_workspace(g), 64 + 2 * static_cast<index_t>(g.size()));
   }
-  void reserve_workspace(std::size_t bytes) { inner_.reserve_workspace(bytes); }
-  std::size_t workspace_reserved() const { return inner_.workspace_reserved(); }
+  void reserve_workspace(std::size_t bytes) {
+    inner_.reserve_workspace(bytes);
+    registry_->reserve(bytes);
+  }
+  std::size_t workspace_reserved() const { return registry_->reserved(); }
 
   // ---- kernels: every pointer argument must be backend memory ---------------------------------
   void convert(std::size_t n, const float* src, act_t* dst) const {
@@ -179,6 +200,7 @@ class DeviceChecked {
                           bool accumulate) const {
     device("layernorm_backward", "dout, input, w, mean, rstd, dinput, dw, db", dout, input, w, mean, rstd, dinput,
            dw, db);
+    workspace("layernorm_backward", layernorm_backward_workspace(rows, dim));
     inner_.layernorm_backward(rows, dim, dout, input, w, mean, rstd, dinput, dw, db, accumulate);
   }
   void attention_forward(const kernels::AttentionArgs& a, const act_t* q, const act_t* k, const act_t* v, act_t* o,
@@ -189,6 +211,7 @@ class DeviceChecked {
   void attention_backward(const kernels::AttentionArgs& a, const act_t* q, const act_t* k, const act_t* v,
                           const act_t* o, const act_t* d_o, const float* lse, act_t* dq, act_t* dk, act_t* dv) const {
     device("attention_backward", "q, k, v, o, d_o, lse, dq, dk, dv", q, k, v, o, d_o, lse, dq, dk, dv);
+    workspace("attention_backward", attention_backward_workspace(a));
     inner_.attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv);
   }
   void rows_to_heads(const kernels::HeadsLayout& l, const act_t* rows, index_t ld, act_t* heads) const {
@@ -264,11 +287,13 @@ class DeviceChecked {
   }
   void column_sums(index_t rows, index_t cols, index_t ld, const act_t* x, float* sums) const {
     device("column_sums", "x, sums", x, sums);
+    workspace("column_sums", column_sums_workspace(rows, cols));
     inner_.column_sums(rows, cols, ld, x, sums);
   }
   double sum_of_squares(std::span<const std::span<const float>> grads) const {
     for (const auto& g : grads)
       if (!g.empty()) device("sum_of_squares", "grads", g.data());
+    workspace("sum_of_squares", sum_of_squares_workspace(grads));
     return inner_.sum_of_squares(grads);
   }
   double sum(const float* x, std::size_t n) const {
@@ -291,6 +316,15 @@ class DeviceChecked {
       if (args[i] != nullptr && !registry_->contains(args[i]))
         TRELLIS_THROW("backend::DeviceChecked: ", kernel, " argument ", i + 1, " of (", names,
                       ") is not backend memory (a host pointer given to a device kernel)");
+  }
+  void workspace(const char* kernel, std::size_t bytes) const {
+    TRELLIS_CHECK(bytes <= registry_->reserved(), "backend::DeviceChecked: ", kernel, " needs ", bytes,
+                  " bytes of workspace but ", registry_->reserved(),
+                  " are reserved: call reserve_workspace() with the largest *_workspace() query at set-up");
+  }
+  static index_t row_blocks(index_t rows) { return (rows + 63) / 64; }
+  static std::size_t or_stand_in(std::size_t inner_bytes, index_t floats) {
+    return inner_bytes > 0 ? inner_bytes : static_cast<std::size_t>(floats) * sizeof(float);
   }
   template <class P>
   void host(const char* what, const char* arg, const P* p) const {

@@ -265,6 +265,25 @@ class GptModel {
 
   // Drops microbatch mb's saved activations without computing gradients (after a forward used
   // only for evaluation).
+  // Scratch the backend's kernels need for microbatches of `shape` (CUB style, asked at set-up):
+  // the largest of the norms' backward (rows x width), the attention backward (this rank's heads)
+  // and the bias-gradient column sums (rows x 4 width, the widest bias). Full rows and full widths
+  // bound every layer's call from above (sequence-parallel and tp-local calls are smaller; the
+  // queries grow with both). reserve_workspace(shape) reserves it before the first step.
+  std::size_t workspace_bytes(const TokenShape& shape) const {
+    const index_t rows = shape.rows(), W = cfg_.width;
+    kernels::AttentionArgs a;
+    a.batch = shape.batch;
+    a.q_heads = a.kv_heads = shard::chunk(cfg_.heads, tp_.size(), tp_.rank()).size;
+    a.q_len = a.kv_len = shape.seq;
+    a.head_dim = W / cfg_.heads;
+    a.causal = true;
+    std::size_t bytes = std::max(be_.layernorm_backward_workspace(rows, W), be_.column_sums_workspace(rows, 4 * W));
+    if (!blocks_.empty()) bytes = std::max(bytes, be_.attention_backward_workspace(a));
+    return bytes;
+  }
+  void reserve_workspace(const TokenShape& shape) { be_.reserve_workspace(workspace_bytes(shape)); }
+
   void release(int mb) {
     if (head_) {
       head_->release(mb);

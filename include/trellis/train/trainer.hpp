@@ -41,6 +41,13 @@
 // global sample index, so every layout of the same global batch drops the same elements and a
 // resumed run draws the uninterrupted run's masks; evaluate() runs without dropout.
 //
+// Memory and backends: Trainer<C, B> runs on compute backend B (backend::Host<float> by default,
+// Host<bfloat16>, backend::Cuda with NcclComm). Parameters, gradients, AdamW moments, ZeRO-1
+// shards and stage activations live in B's memory; host code reaches them only through B's
+// upload/download (tests run every layout on backend::DeviceChecked to prove it). With a device
+// communicator every collective runs on B's stream, host scalars are staged through B's memory,
+// and the pipe executor posts point-to-point runs as one group (TrainerConfig::p2p).
+//
 // Checkpoints (train/checkpoint.hpp, train_state.hpp): every parameter by its GPT-2 name and
 // global shape, each box written once (dp rank 0, tp rank 0 for replicated tensors, the
 // embedding's copy of wte), AdamW moments under the same boxes (ZeRO-1 gathers its partitions
@@ -72,6 +79,7 @@
 #include "trellis/optim/zero.hpp"
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/verify.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
@@ -102,6 +110,9 @@ struct TrainerConfig {
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
   // same order of results, so the same bits).
   bool overlap_dp = true;
+  // How the pipe executor posts a run of sends/receives (pipe::ExecuteOptions::P2P): unset means
+  // isend on host communicators and batch (one group, as NCCL needs) on device ones.
+  std::optional<pipe::ExecuteOptions::P2P> p2p{};
   std::uint64_t seed = 1234;  // Rng streams (one per rank) and dropout masks; the model's init seed is options.seed
 };
 
@@ -253,6 +264,8 @@ class Trainer {
   using act_t = typename B::act_t;
   using Model = nn::GptModel<C, B>;
   using ActBuffer = typename B::template buffer<act_t>;  // stage activations and gradients, in B's memory
+  // A communicator over device memory (NCCL): point-to-point runs go out as one group.
+  static constexpr bool device_comm = !std::same_as<typename C::space, trellis::Host>;
 
   // be: the compute backend every layer runs on (host fp32 by default; backend::Host<bfloat16>
   // gives the CUDA backend's bf16 rounding points on the host). Master weights, gradients and
@@ -267,6 +280,11 @@ class Trainer {
         pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
         rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())),
         be_(std::move(be)) {
+    // A device communicator enqueues on the backend's stream: every collective is ordered after
+    // the kernels that produce its data (one stream; overlapping the dp reductions with compute on
+    // a GPU needs a second stream and events, not built yet). Sets the stream of `world` too.
+    if constexpr (requires(C& c) { c.set_stream(be_.stream()); })
+      for (C* c : {&mesh_.world(), pp_comm_, dp_comm_, tp_comm_, pp_dp_comm_, pp_tp_comm_}) c->set_stream(be_.stream());
     const int pp_rank = mesh_.template coord<trellis::pp>();
     int chunks = 1, stages = 1;
     if (cfg_.pp > 1) {
@@ -274,6 +292,15 @@ class Trainer {
                                        : pipe::make_schedule(cfg_.schedule, cfg_.pp, cfg_.microbatches, cfg_.virtual_chunks);
       chunks = schedule_->chunks;
       stages = schedule_->virtual_stages();
+      if (p2p_mode() == pipe::ExecuteOptions::P2P::batch) {  // refused here, not at the first step
+        try {
+          pipe::verify(*schedule_, {pipe::SendMode::rendezvous});
+        } catch (const Error& e) {
+          TRELLIS_THROW("Trainer: schedule '", schedule_->name, "' cannot run with grouped sends and receives (",
+                        device_comm ? "a device communicator such as NCCL needs them" : "TrainerConfig::p2p = batch",
+                        "): ", e.what(), ". Schedules that can: gpipe, 1f1b, zb_h1, zb_h2");
+        }
+      }
     }
     nn::GptOptions options = cfg_.options;
     if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over dp
@@ -323,6 +350,18 @@ class Trainer {
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
       state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
     }
+    // What the global norm sums (a tp-replicated tensor and a duplicate wte once; under ZeRO-1 the
+    // reduced shards): fixed ranges of the packed buffers, so the spans are made once.
+    if (cfg_.zero1) {
+      for (auto& pc : zpieces_)
+        if (norm_weight_[pc.param] != 0.0f) norm_spans_.push_back(zgrad(pc));
+    } else {
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (norm_weight_[i] != 0.0f) norm_spans_.emplace_back(params_[i]->grad.elements());
+    }
+    // Scratch reserved once, before the first step (CUB style; backend::Cuda refuses growth later).
+    for (auto& m : models_) m->reserve_workspace(shape_);
+    be_.reserve_workspace(be_.sum_of_squares_workspace(norm_spans_));
   }
 
   const TrainerConfig& config() const { return cfg_; }
@@ -342,9 +381,7 @@ class Trainer {
     double n = 0;
     for (std::size_t i = 0; i < params_.size(); ++i)
       n += norm_weight_[i] * static_cast<double>(params_[i]->numel());
-    double total = 0;
-    pp_tp_comm_->all_reduce(&n, &total, 1, comm::ReduceOp::sum);
-    return total;
+    return reduce_scalar(*pp_tp_comm_, n);
   }
 
   // One optimizer step on this dp rank's rows (batch.rows = global batch / dp, seq = cfg.seq).
@@ -360,15 +397,16 @@ class Trainer {
     overlapped_ = 0;
     if (cfg_.pp > 1) {
       Counting counting{this};
-      pipe::execute(*pp_comm_, *schedule_, counting);
+      pipe::ExecuteOptions run;
+      run.p2p = p2p_mode();
+      pipe::execute(*pp_comm_, *schedule_, counting, run);
     } else {
       run_local_loop();
     }
     // the tied wte: sum of the copies' gradients over the chunks and pipeline ranks holding one
     stage_->all_reduce_tied_wte_grad(*pp_comm_);
     StepResult r;
-    double loss = stage_->loss();
-    pp_dp_comm_->all_reduce(&loss, &r.loss, 1, comm::ReduceOp::sum);
+    r.loss = reduce_scalar(*pp_dp_comm_, stage_->loss());
     finish_dp_reduction();
     if (cfg_.zero1)
       zero1_update(r);
@@ -413,9 +451,7 @@ class Trainer {
           pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
       }
     }
-    double total = 0;
-    pp_dp_comm_->all_reduce(&loss, &total, 1, comm::ReduceOp::sum);
-    return total;
+    return reduce_scalar(*pp_dp_comm_, loss);
   }
 
   // ---- checkpoints -----------------------------------------------------------------------------
@@ -551,10 +587,9 @@ class Trainer {
                   cfg_.seq, " (global batch / dp x sequence length)");
   }
   double global_token_count(const Batch& b) {
-    double local = 0, total = 0;
+    double local = 0;
     for (auto t : b.targets) local += t >= 0;
-    dp_comm_->all_reduce(&local, &total, 1, comm::ReduceOp::sum);
-    return total;
+    return reduce_scalar(*dp_comm_, local);
   }
   // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
   // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
@@ -693,16 +728,28 @@ class Trainer {
     exposed_reduce_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  pipe::ExecuteOptions::P2P p2p_mode() const {
+    return cfg_.p2p.value_or(device_comm ? pipe::ExecuteOptions::P2P::batch : pipe::ExecuteOptions::P2P::isend);
+  }
   float lr_now() const { return static_cast<float>(cfg_.lr(state_.step())); }
 
+  // A host scalar reduced over `c`, staged through B's memory when B's memory is not the host's
+  // (NCCL reduces device buffers only).
+  double reduce_scalar(C& c, double x, comm::ReduceOp op = comm::ReduceOp::sum) const {
+    double out = 0;
+    if constexpr (B::host_readable) {
+      c.all_reduce(&x, &out, 1, op);
+    } else {
+      auto staged = be_.template allocate<double>(1);
+      be_.upload(staged.data(), &x, 1);
+      c.all_reduce(staged.data(), staged.data(), 1, op);
+      be_.download(&out, staged.data(), 1);
+    }
+    return out;
+  }
+
   void plain_update(StepResult& r) {
-    std::vector<std::span<const float>> counted;  // vectorised, multi-threaded fp64 sum of squares
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      if (norm_weight_[i] != 0.0f) counted.emplace_back(params_[i]->grad.elements());
-    double sq = be_.sum_of_squares(counted);
-    double total = 0;
-    pp_tp_comm_->all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
-    finish_update(r, total, [&](float lr, float scale) {
+    finish_update(r, reduce_scalar(*pp_tp_comm_, be_.sum_of_squares(norm_spans_)), [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (nn::Parameter* p : params_) {
@@ -763,13 +810,7 @@ class Trainer {
     return {params_[pc.param]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size)};
   }
   void zero1_update(StepResult& r) {
-    std::vector<std::span<const float>> counted;
-    for (auto& pc : zpieces_)
-      if (norm_weight_[pc.param] != 0.0f) counted.push_back(zgrad(pc));
-    double sq = be_.sum_of_squares(counted);
-    double total = 0;
-    mesh_.world().all_reduce(&sq, &total, 1, comm::ReduceOp::sum);
-    finish_update(r, total, [&](float lr, float scale) {
+    finish_update(r, reduce_scalar(mesh_.world(), be_.sum_of_squares(norm_spans_)), [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (auto& pc : zpieces_) {
@@ -841,6 +882,7 @@ class Trainer {
   nn::Parameter* primary_wte_ = nullptr;
   bool holds_embedding_ = false;
   std::vector<float> norm_weight_, decay_;
+  std::vector<std::span<const float>> norm_spans_;  // the gradients the global norm sums
   optim::AdamWState<B> state_;
   std::vector<Bucket> buckets_;
   std::vector<int> w_done_;                   // W actions done per chunk, this step
