@@ -18,6 +18,9 @@ using namespace train_gpt;
 #if defined(TRELLIS_TRAIN_GPT_CUDA)
 namespace train_gpt {
 Outcome run_cuda(const Options& o, const Data& data);  // cuda_backend.cu
+#if defined(TRELLIS_TRAIN_GPT_MPI)
+void run_cuda_mpi(comm::MpiComm& world, const Options& o, const Data& data, Outcome& out);
+#endif
 }
 #endif
 
@@ -43,7 +46,12 @@ int main(int argc, char** argv) {
       const Data data = load_data(o);
       const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
       Outcome out;
-      world.run([&](comm::MpiComm& comm) { run_rank(comm, o, data, peak, out); });
+#if defined(TRELLIS_TRAIN_GPT_CUDA)
+      if (o.backend == "cuda")
+        world.run([&](comm::MpiComm& comm) { run_cuda_mpi(comm, o, data, out); });
+      else
+#endif
+        world.run([&](comm::MpiComm& comm) { run_rank(comm, o, data, peak, out); });
       if (world.rank() == 0) final_report(o, data, out);
       return 0;
 #else

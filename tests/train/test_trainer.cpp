@@ -196,6 +196,27 @@ TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host
   }
 }
 
+TEST_CASE("device discipline: checkpoints save and load through the backend", "[train][trainer][device]") {
+  // dp2 ZeRO-1 (moments gathered over dp, the commit's agreement staged through backend memory):
+  // a DeviceChecked run resumed from the host run's checkpoint and a host run resumed from the
+  // DeviceChecked one continue bit for bit alike.
+  using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
+  const TrainerConfig cfg = with_layout(tiny_config(), {.dp = 2, .zero1 = true});
+  TempDir host_dir("device-save-host"), checked_dir("device-save-checked");
+  nn_test::Collector w1, w2, w3, w4;
+  RunResult a, b, from_host, from_checked;
+  train(cfg, 2, a, w1, {}, host_dir.path);
+  train<Checked>(cfg, 2, b, w2, {}, checked_dir.path);
+  REQUIRE(a.losses == b.losses);
+  const auto host_ckpt = *trellis::train::latest_checkpoint(host_dir.path);
+  const auto checked_ckpt = *trellis::train::latest_checkpoint(checked_dir.path);
+  train<Checked>(cfg, 2, from_host, w3, host_ckpt);
+  train(cfg, 2, from_checked, w4, checked_ckpt);
+  CHECK(from_host.losses == from_checked.losses);
+  CHECK(from_host.norms == from_checked.norms);
+  for (const auto& name : from_host.names) CHECK(nn_test::rel_error(w3.get(name), w4.get(name)) == 0.0);
+}
+
 TEST_CASE("with dropout every layout equals one rank (masks per global sample)", "[train][trainer][parity][dropout]") {
   auto& ref = dropout_reference();
   REQUIRE(ref.run.losses.size() == kSteps);

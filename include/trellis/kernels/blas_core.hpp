@@ -39,15 +39,15 @@ inline CpuFeatures cpu_features() {
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return f;  // no OSXSAVE: no AVX state
   unsigned xcr0_lo = 0, xcr0_hi = 0;
   __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  const bool ymm = (xcr0_lo & 0x6u) == 0x6u;      // SSE + AVX state
-  const bool zmm = (xcr0_lo & 0xE6u) == 0xE6u;    // + opmask, ZMM upper halves, ZMM16-31
-  const bool tiles = (xcr0_lo & 0x60000u) == 0x60000u;  // AMX TILECFG + TILEDATA
+  const std::uint64_t xcr0 = (static_cast<std::uint64_t>(xcr0_hi) << 32) | xcr0_lo;
+  const bool ymm = (xcr0 & 0x6u) == 0x6u;           // SSE + AVX state
+  const bool zmm = (xcr0 & 0xE6u) == 0xE6u;         // + opmask, ZMM upper halves, ZMM16-31
+  const bool tiles = (xcr0 & 0x60000u) == 0x60000u;  // AMX TILECFG + TILEDATA
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
   f.avx2 = ymm && (b & (1u << 5));
   f.avx512f = zmm && (b & (1u << 16));
   f.amx_bf16 = tiles && (d & (1u << 22));
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = f.avx512f && (a & (1u << 5));
-  (void)xcr0_hi;
 #endif
   return f;
 }

@@ -487,7 +487,12 @@ class Trainer {
     s.data = data;
     save_train_state(w, s);
     save_model_config(w, cfg_.model);
-    save_collectively(w, world);
+    if constexpr (B::host_readable) {
+      save_collectively(w, world);
+    } else {  // the commit's agreement exchanges host flags: staged through B's memory (NCCL)
+      HostScalars agree{this, &world};
+      save_collectively(w, agree);
+    }
   }
 
   // Loads a checkpoint written by any layout (parameters, moments, step, this rank's Rng when the
@@ -733,6 +738,28 @@ class Trainer {
   }
   float lr_now() const { return static_cast<float>(cfg_.lr(state_.step())); }
 
+  // Host scalars over a communicator of device buffers (NCCL): each collective staged through B's
+  // memory. What checkpoint agreement (save_collectively) needs of a communicator.
+  struct HostScalars {
+    const Trainer* t;
+    C* c;
+    int rank() const { return c->rank(); }
+    int size() const { return c->size(); }
+    template <class T>
+    void all_reduce(const T* in, T* out, std::size_t n, comm::ReduceOp op) {
+      auto staged = t->be_.template allocate<T>(n);
+      t->be_.upload(staged.data(), in, n);
+      c->all_reduce(staged.data(), staged.data(), n, op);
+      t->be_.download(out, staged.data(), n);
+    }
+    template <class T>
+    void broadcast(T* x, std::size_t n, int root) {
+      auto staged = t->be_.template allocate<T>(n);
+      t->be_.upload(staged.data(), x, n);
+      c->broadcast(staged.data(), n, root);
+      t->be_.download(x, staged.data(), n);
+    }
+  };
   // A host scalar reduced over `c`, staged through B's memory when B's memory is not the host's
   // (NCCL reduces device buffers only).
   double reduce_scalar(C& c, double x, comm::ReduceOp op = comm::ReduceOp::sum) const {
@@ -740,10 +767,7 @@ class Trainer {
     if constexpr (B::host_readable) {
       c.all_reduce(&x, &out, 1, op);
     } else {
-      auto staged = be_.template allocate<double>(1);
-      be_.upload(staged.data(), &x, 1);
-      c.all_reduce(staged.data(), staged.data(), 1, op);
-      be_.download(&out, staged.data(), 1);
+      HostScalars{this, &c}.all_reduce(&x, &out, 1, op);
     }
     return out;
   }
