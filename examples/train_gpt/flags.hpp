@@ -284,6 +284,27 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   return c;
 }
 
+// Bytes of fp32 weights, gradients and both AdamW moments (16 per parameter) the run holds at
+// least: in this process for thread ranks (dp replicas of the whole model), per rank under MPI
+// (its tp x pp share). A lower bound (activations come on top), computed in double so absurd
+// sizes cannot overflow: what refuses --width 1048576 or --layers 100000 before any allocation.
+inline double state_bytes(const Options& o, bool per_mpi_rank) {
+  const double W = o.width, L = o.layers, V = o.vocab, P = o.context;
+  const double params = V * W + P * W + L * (12.0 * W * W + 13.0 * W) + 2.0 * W;
+  const double tp_pp = std::max(1.0, static_cast<double>(o.tp)) * std::max(1.0, static_cast<double>(o.pp));
+  return 16.0 * (per_mpi_rank ? params / tp_pp : params * std::max(1, o.dp));
+}
+inline double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+inline std::string gib(double bytes) {
+  std::ostringstream s;
+  s.precision(3);
+  s << bytes / (1024.0 * 1024.0 * 1024.0) << " GiB";
+  return s.str();
+}
+
 // Every problem of the options (flags alone and the trainer's layout rules), each saying what to
 // change; `world_size`: the ranks the run has (MPI) or nothing (threads: dp x tp x pp are made).
 inline std::vector<std::string> problems(const Options& o, std::optional<int> world_size = std::nullopt) {
@@ -355,6 +376,12 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.overlap > 1 && o.tp == 1)
     out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
   for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);
+  if (const double need = state_bytes(o, world_size.has_value()), have = physical_memory_bytes();
+      have > 0 && need > have)
+    out.push_back("the model's fp32 weights, gradients and AdamW moments alone need " + gib(need) +
+                  (world_size ? " per MPI rank" : " in this process (every dp replica)") + " but this machine has " +
+                  gib(have) + " of memory: reduce --width, --layers, --vocab or --context" +
+                  (world_size ? "" : ", or --dp"));
   const std::int64_t ranks = trellis::train::layout_ranks(o.pp, o.dp, o.tp);
   if (world_size && ranks > 0 && *world_size != ranks)
     out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp = " +

@@ -291,11 +291,12 @@ inline void final_report(const Options& o, const Data& data, const Outcome& out)
       train::Checkpoint ck(out.checkpoint);
       train::Generator<comm::ThreadComm> gen(ck, trainer_config(o).model, c);
       train::Rng rng(o.seed, 999);
-      std::vector<std::int32_t> prompt(o.prompt.begin(), o.prompt.end());
+      std::vector<std::int32_t> prompt;  // bytes as tokens: 0..255 (a UTF-8 byte is not a negative id)
+      for (unsigned char b : o.prompt) prompt.push_back(b);
       if (prompt.empty()) prompt.push_back(' ');
       auto text = gen.generate(prompt, o.sample_tokens, o.temperature, rng);
       std::string s;
-      for (auto t : text) s.push_back(static_cast<char>(t));
+      for (auto t : text) s.push_back(static_cast<char>(static_cast<unsigned char>(t)));
       std::printf("sample (temperature %.2f):\n----\n%s\n----\n", o.temperature, s.c_str());
     });
   }

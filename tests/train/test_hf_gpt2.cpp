@@ -431,6 +431,10 @@ TEST_CASE("Generator: greedy decoding through the KV cache equals greedy decodin
   nn_test::run_ranks(1, [&](ThreadComm& c) {
     train::Generator<ThreadComm> gen(ck, cfg, c);
     train::Rng rng(1, 2);
+    // a prompt id outside the vocabulary (a UTF-8 byte read as a signed char) is refused up front
+    CHECK_THROWS_WITH(gen.generate({5, -61, 7}, 2, 0.0, rng),
+                      Catch::Contains("prompt token 1 is -61, outside the vocabulary 0..") &&
+                          Catch::Contains(std::to_string(cfg.vocab - 1)));
     std::vector<std::int32_t> ours = prompt;
     double worst = 0;
     for (int i = 0; i < n; ++i) {

@@ -85,6 +85,11 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK_FALSE(contains(error_of({"--backend", "cuda", "--heads", "2", "--pp", "2", "--schedule", "zb_h1"}),
                        "grouped sends"));
   CHECK(contains(error_of({"--backend", "tpu"}), "--backend must be host or cuda"));
+  // absurd sizes are refused before any allocation: 16 bytes per parameter against physical memory
+  CHECK(contains(error_of({"--width", "1048576", "--heads", "16384"}), "AdamW moments alone need"));
+  CHECK(contains(error_of({"--layers", "100000"}), "of memory: reduce --width, --layers"));
+  CHECK(contains(error_of({"--layers", "100000"}, 8), "per MPI rank"));
+  CHECK_FALSE(contains(error_of({"--layers", "12", "--width", "768", "--heads", "12"}), "of memory"));  // GPT-2 124M fits
   CHECK(contains(error_of({"--dtype", "fp16"}), "--dtype must be fp32 or bf16, got 'fp16'"));
   CHECK(contains(error_of({"--backend", "cuda", "--dtype", "fp32"}), "--backend cuda computes in bf16"));
   CHECK(contains(error_of({"--resume"}), "--resume needs --ckpt-dir"));

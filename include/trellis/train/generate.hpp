@@ -75,6 +75,10 @@ class Generator {
 
   // `prompt` followed by n new tokens.
   std::vector<std::int32_t> generate(std::vector<std::int32_t> prompt, int n, double temperature, Rng& rng) {
+    TRELLIS_CHECK(n >= 0, "Generator: ", n, " new tokens requested");
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      TRELLIS_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab, "Generator: prompt token ", i, " is ", prompt[i],
+                    ", outside the vocabulary 0..", cfg_.vocab - 1);
     for (int i = 0; i < n; ++i) prompt.push_back(pick(next_logits(prompt), temperature, rng));
     return prompt;
   }
