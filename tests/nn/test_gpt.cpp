@@ -21,6 +21,7 @@
 
 #include "reference_gpt.hpp"
 #include "support.hpp"
+#include "trellis/backend/device_checked.hpp"
 #include "trellis/comm/mesh.hpp"
 #include "trellis/nn/gpt.hpp"
 #include "trellis/nn/pipeline_stage.hpp"
@@ -749,4 +750,55 @@ TEST_CASE("bf16 decoding (host bf16 backend) follows the double-precision GPT-2"
   // exactly 0 against the prefills (the host kernels compute each row alike).
   CHECK(worst <= 3e-2);
   CHECK(vs_refill <= 4e-3);  // one bf16 ulp: room for kernels that split rows differently
+}
+
+TEST_CASE("each pass of each layer opens a named backend range, nested as the passes run", "[nn][gpt][ranges]") {
+  // What Nsight Systems shows of a CUDA run (NVTX ranges), recorded by backend::DeviceChecked.
+  // Expected: the order of GptModel's passes written out here (forward: embedding, blocks with
+  // their attention and MLP, head; backward-input and backward-weight in reverse).
+  using Checked = backend::DeviceChecked<backend::Host<float>>;
+  const GptConfig cfg = tiny();
+  std::vector<std::string> want;
+  auto open_close = [&](const std::string& name, const std::vector<std::string>& inner = {}) {
+    want.push_back(name);
+    for (const auto& i : inner) want.push_back(i), want.push_back("/" + i);
+    want.push_back("/" + name);
+  };
+  open_close("embedding forward");
+  for (int i = 0; i < cfg.layers; ++i) {
+    const std::string h = "h." + std::to_string(i);
+    open_close(h + " forward", {h + ".attn forward", h + ".mlp forward"});
+  }
+  open_close("head forward");
+  open_close("head backward_input");
+  for (int i = static_cast<int>(cfg.layers) - 1; i >= 0; --i) {
+    const std::string h = "h." + std::to_string(i);
+    open_close(h + " backward_input", {h + ".mlp backward_input", h + ".attn backward_input"});
+  }
+  open_close("embedding backward_input");
+  open_close("head backward_weight");
+  for (int i = static_cast<int>(cfg.layers) - 1; i >= 0; --i) {
+    const std::string h = "h." + std::to_string(i);
+    open_close(h + " backward_weight", {h + ".attn backward_weight", h + ".mlp backward_weight"});
+  }
+  open_close("embedding backward_weight");
+
+  std::vector<std::string> got;
+  nn_test::run_ranks(1, [&](Comm& comm) {
+    Checked be;
+    GptModel<Comm, Checked> model(cfg, comm, {}, {}, be);
+    const TokenShape shape{kBatch, kSeq};
+    model.reserve_workspace(shape);
+    const auto tokens = make_ids("tokens", 0, cfg.vocab), targets = make_ids("targets", 0, cfg.vocab);
+    GptModel<Comm, Checked>::Input in;
+    in.tokens = tokens.data();
+    in.targets = targets.data();
+    in.token_count = count_targets(1, cfg.vocab);
+    be.set_tracing(true);
+    model.forward(0, shape, in, nullptr);
+    model.backward_input(0, shape, nullptr, nullptr);
+    model.backward_weight(0);
+    got = be.registry().trace();
+  });
+  CHECK(got == want);
 }

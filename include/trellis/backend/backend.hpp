@@ -3,7 +3,7 @@
 //   - its memory space (trellis::Host or trellis::Cuda) and activation type act_t (the GEMM
 //     operand and activation dtype: fp32, or bf16 with fp32 accumulation and statistics);
 //   - buffers (owning, zeroed), copies in and out of its memory, a stream and events (empty
-//     types on the host, where every call has finished when it returns);
+//     types on the host, where every call has finished when it returns), named ranges (NVTX);
 //   - CUB-style workspace queries, asked at set-up for the largest shapes, then one
 //     reserve_workspace(max): no scratch grows in the middle of a step;
 //   - the kernels the layers call, with backend-neutral contracts (kernels::GemmArgs and
@@ -54,6 +54,8 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   { cb.stream() } -> std::same_as<typename B::stream_type>;
   { cb.record_event() } -> std::same_as<typename B::event_type>;
   cb.synchronize();
+  // a named range around a layer's pass (RAII; NVTX on CUDA): cb.range("h.3 forward")
+  cb.range("");
   // memory
   { cb.template allocate<float>(n) } -> std::same_as<typename B::template buffer<float>>;
   cb.upload(f, cf, n);

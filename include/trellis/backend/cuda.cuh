@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -82,6 +83,15 @@ class CudaEvent {
   std::shared_ptr<std::remove_pointer_t<cudaEvent_t>> event_;
 };
 
+// A pushed NVTX range, popped when it goes out of scope (returned by value: copy elision).
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
 class Cuda {
  public:
   using space = trellis::Cuda;
@@ -98,6 +108,8 @@ class Cuda {
   event_type record_event() const { return CudaEvent(stream_); }
   void wait_event(const event_type& e) const { TRELLIS_CHECK_CUDA(cudaStreamWaitEvent(stream_, e.get(), 0)); }
   void synchronize() const { TRELLIS_CHECK_CUDA(cudaStreamSynchronize(stream_)); }
+  // An NVTX range (nvtxRangePushA/Pop) for Nsight Systems: the layers name each pass with it.
+  NvtxRange range(const char* name) const { return NvtxRange(name); }
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n, stream_, true); }

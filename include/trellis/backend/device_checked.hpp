@@ -23,7 +23,9 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "trellis/backend/backend.hpp"
 #include "trellis/backend/host.hpp"
@@ -65,12 +67,43 @@ class DeviceRegistry {
     std::lock_guard lock(mu_);
     return reserved_;
   }
+  // The named ranges the layers open and close ("name" / "/name"), recorded while tracing is on:
+  // what a CUDA run shows in Nsight Systems, checked on the host.
+  void set_tracing(bool on) {
+    std::lock_guard lock(mu_);
+    tracing_ = on;
+  }
+  void record(std::string event) {
+    std::lock_guard lock(mu_);
+    if (tracing_) trace_.push_back(std::move(event));
+  }
+  std::vector<std::string> trace() const {
+    std::lock_guard lock(mu_);
+    return trace_;
+  }
 
  private:
   static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
   mutable std::mutex mu_;
   std::map<std::uintptr_t, std::size_t> ranges_;
   std::size_t reserved_ = 0;
+  bool tracing_ = false;
+  std::vector<std::string> trace_;
+};
+
+// An open range of a DeviceChecked backend (recorded when tracing).
+class CheckedRange {
+ public:
+  CheckedRange(std::shared_ptr<DeviceRegistry> registry, const char* name) : registry_(std::move(registry)), name_(name) {
+    registry_->record(name_);
+  }
+  ~CheckedRange() { registry_->record("/" + name_); }
+  CheckedRange(const CheckedRange&) = delete;
+  CheckedRange& operator=(const CheckedRange&) = delete;
+
+ private:
+  std::shared_ptr<DeviceRegistry> registry_;
+  std::string name_;
 };
 
 // An owning, zeroed buffer in "device" memory: data() and size() only, like Buffer<T, Cuda>.
@@ -131,6 +164,9 @@ class DeviceChecked {
   event_type record_event() const { return inner_.record_event(); }
   void wait_event(const event_type& e) const { inner_.wait_event(e); }
   void synchronize() const { inner_.synchronize(); }
+  CheckedRange range(const char* name) const { return CheckedRange(registry_, name); }
+  // Records the layers' ranges from now on (every copy of this backend shares the record).
+  void set_tracing(bool on) const { registry_->set_tracing(on); }
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n, registry_); }

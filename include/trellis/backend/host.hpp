@@ -46,6 +46,7 @@ class Host {
   event_type record_event() const { return {}; }
   void wait_event(const event_type&) const {}
   void synchronize() const {}
+  HostRange range(const char*) const { return {}; }
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n); }  // zeroed

@@ -21,5 +21,10 @@ concept MemorySpace = std::is_same_v<S, Host> || std::is_same_v<S, Cuda>;
 // code written for CUDA streams (cudaStream_t, cudaEvent_t) run unchanged on the host.
 struct HostStream {};
 struct HostEvent {};
+// A named range of work (NVTX on CUDA, for Nsight Systems); nothing on the host. The empty
+// destructor makes `auto r = be.range(...)` an RAII object, not an unused variable, to compilers.
+struct HostRange {
+  ~HostRange() {}  // NOLINT(modernize-use-equals-default): user-provided on purpose
+};
 
 }  // namespace trellis

@@ -16,6 +16,7 @@
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/mlp.hpp"
+#include "trellis/nn/ranges.hpp"
 
 namespace trellis::nn {
 
@@ -44,7 +45,10 @@ class TransformerBlock {
         ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps, be),
         mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp, be),
         drop_attn_(cfg.dropout, name + ".attn"),
-        drop_mlp_(cfg.dropout, name + ".mlp") {}
+        drop_mlp_(cfg.dropout, name + ".mlp"),
+        names_(name),
+        attn_names_(name + ".attn"),
+        mlp_names_(name + ".mlp") {}
 
   LayerNorm<C, B>& ln_1() { return ln_1_; }
   CausalSelfAttention<C, B>& attn() { return attn_; }
@@ -73,6 +77,7 @@ class TransformerBlock {
 
   // x, y: (local_rows, width) in B's memory.
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
+    auto range = be_.range(names_.forward.c_str());
     Saved& s = store_.create(mb);
     s.rows = tp_.local_rows(shape);
     if (cfg_.recompute) {
@@ -86,10 +91,12 @@ class TransformerBlock {
   }
 
   void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
+    auto range = be_.range(names_.backward_input.c_str());
     Saved& s = store_.at(mb, "TransformerBlock::backward_input");
     const index_t n = s.rows * cfg_.width;
     if (cfg_.recompute) {
       auto y = allocate(n);
+      auto again = be_.range(names_.forward.c_str());  // the recomputed forward, inside the backward
       run_forward(mb, shape, s.input.data(), y.data());
       s.input = {};
     }
@@ -103,7 +110,10 @@ class TransformerBlock {
       drop_mlp_.apply(be_, shape, row0, rows, cfg_.width, dropped.data());
       dmlp = dropped.data();
     }
-    mlp_.backward_input(mb, shape, dmlp, dh.data());
+    {
+      auto r = be_.range(mlp_names_.backward_input.c_str());
+      mlp_.backward_input(mb, shape, dmlp, dh.data());
+    }
     ln_2_.backward_input(mb, shape, dh.data(), dx2.data());
     be_.add(n, dx2.data(), dy, dx2.data());
     const act_t* dattn = dx2.data();
@@ -113,17 +123,27 @@ class TransformerBlock {
       drop_attn_.apply(be_, shape, row0, rows, cfg_.width, dropped.data());
       dattn = dropped.data();
     }
-    attn_.backward_input(mb, shape, dattn, dh.data());
+    {
+      auto r = be_.range(attn_names_.backward_input.c_str());
+      attn_.backward_input(mb, shape, dattn, dh.data());
+    }
     ln_1_.backward_input(mb, shape, dh.data(), dx);
     be_.add(n, dx, dx2.data(), dx);
   }
 
   void backward_weight(int mb) {
     store_.at(mb, "TransformerBlock::backward_weight");
+    auto range = be_.range(names_.backward_weight.c_str());
     ln_1_.backward_weight(mb);
-    attn_.backward_weight(mb);
+    {
+      auto r = be_.range(attn_names_.backward_weight.c_str());
+      attn_.backward_weight(mb);
+    }
     ln_2_.backward_weight(mb);
-    mlp_.backward_weight(mb);
+    {
+      auto r = be_.range(mlp_names_.backward_weight.c_str());
+      mlp_.backward_weight(mb);
+    }
     store_.erase(mb);
   }
   // Drops microbatch mb's saved state without gradients (forward-only evaluation).
@@ -151,11 +171,17 @@ class TransformerBlock {
     const index_t rows = tp_.local_rows(shape), n = rows * cfg_.width, row0 = tp_.first_local_row(shape);
     auto h = allocate(n), x2 = allocate(n);
     ln_1_.forward(mb, shape, x, h.data());
-    attn_.forward(mb, shape, h.data(), x2.data());
+    {
+      auto r = be_.range(attn_names_.forward.c_str());
+      attn_.forward(mb, shape, h.data(), x2.data());
+    }
     drop_attn_.apply(be_, shape, row0, rows, cfg_.width, x2.data());
     be_.add(n, x2.data(), x, x2.data());
     ln_2_.forward(mb, shape, x2.data(), h.data());
-    mlp_.forward(mb, shape, h.data(), y);
+    {
+      auto r = be_.range(mlp_names_.forward.c_str());
+      mlp_.forward(mb, shape, h.data(), y);
+    }
     drop_mlp_.apply(be_, shape, row0, rows, cfg_.width, y);
     be_.add(n, y, x2.data(), y);
   }
@@ -174,6 +200,7 @@ class TransformerBlock {
   LayerNorm<C, B> ln_2_;
   Mlp<C, B> mlp_;
   Dropout drop_attn_, drop_mlp_;
+  PassNames names_, attn_names_, mlp_names_;  // backend ranges (NVTX on CUDA)
   MicrobatchStore<Saved> store_;
 };
 

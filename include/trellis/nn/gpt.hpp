@@ -188,6 +188,7 @@ class GptModel {
     auto x = allocate(n), y = allocate(n);
     if (embedding_) {
       TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
+      auto r = be_.range("embedding forward");
       embedding_->forward(mb, shape, in.tokens, x.data());
       drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
     } else {
@@ -204,6 +205,7 @@ class GptModel {
       return 0.0;
     }
     TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: the last stage needs targets");
+    auto r = be_.range("head forward");  // ln_f, the tied LM head and the loss
     ln_f_->forward(mb, shape, x.data(), y.data());
     return head_->forward(mb, shape, y.data(), in.targets, in.token_count);
   }
@@ -231,8 +233,11 @@ class GptModel {
   void backward_weight(int mb, F&& unit_done) {
     int unit = 0;
     if (head_) {
-      head_->backward_weight(mb);
-      ln_f_->backward_weight(mb);
+      {
+        auto r = be_.range("head backward_weight");
+        head_->backward_weight(mb);
+        ln_f_->backward_weight(mb);
+      }
       unit_done(unit++);
     }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
@@ -240,7 +245,10 @@ class GptModel {
       unit_done(unit++);
     }
     if (embedding_) {
-      embedding_->backward_weight(mb);
+      {
+        auto r = be_.range("embedding backward_weight");
+        embedding_->backward_weight(mb);
+      }
       unit_done(unit++);
     }
   }
@@ -356,11 +364,17 @@ class GptModel {
     auto g = allocate(n), h = allocate(n);
     int unit = 0;
     if (head_) {
-      head_->backward_input(mb, shape, h.data());
-      ln_f_->backward_input(mb, shape, h.data(), g.data());
+      {
+        auto r = be_.range("head backward_input");
+        head_->backward_input(mb, shape, h.data());
+        ln_f_->backward_input(mb, shape, h.data(), g.data());
+      }
       if (with_weights) {
-        head_->backward_weight(mb);
-        ln_f_->backward_weight(mb);
+        {
+          auto r = be_.range("head backward_weight");
+          head_->backward_weight(mb);
+          ln_f_->backward_weight(mb);
+        }
         unit_done(unit++);
       }
     } else {
@@ -376,10 +390,16 @@ class GptModel {
       }
     }
     if (embedding_) {
-      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
-      embedding_->backward_input(mb, shape, g.data());
+      {
+        auto r = be_.range("embedding backward_input");
+        drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
+        embedding_->backward_input(mb, shape, g.data());
+      }
       if (with_weights) {
-        embedding_->backward_weight(mb);
+        {
+          auto r = be_.range("embedding backward_weight");
+          embedding_->backward_weight(mb);
+        }
         unit_done(unit++);
       }
     } else {
