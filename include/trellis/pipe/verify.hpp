@@ -41,16 +41,6 @@ namespace detail {
   TRELLIS_THROW("pipe schedule '", s.name, "': rank ", rank, ": ", msg);
 }
 
-// Identifies one message: direction, microbatch, consuming virtual stage.
-using MessageKey = std::tuple<int, int, int>;
-
-inline MessageKey message_of(const Schedule& s, int rank, const Action& a) {
-  const int vs = s.virtual_stage(rank, a.chunk);
-  int consumer = vs;
-  if (a.kind == ActionKind::send) consumer = a.direction == Direction::activation ? vs + 1 : vs - 1;
-  return {static_cast<int>(a.direction), a.microbatch, consumer};
-}
-
 inline std::string expected_partner(const Schedule& s, int rank, const Action& a) {
   const int vs = s.virtual_stage(rank, a.chunk);
   if (a.kind == ActionKind::send) {
