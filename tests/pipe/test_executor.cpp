@@ -215,6 +215,34 @@ TEST_CASE("the recorded timeline is complete, per-rank ordered, and traceable", 
   REQUIRE(trace.find("\"tid\": 2") != std::string::npos);
 }
 
+TEST_CASE("isend mode waits for a receive right before its consumer", "[pipe][executor]") {
+  // interleaved pairs some receives with earlier sends; the rank waits for each only where its
+  // data is needed, so its recorded wait sits right before the consumer
+  Schedule s = interleaved_1f1b(2, 4, 2);
+  const auto bounds = split_layers(4, 4);
+  const Model model = make_model(4, 4);
+  RunResult got = run_pipeline(s, model, bounds);
+  int early = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto& list = s.ranks[r];
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (list[i].kind == ActionKind::recv && list[i + 1].is_compute() &&
+          !(list[i + 1].microbatch == list[i].microbatch && list[i + 1].chunk == list[i].chunk))
+        ++early;  // followed by a compute that is not its consumer
+    const auto& ev = got.per_rank[r].events;
+    REQUIRE(ev.size() == list.size());
+    for (std::size_t i = 0; i < ev.size(); ++i) {
+      if (ev[i].action.kind != ActionKind::recv) continue;
+      REQUIRE(i + 1 < ev.size());
+      const auto want =
+          ev[i].action.direction == Direction::activation ? ActionKind::forward : ActionKind::backward_input;
+      REQUIRE(ev[i + 1].action == Action{want, ev[i].action.microbatch, ev[i].action.chunk});
+      REQUIRE(ev[i + 1].start >= ev[i].end);
+    }
+  }
+  REQUIRE(early > 0);
+}
+
 TEST_CASE("a broken schedule is rejected before any stage runs", "[pipe][executor]") {
   Schedule s = one_f_one_b(2, 3);
   std::erase(s.ranks[1], recv_action(Direction::activation, 1, 0, 0));

@@ -321,7 +321,7 @@ inline void pair_for_rendezvous(Schedule& s) {
       }
       const auto key = message_of(s, r, a);
       if (a.kind == ActionKind::recv) {
-        if (!recv_at.emplace(key, std::pair{r, computes[r].size()}).second) return;  // a duplicate: for verify()
+        if (!recv_at.emplace(key, std::pair{r, computes[r].size()}).second) return;  // duplicate: verify()
         consumer[key] = computes[r].size();
       }
       slots[r].back().push_back(a);

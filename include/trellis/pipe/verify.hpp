@@ -11,7 +11,8 @@
 //      (asynchronous, as the executor does them) or rendezvous sends (a send completes only when
 //      the receiver has posted the matching recv). A run of consecutive send/recv actions is posted
 //      at once, like a batched point-to-point call (Megatron's send_forward_recv_backward), and the
-//      executor does the same. A deadlock is reported with the cycle of waits.
+//      executor does the same (with isend it waits for a receive only at its consumer, later than
+//      assumed here, which cannot add a deadlock). A deadlock is reported with the cycle of waits.
 #pragma once
 
 #include <map>
