@@ -215,6 +215,65 @@ TEST_CASE("the recorded timeline is complete, per-rank ordered, and traceable", 
   REQUIRE(trace.find("\"tid\": 2") != std::string::npos);
 }
 
+// ThreadComm with every point-to-point tag 0: messages between two ranks then match in the order
+// they are posted, as on NCCL (which has no tags).
+struct TaglessComm : ThreadComm {
+  explicit TaglessComm(ThreadComm&& c) : ThreadComm(std::move(c)) {}
+  template <class T>
+  trellis::comm::ThreadRequest isend(const T* buffer, std::size_t n, int peer, int = 0) {
+    return ThreadComm::isend(buffer, n, peer, 0);
+  }
+  template <class T>
+  trellis::comm::ThreadRequest irecv(T* buffer, std::size_t n, int peer, int = 0) {
+    return ThreadComm::irecv(buffer, n, peer, 0);
+  }
+  trellis::comm::ThreadRequest batch(std::span<const trellis::comm::P2POp> ops) {
+    std::vector<trellis::comm::P2POp> untagged(ops.begin(), ops.end());
+    for (auto& op : untagged) op.tag = 0;
+    return ThreadComm::batch(untagged);
+  }
+  TaglessComm split(int color, int key) { return TaglessComm(ThreadComm::split(color, key)); }
+};
+static_assert(trellis::comm::Communicator<TaglessComm>);
+
+TEST_CASE("without tags (as on NCCL) every message still reaches its receive", "[pipe][executor]") {
+  auto run = [](const Schedule& s, const Model& model, const std::vector<int>& bounds, ExecuteOptions::P2P p2p) {
+    Grads grads(model.layers);
+    std::mutex mutex;
+    ThreadWorld(s.stages).run([&](ThreadComm& world) {
+      world.set_timeout(std::chrono::milliseconds(20000));
+      TaglessComm comm(world.split(0, world.rank()));
+      PaddedStage stage(model, s, comm.rank(), bounds);
+      execute(comm, s, stage, {.p2p = p2p});
+      std::lock_guard lock(mutex);
+      for (int l : stage.layers()) {
+        grads.weight[l] = stage.grads().weight[l];
+        grads.bias[l] = stage.grads().bias[l];
+      }
+    });
+    return grads;
+  };
+  for (auto p2p : {ExecuteOptions::P2P::isend, ExecuteOptions::P2P::batch})
+    for (const auto& s : {interleaved_1f1b(2, 4, 2), interleaved_1f1b(3, 6, 3), zero_bubble_v(2, 4),
+                          zero_bubble_v(3, 6), dualpipe_v(2, 4), dualpipe_v(3, 6), one_f_one_b(3, 5)}) {
+      INFO(s.name << " p=" << s.stages << " m=" << s.microbatches << " batch " << (p2p == ExecuteOptions::P2P::batch));
+      const auto bounds = split_layers(s.virtual_stages(), s.virtual_stages());
+      const Model model = make_model(s.virtual_stages(), s.microbatches);
+      require_close(run(s, model, bounds, p2p), serial_gradients(model, bounds, false));
+    }
+  // ZB-V with each receive right before its consumer takes rank 0's messages out of the order
+  // rank 0 sends them: without tags they land in the wrong buffers
+  const Schedule at_use = insert_communication(zero_bubble_v(2, 4), CommPlacement::at_use);
+  const auto bounds = split_layers(4, 4);
+  const Model model = make_model(4, 4);
+  const Grads got = run(at_use, model, bounds, ExecuteOptions::P2P::isend), want = serial_gradients(model, bounds, false);
+  double worst = 0;
+  for (std::size_t l = 0; l < want.weight.size(); ++l)
+    for (std::size_t i = 0; i < want.weight[l].size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(got.weight[l][i] - want.weight[l][i])));
+  REQUIRE(worst > 1e-2);
+}
+
 TEST_CASE("isend mode waits for a receive right before its consumer", "[pipe][executor]") {
   // interleaved pairs some receives with earlier sends; the rank waits for each only where its
   // data is needed, so its recorded wait sits right before the consumer

@@ -2,6 +2,7 @@
 // and with rendezvous sends, and its compute order is the one pinned before receives were paired;
 // independent structural checks (each rank's F/B/W counts, the data flow of each placement, the
 // published warm-up counts); hand-made broken schedules are rejected with the rank and action named.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <map>
@@ -185,6 +186,16 @@ TEST_CASE("every generator passes the rendezvous check, with its compute order u
       REQUIRE((c.name == "interleaved_1f1b" || c.name == "zb_v" || c.name == "dualpipe_v"));
     }
     if (c.name != "interleaved_1f1b" && c.name != "zb_v" && c.name != "dualpipe_v") REQUIRE(s.ranks == at_use.ranks);
+    // NCCL has no tags: each rank receives a peer's messages in the order the peer sends them
+    for (int from = 0; from < c.p; ++from)
+      for (int to = 0; to < c.p; ++to) {
+        std::vector<MessageKey> sent, received;
+        for (const auto& a : s.ranks[from])
+          if (a.kind == ActionKind::send && a.peer == to) sent.push_back(message_key(s, from, a));
+        for (const auto& a : s.ranks[to])
+          if (a.kind == ActionKind::recv && a.peer == from) received.push_back(message_key(s, to, a));
+        REQUIRE(sent == received);
+      }
     // a compute-only text gets the same communication
     REQUIRE(same_schedule(parse_schedule(to_text(s, {.with_communication = false})), s));
   }
@@ -197,7 +208,10 @@ TEST_CASE("every generator passes the rendezvous check, with its compute order u
     for (const auto& list : s.ranks) {
       std::string line;
       for (const auto& a : list)
-        if (a.is_compute()) line += (line.empty() ? "" : " ") + action_token(a);
+        if (a.is_compute()) {
+          if (!line.empty()) line += ' ';
+          line += action_token(a);
+        }
       lines.push_back(line);
     }
     return lines;
@@ -422,17 +436,37 @@ TEST_CASE("verifier: rendezvous mode catches what buffered sends hide", "[pipe][
   REQUIRE(contains(msg, "rank 1 waits at action 3, send gradient of microbatch 0, chunk 0 to rank 0"));
   REQUIRE(contains(msg, "a cycle of waits"));
   // Megatron's interleaved order with every receive right before its consumer needs buffered
-  // sends; with the receives paired (the default placement) it runs with rendezvous sends too.
-  for (const auto& paired : {interleaved_1f1b(4, 8, 2), zero_bubble_v(4, 8), dualpipe_v(4, 8)}) {
-    INFO(paired.name);
-    const auto at_use = insert_communication(paired, CommPlacement::at_use);
+  // sends; the vee orders so placed also receive a peer's messages out of the order it sends them
+  // (NCCL, which has no tags, would hand them the wrong data). Paired (the default), all pass.
+  const auto il = insert_communication(interleaved_1f1b(4, 8, 2), CommPlacement::at_use);
+  REQUIRE(error_of(il).empty());
+  auto cycle = error_of(il, {SendMode::rendezvous});
+  INFO(cycle);
+  REQUIRE(contains(cycle, "deadlock (rendezvous sends)"));
+  REQUIRE(contains(cycle, "a cycle of waits"));
+  for (const auto& vee : {zero_bubble_v(4, 8), dualpipe_v(4, 8)}) {
+    const auto at_use = insert_communication(vee, CommPlacement::at_use);
     REQUIRE(error_of(at_use).empty());
-    auto cycle = error_of(at_use, {SendMode::rendezvous});
-    INFO(cycle);
-    REQUIRE(contains(cycle, "deadlock (rendezvous sends)"));
-    REQUIRE(contains(cycle, "a cycle of waits"));
-    REQUIRE(error_of(paired, {SendMode::rendezvous}).empty());
+    REQUIRE(contains(error_of(at_use, {SendMode::rendezvous}), "must be received in the order sent"));
   }
+  for (const auto& paired : {interleaved_1f1b(4, 8, 2), zero_bubble_v(4, 8), dualpipe_v(4, 8)})
+    REQUIRE(error_of(paired, {SendMode::rendezvous}).empty());
+}
+
+TEST_CASE("verifier: rendezvous mode wants a peer's messages received in the order sent", "[pipe][verify]") {
+  // interleaved rank 1 receives activation 2 and then gradient 0 from rank 0, the order rank 0
+  // sends them; swapped, the abstract run still finishes (it matches by message), NCCL would not
+  Schedule s = interleaved_1f1b(2, 4, 2);
+  auto& list = s.ranks[1];
+  auto it = std::find(list.begin(), list.end(), recv_action(Direction::activation, 2, 0, 0));
+  REQUIRE(it + 1 != list.end());
+  REQUIRE(*(it + 1) == recv_action(Direction::gradient, 0, 0, 0));
+  std::iter_swap(it, it + 1);
+  REQUIRE(error_of(s).empty());
+  auto msg = error_of(s, {SendMode::rendezvous});
+  INFO(msg);
+  REQUIRE(contains(msg, "rank 1: recv gradient of microbatch 0, chunk 0 from rank 0 (Rg0.0<0) is received where "
+                        "rank 0 sends Sa2.0>1"));
 }
 
 TEST_CASE("verifier: duplicate, missing and misrouted actions", "[pipe][verify]") {

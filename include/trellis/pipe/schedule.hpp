@@ -292,15 +292,16 @@ inline bool unit_cost_run(const Schedule& s, std::vector<std::vector<double>>& s
 }
 
 // Moves receives earlier so that the schedule also runs when every send waits for its receive
-// (rendezvous: NCCL groups, MPI_Ssend). The ranks run abstractly as verify() runs them in
-// rendezvous mode; whenever all are stuck, each send still waiting for a receive its peer has not
-// reached gets that receive moved to where the peer stands (into the run of comm actions it is
-// blocked at), unless the message leaves later in the unit-cost run than the peer's next compute
-// starts there. Hence the unit-cost timeline does not change, and no cycle of waits is left: with
-// every movable receive moved, each rank in a chain of waits stands at a run whose next compute
-// starts strictly later (unit-cost run) than that of the rank it waits for. An order that already
-// runs with rendezvous sends is left exactly as it is. Lists verify() would reject (duplicates,
-// an order stuck with buffered sends) are left alone.
+// and messages between two ranks match in the order posted (rendezvous: NCCL groups). First each
+// rank's receives from one peer are put in the order the peer sends them. Then the ranks run
+// abstractly as verify() runs them in rendezvous mode; whenever all are stuck, each send still
+// waiting for a receive its peer has not reached gets that receive moved to where the peer stands
+// (into the run of comm actions it is blocked at), unless the message leaves later in the
+// unit-cost run than the peer's next compute starts there. Hence the unit-cost timeline does not
+// change, and no cycle of waits is left: with every movable receive moved, each rank in a chain of
+// waits stands at a run whose next compute starts strictly later (unit-cost run) than that of the
+// rank it waits for. An order that already runs with rendezvous sends is left exactly as it is.
+// Lists verify() would reject (duplicates, an order stuck with buffered sends) are left alone.
 inline void pair_for_rendezvous(Schedule& s) {
   const int p = s.stages;
   std::vector<std::vector<double>> starts;
@@ -310,7 +311,13 @@ inline void pair_for_rendezvous(Schedule& s) {
   std::vector<std::vector<Action>> computes(p);
   std::vector<std::vector<std::vector<Action>>> slots(p);
   std::map<MessageKey, std::pair<int, std::size_t>> recv_at;  // key -> (rank, slot)
-  std::map<MessageKey, std::size_t> consumer;                 // key -> receiving compute
+  std::map<MessageKey, std::size_t> sent_as;                  // key -> index in the sender's list
+  for (int r = 0; r < p; ++r)
+    for (std::size_t i = 0; i < s.ranks[r].size(); ++i)
+      if (s.ranks[r][i].kind == ActionKind::send && !sent_as.emplace(message_of(s, r, s.ranks[r][i]), i).second)
+        return;  // duplicate: verify()
+  // (receiver, sender) -> the messages between them: (index in the sender's list, key)
+  std::map<std::pair<int, int>, std::vector<std::pair<std::size_t, MessageKey>>> streams;
   for (int r = 0; r < p; ++r) {
     slots[r].emplace_back();
     for (const Action& a : s.ranks[r]) {
@@ -321,10 +328,31 @@ inline void pair_for_rendezvous(Schedule& s) {
       }
       const auto key = message_of(s, r, a);
       if (a.kind == ActionKind::recv) {
-        if (!recv_at.emplace(key, std::pair{r, computes[r].size()}).second) return;  // duplicate: verify()
-        consumer[key] = computes[r].size();
+        if (!sent_as.count(key) || !recv_at.emplace(key, std::pair{r, computes[r].size()}).second) return;
+        streams[{r, a.peer}].emplace_back(sent_as[key], key);
       }
       slots[r].back().push_back(a);
+    }
+  }
+  auto move_recv = [&](const MessageKey& key, std::size_t to) {
+    auto& [q, slot] = recv_at[key];
+    auto& from = slots[q][slot];
+    auto it = std::find_if(from.begin(), from.end(), [&](const Action& a) {
+      return a.kind == ActionKind::recv && message_of(s, q, a) == key;
+    });
+    slots[q][to].push_back(*it);
+    from.erase(it);
+    slot = to;
+  };
+  // NCCL has no tags: messages between two ranks match in the order they are posted. So a receive
+  // goes no later than that of a message its peer sends afterwards (its data leaves first).
+  for (auto& stream : streams) {
+    auto& messages = stream.second;
+    std::sort(messages.begin(), messages.end());
+    std::size_t latest = std::numeric_limits<std::size_t>::max();
+    for (auto it = messages.rbegin(); it != messages.rend(); ++it) {
+      if (recv_at[it->second].second > latest) move_recv(it->second, latest);
+      latest = recv_at[it->second].second;
     }
   }
   std::vector<std::size_t> at(p, 0);  // the slot each rank stands at
@@ -358,27 +386,23 @@ inline void pair_for_rendezvous(Schedule& s) {
       }
     if (finished) break;
     if (moves.empty()) return;  // not expected for an order that runs with buffered sends
+    // earlier messages from the same peer are received already (its sends complete in order),
+    // so the order of each stream holds
     for (const auto& [key, q] : moves) {
-      auto& from = slots[q][recv_at[key].second];
-      auto it = std::find_if(from.begin(), from.end(), [&](const Action& a) {
-        return a.kind == ActionKind::recv && message_of(s, q, a) == key;
-      });
-      if (it == from.end()) return;  // two sends of one message: for verify()
-      slots[q][at[q]].push_back(*it);
-      from.erase(it);
-      recv_at[key].second = at[q];
+      move_recv(key, at[q]);
       recv_posted.insert(key);
     }
   }
   for (int r = 0; r < p; ++r) {
     std::vector<Action> out;
     for (std::size_t k = 0; k < slots[r].size(); ++k) {
-      // sends first, then receives in the order they are consumed
+      // sends first, then receives by peer, each peer's in the order it sends them
       std::stable_sort(slots[r][k].begin(), slots[r][k].end(), [&](const Action& a, const Action& b) {
-        auto rank = [&](const Action& x) {
-          return x.kind == ActionKind::send ? std::size_t{0} : 1 + consumer[message_of(s, r, x)];
+        auto order = [&](const Action& x) {
+          return x.kind == ActionKind::send ? std::pair{-1, std::size_t{0}}
+                                            : std::pair{x.peer, sent_as[message_of(s, r, x)]};
         };
-        return rank(a) < rank(b);
+        return order(a) < order(b);
       });
       out.insert(out.end(), slots[r][k].begin(), slots[r][k].end());
       if (k < computes[r].size()) out.push_back(computes[r][k]);
