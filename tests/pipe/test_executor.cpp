@@ -3,6 +3,7 @@
 // parameter gradients as the whole model on one rank (tolerance: summation order only). Also: the
 // activations alive at once match the simulator, broken schedules are rejected before any stage
 // runs, and the recorded timeline is complete and ordered.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
@@ -102,23 +103,87 @@ TEST_CASE("every generator on thread ranks gives the single-rank gradients", "[p
 }
 
 TEST_CASE("batched point-to-point (one comm.batch per run of send/recv)", "[pipe][executor]") {
-  // the schedules that pass the rendezvous check run with batches and give the same gradients
-  for (const auto& name : {"gpipe", "1f1b", "zb_h1", "zb_h2", "local_learning"})
+  // every generator passes the rendezvous check (receives paired with sends), so each runs with
+  // batches and gives the single-rank gradients
+  int runs = 0;
+  for (const auto& name : schedule_names())
     for (int p : {2, 3, 4})
-      for (int m : {1, 4, 7}) {
-        INFO(name << " p=" << p << " m=" << m);
-        Schedule s = make_schedule(name, p, m);
-        const auto bounds = split_layers(p + 2, p);
-        const Model model = make_model(p + 2, m);
-        RunResult got = run_pipeline(s, model, bounds, ExecuteOptions::P2P::batch);
-        require_close(got.grads, serial_gradients(model, bounds, s.local_learning));
+      for (int m : {1, 4, 7, 2 * p, 3 * p}) {
+        std::vector<int> vs{1};
+        if (name == "interleaved_1f1b") vs = {1, 2, 3};
+        for (int v : vs) {
+          if (name == "interleaved_1f1b" && v > 1 && m % p != 0) continue;
+          if (name == "dualpipe_v" && m < 2 * p) continue;
+          INFO(name << " p=" << p << " m=" << m << " v=" << v);
+          Schedule s = make_schedule(name, p, m, v);
+          const int stages = s.virtual_stages();
+          const auto bounds = split_layers(stages + 2, stages);
+          const Model model = make_model(stages + 2, m);
+          RunResult got = run_pipeline(s, model, bounds, ExecuteOptions::P2P::batch);
+          require_close(got.grads, serial_gradients(model, bounds, s.local_learning));
+          ++runs;
+        }
       }
-  // the others are refused up front: they need asynchronous sends
-  Schedule s = interleaved_1f1b(4, 8, 2);
+  REQUIRE(runs > 100);
+  // with every receive right before its consumer, interleaved needs asynchronous sends: refused
+  // up front
+  Schedule s = insert_communication(interleaved_1f1b(4, 8, 2), CommPlacement::at_use);
   const auto bounds = split_layers(8, 8);
   const Model model = make_model(8, 8);
   REQUIRE_THROWS_WITH(run_pipeline(s, model, bounds, ExecuteOptions::P2P::batch),
                       Catch::Contains("deadlock (rendezvous sends)"));
+}
+
+// Every activation and gradient padded past ThreadComm's eager limit, so that a send completes only
+// once its receive is posted (rendezvous, like NCCL): batch mode then really hangs where the
+// verifier says it would.
+struct PaddedStage : TanhStage {
+  static constexpr std::size_t kPad = ThreadComm::eager_limit / sizeof(float);
+  using TanhStage::TanhStage;
+  static std::size_t padded(std::size_t n) { return n ? n + kPad : 0; }
+  std::size_t input_size(int c) const { return padded(TanhStage::input_size(c)); }
+  std::size_t output_size(int c) const { return padded(TanhStage::output_size(c)); }
+  void forward(int mb, int c, std::span<const float> in, std::span<float> out) {
+    TanhStage::forward(mb, c, in.first(std::min(in.size(), TanhStage::input_size(c))),
+                       out.first(TanhStage::output_size(c)));
+  }
+  void backward_input(int mb, int c, std::span<const float> grad_out, std::span<float> grad_in) {
+    TanhStage::backward_input(mb, c, grad_out.first(std::min(grad_out.size(), TanhStage::output_size(c))),
+                              grad_in.first(std::min(grad_in.size(), TanhStage::input_size(c))));
+  }
+};
+static_assert(Stage<PaddedStage>);
+
+TEST_CASE("batches with rendezvous sends: paired receives run, receives at their consumers hang",
+          "[pipe][executor]") {
+  auto run = [](const Schedule& s, const Model& model, const std::vector<int>& bounds, bool verify) {
+    Grads grads(model.layers);
+    std::mutex mutex;
+    ThreadWorld(s.stages).run([&](ThreadComm& comm) {
+      comm.set_timeout(std::chrono::milliseconds(verify ? 20000 : 500));
+      PaddedStage stage(model, s, comm.rank(), bounds);
+      execute(comm, s, stage, {.verify = verify, .p2p = ExecuteOptions::P2P::batch});
+      std::lock_guard lock(mutex);
+      for (int l : stage.layers()) {
+        grads.weight[l] = stage.grads().weight[l];
+        grads.bias[l] = stage.grads().bias[l];
+      }
+    });
+    return grads;
+  };
+  for (const auto& s : {interleaved_1f1b(2, 4, 2), interleaved_1f1b(3, 6, 3), zero_bubble_v(2, 4), zero_bubble_v(3, 6),
+                        dualpipe_v(2, 4), dualpipe_v(3, 6)}) {
+    INFO(s.name << " p=" << s.stages << " m=" << s.microbatches);
+    const auto bounds = split_layers(s.virtual_stages(), s.virtual_stages());
+    const Model model = make_model(s.virtual_stages(), s.microbatches);
+    require_close(run(s, model, bounds, true), serial_gradients(model, bounds, false));
+  }
+  // the same interleaved order with each receive right before its consumer, unverified: the cycle
+  // of sends the verifier names happens
+  const Schedule at_use = insert_communication(interleaved_1f1b(2, 4, 2), CommPlacement::at_use);
+  const auto bounds = split_layers(4, 4);
+  const Model model = make_model(4, 4);
+  REQUIRE_THROWS_WITH(run(at_use, model, bounds, false), Catch::Contains("timeout after 500 ms"));
 }
 
 TEST_CASE("the recorded timeline is complete, per-rank ordered, and traceable", "[pipe][executor]") {
@@ -148,6 +213,93 @@ TEST_CASE("the recorded timeline is complete, per-rank ordered, and traceable", 
   REQUIRE(stats.bubble_fraction < 1);
   const std::string trace = to_chrome_trace(t);
   REQUIRE(trace.find("\"tid\": 2") != std::string::npos);
+}
+
+// ThreadComm with every point-to-point tag 0: messages between two ranks then match in the order
+// they are posted, as on NCCL (which has no tags).
+struct TaglessComm : ThreadComm {
+  explicit TaglessComm(ThreadComm&& c) : ThreadComm(std::move(c)) {}
+  template <class T>
+  trellis::comm::ThreadRequest isend(const T* buffer, std::size_t n, int peer, int = 0) {
+    return ThreadComm::isend(buffer, n, peer, 0);
+  }
+  template <class T>
+  trellis::comm::ThreadRequest irecv(T* buffer, std::size_t n, int peer, int = 0) {
+    return ThreadComm::irecv(buffer, n, peer, 0);
+  }
+  trellis::comm::ThreadRequest batch(std::span<const trellis::comm::P2POp> ops) {
+    std::vector<trellis::comm::P2POp> untagged(ops.begin(), ops.end());
+    for (auto& op : untagged) op.tag = 0;
+    return ThreadComm::batch(untagged);
+  }
+  TaglessComm split(int color, int key) { return TaglessComm(ThreadComm::split(color, key)); }
+};
+static_assert(trellis::comm::Communicator<TaglessComm>);
+
+TEST_CASE("without tags (as on NCCL) every message still reaches its receive", "[pipe][executor]") {
+  auto run = [](const Schedule& s, const Model& model, const std::vector<int>& bounds, ExecuteOptions::P2P p2p) {
+    Grads grads(model.layers);
+    std::mutex mutex;
+    ThreadWorld(s.stages).run([&](ThreadComm& world) {
+      world.set_timeout(std::chrono::milliseconds(20000));
+      TaglessComm comm(world.split(0, world.rank()));
+      PaddedStage stage(model, s, comm.rank(), bounds);
+      execute(comm, s, stage, {.p2p = p2p});
+      std::lock_guard lock(mutex);
+      for (int l : stage.layers()) {
+        grads.weight[l] = stage.grads().weight[l];
+        grads.bias[l] = stage.grads().bias[l];
+      }
+    });
+    return grads;
+  };
+  for (auto p2p : {ExecuteOptions::P2P::isend, ExecuteOptions::P2P::batch})
+    for (const auto& s : {interleaved_1f1b(2, 4, 2), interleaved_1f1b(3, 6, 3), zero_bubble_v(2, 4),
+                          zero_bubble_v(3, 6), dualpipe_v(2, 4), dualpipe_v(3, 6), one_f_one_b(3, 5)}) {
+      INFO(s.name << " p=" << s.stages << " m=" << s.microbatches << " batch " << (p2p == ExecuteOptions::P2P::batch));
+      const auto bounds = split_layers(s.virtual_stages(), s.virtual_stages());
+      const Model model = make_model(s.virtual_stages(), s.microbatches);
+      require_close(run(s, model, bounds, p2p), serial_gradients(model, bounds, false));
+    }
+  // ZB-V with each receive right before its consumer takes rank 0's messages out of the order
+  // rank 0 sends them: without tags they land in the wrong buffers
+  const Schedule at_use = insert_communication(zero_bubble_v(2, 4), CommPlacement::at_use);
+  const auto bounds = split_layers(4, 4);
+  const Model model = make_model(4, 4);
+  const Grads got = run(at_use, model, bounds, ExecuteOptions::P2P::isend), want = serial_gradients(model, bounds, false);
+  double worst = 0;
+  for (std::size_t l = 0; l < want.weight.size(); ++l)
+    for (std::size_t i = 0; i < want.weight[l].size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(got.weight[l][i] - want.weight[l][i])));
+  REQUIRE(worst > 1e-2);
+}
+
+TEST_CASE("isend mode waits for a receive right before its consumer", "[pipe][executor]") {
+  // interleaved pairs some receives with earlier sends; the rank waits for each only where its
+  // data is needed, so its recorded wait sits right before the consumer
+  Schedule s = interleaved_1f1b(2, 4, 2);
+  const auto bounds = split_layers(4, 4);
+  const Model model = make_model(4, 4);
+  RunResult got = run_pipeline(s, model, bounds);
+  int early = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto& list = s.ranks[r];
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (list[i].kind == ActionKind::recv && list[i + 1].is_compute() &&
+          !(list[i + 1].microbatch == list[i].microbatch && list[i + 1].chunk == list[i].chunk))
+        ++early;  // followed by a compute that is not its consumer
+    const auto& ev = got.per_rank[r].events;
+    REQUIRE(ev.size() == list.size());
+    for (std::size_t i = 0; i < ev.size(); ++i) {
+      if (ev[i].action.kind != ActionKind::recv) continue;
+      REQUIRE(i + 1 < ev.size());
+      const auto want =
+          ev[i].action.direction == Direction::activation ? ActionKind::forward : ActionKind::backward_input;
+      REQUIRE(ev[i + 1].action == Action{want, ev[i].action.microbatch, ev[i].action.chunk});
+      REQUIRE(ev[i + 1].start >= ev[i].end);
+    }
+  }
+  REQUIRE(early > 0);
 }
 
 TEST_CASE("a broken schedule is rejected before any stage runs", "[pipe][executor]") {

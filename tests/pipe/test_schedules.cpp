@@ -1,13 +1,18 @@
-// Generators and the verifier: every generator over a grid of (p, m, v) is accepted; independent
-// structural checks (each rank's F/B/W counts, the data flow of each placement, the published
-// warm-up counts); hand-made broken schedules are rejected with the rank and action named.
+// Generators and the verifier: every generator over a grid of (p, m, v) is accepted, with buffered
+// and with rendezvous sends, and its compute order is the one pinned before receives were paired;
+// independent structural checks (each rank's F/B/W counts, the data flow of each placement, the
+// published warm-up counts); hand-made broken schedules are rejected with the rank and action named.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/text.hpp"
 #include "trellis/pipe/verify.hpp"
 
 using namespace trellis::pipe;
@@ -34,6 +39,52 @@ std::vector<Case> grid() {
         }
       }
   return cases;
+}
+
+// The rendezvous sweep: p in {2, 3, 4}, m from 1 (2p for DualPipeV) to 3p + 2, v in {1, 2, 3}
+// for interleaved (m a multiple of p when v > 1).
+std::vector<Case> rendezvous_sweep() {
+  std::vector<Case> cases;
+  for (const auto& name : schedule_names())
+    for (int p : {2, 3, 4})
+      for (int m = 1; m <= 3 * p + 2; ++m)
+        for (int v : {1, 2, 3}) {
+          if (name != "interleaved_1f1b" && v > 1) continue;
+          if (name == "interleaved_1f1b" && v > 1 && m % p != 0) continue;
+          if (name == "dualpipe_v" && m < 2 * p) continue;
+          cases.push_back({name, p, m, v});
+        }
+  return cases;
+}
+
+// FNV-1a of a text.
+std::uint64_t fnv1a(std::uint64_t h, const std::string& text) {
+  for (char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// The actions of a list without its receives.
+std::vector<Action> without_receives(const std::vector<Action>& list) {
+  std::vector<Action> out;
+  for (const auto& a : list)
+    if (a.kind != ActionKind::recv) out.push_back(a);
+  return out;
+}
+
+// Compute actions before each receive, by message (rank, token).
+std::map<std::string, int> receive_positions(const Schedule& s) {
+  std::map<std::string, int> out;
+  for (int r = 0; r < s.stages; ++r) {
+    int computes = 0;
+    for (const auto& a : s.ranks[r]) {
+      computes += a.is_compute();
+      if (a.kind == ActionKind::recv) out[std::to_string(r) + ":" + action_token(a)] = computes;
+    }
+  }
+  return out;
 }
 
 // Counts by kind, independent of the verifier.
@@ -73,6 +124,7 @@ TEST_CASE("every generator over a (p, m, v) grid passes the verifier", "[pipe][s
     REQUIRE(s.microbatches == c.m);
     REQUIRE(s.virtual_stages() == c.p * (c.name == "zb_v" || c.name == "dualpipe_v" ? 2 : c.v));
     REQUIRE_NOTHROW(verify(s));
+    REQUIRE_NOTHROW(verify(s, {SendMode::rendezvous}));
     for (int r = 0; r < c.p; ++r) {
       auto [f, b, w, snd, rcv] = count_kinds(s.ranks[r]);
       REQUIRE(f == c.m * s.chunks);
@@ -96,6 +148,107 @@ TEST_CASE("every generator over a (p, m, v) grid passes the verifier", "[pipe][s
     ++checked;
   }
   REQUIRE(checked > 200);
+}
+
+TEST_CASE("every generator passes the rendezvous check, with its compute order unchanged", "[pipe][schedules]") {
+  // FNV-1a of every rank's F/B/W order over the sweep, taken at commit 341660f, before receives
+  // were paired (interleaved, ZB-V and DualPipeV then failed the rendezvous check): pairing moves
+  // receives only, so the bubble and the memory stay what the papers give.
+  std::uint64_t compute_order_hash = 1469598103934665603ull;
+  int cases = 0;
+  for (const auto& c : rendezvous_sweep()) {
+    INFO(c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v);
+    const Schedule s = make_schedule(c.name, c.p, c.m, c.v);
+    REQUIRE_NOTHROW(verify(s, {SendMode::rendezvous}));
+    REQUIRE_NOTHROW(verify(s));
+    compute_order_hash = fnv1a(compute_order_hash, to_text(s, {.with_communication = false}));
+    ++cases;
+    // the placement at the consumer: each receive is followed by the action that consumes it
+    const Schedule at_use = insert_communication(s, CommPlacement::at_use);
+    for (int r = 0; r < c.p; ++r) {
+      const auto& list = at_use.ranks[r];
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        if (list[i].kind != ActionKind::recv) continue;
+        std::size_t j = i;
+        while (list[j].is_comm()) ++j;
+        const auto want = list[i].direction == Direction::activation ? ActionKind::forward : ActionKind::backward_input;
+        REQUIRE(list[j] == Action{want, list[i].microbatch, list[i].chunk});
+      }
+      // pairing keeps every compute and send where it was and moves receives only, earlier
+      REQUIRE(without_receives(s.ranks[r]) == without_receives(list));
+    }
+    const auto paired_at = receive_positions(s), use_at = receive_positions(at_use);
+    REQUIRE(paired_at.size() == use_at.size());
+    for (const auto& [message, computes_before] : paired_at) REQUIRE(computes_before <= use_at.at(message));
+    if (is_valid(at_use, {SendMode::rendezvous})) {
+      REQUIRE(s.ranks == at_use.ranks);  // nothing to pair: left exactly as it was
+    } else {
+      REQUIRE((c.name == "interleaved_1f1b" || c.name == "zb_v" || c.name == "dualpipe_v"));
+    }
+    if (c.name != "interleaved_1f1b" && c.name != "zb_v" && c.name != "dualpipe_v") REQUIRE(s.ranks == at_use.ranks);
+    // NCCL has no tags: each rank receives a peer's messages in the order the peer sends them
+    for (int from = 0; from < c.p; ++from)
+      for (int to = 0; to < c.p; ++to) {
+        std::vector<MessageKey> sent, received;
+        for (const auto& a : s.ranks[from])
+          if (a.kind == ActionKind::send && a.peer == to) sent.push_back(message_key(s, from, a));
+        for (const auto& a : s.ranks[to])
+          if (a.kind == ActionKind::recv && a.peer == from) received.push_back(message_key(s, to, a));
+        REQUIRE(sent == received);
+      }
+    // a compute-only text gets the same communication
+    REQUIRE(same_schedule(parse_schedule(to_text(s, {.with_communication = false})), s));
+  }
+  REQUIRE(cases == 269);
+  REQUIRE(compute_order_hash == 0xfbef984458a75f72ull);
+
+  // three of them written out (commit 341660f)
+  auto compute_lines = [](const Schedule& s) {
+    std::vector<std::string> lines;
+    for (const auto& list : s.ranks) {
+      std::string line;
+      for (const auto& a : list)
+        if (a.is_compute()) {
+          if (!line.empty()) line += ' ';
+          line += action_token(a);
+        }
+      lines.push_back(line);
+    }
+    return lines;
+  };
+  REQUIRE(compute_lines(interleaved_1f1b(2, 4, 2)) ==
+          std::vector<std::string>{
+              "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 W0.1 F3.0 B1.1 W1.1 F2.1 B0.0 W0.0 F3.1 B1.0 W1.0 B2.1 W2.1 B3.1 W3.1 "
+              "B2.0 W2.0 B3.0 W3.0",
+              "F0.0 F1.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F2.0 B0.0 W0.0 F3.0 B1.0 W1.0 F2.1 B2.1 W2.1 F3.1 B3.1 W3.1 "
+              "B2.0 W2.0 B3.0 W3.0"});
+  REQUIRE(compute_lines(zero_bubble_v(2, 4)) ==
+          std::vector<std::string>{
+              "F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 B0.0 W1.1 F3.0 B1.0 W0.0 F2.1 B2.1 W1.0 W2.1 B2.0 W2.0 F3.1 "
+              "B3.1 W3.1 B3.0 W3.0",
+              "F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 W0.1 F2.0 B1.1 B1.0 W0.0 F2.1 W1.1 F3.0 B2.1 B2.0 W1.0 F3.1 W2.1 W2.0 "
+              "B3.1 B3.0 W3.1 W3.0"});
+  REQUIRE(compute_lines(dualpipe_v(2, 4)) ==
+          std::vector<std::string>{
+              "F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 F3.0 B1.1 W1.1 F2.1 B0.0 W0.0 B2.1 W2.1 F3.1 B1.0 W1.0 B3.1 W3.1 "
+              "B2.0 W2.0 B3.0 W3.0",
+              "F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 W0.1 F2.1 B0.0 W0.0 F3.0 B1.1 W1.1 F3.1 B1.0 W1.0 B2.1 W2.1 B2.0 W2.0 "
+              "B3.1 B3.0 W3.1 W3.0"});
+
+  // Megatron's pairs on interleaved rank 1: the next forward's input comes with the last
+  // forward's output (send_forward_recv_forward), the next gradient with the last one
+  // (send_backward_recv_backward)
+  const std::string rank1 = to_text(interleaved_1f1b(2, 4, 2));
+  REQUIRE(contains(rank1, "F2.0 Sa2.0>0 Ra3.0<0 B0.0"));
+  REQUIRE(contains(rank1, "W0.0 Sg0.0>0 Rg1.0<0 F3.0"));
+}
+
+TEST_CASE("insert_communication leaves an order that deadlocks to the verifier", "[pipe][schedules]") {
+  // rank 0 wants the gradient of microbatch 0 before it forwards microbatch 1; rank 1 wants
+  // microbatch 1 before it returns that gradient
+  const Schedule s = parse_schedule("@ backward=full\nF0 B0 W0 F1 B1 W1\nF0 F1 B0 W0 B1 W1\n");
+  REQUIRE(s.ranks == insert_communication(s, CommPlacement::at_use).ranks);
+  REQUIRE_THAT(error_of(s), Catch::Contains("deadlock (buffered sends)") && Catch::Contains("a cycle of waits"));
 }
 
 TEST_CASE("placements map virtual stages to ranks and chunks", "[pipe][schedules]") {
@@ -282,11 +435,38 @@ TEST_CASE("verifier: rendezvous mode catches what buffered sends hide", "[pipe][
   REQUIRE(contains(msg, "rank 0 waits at action 3, send activation of microbatch 1, chunk 0 to rank 1"));
   REQUIRE(contains(msg, "rank 1 waits at action 3, send gradient of microbatch 0, chunk 0 to rank 0"));
   REQUIRE(contains(msg, "a cycle of waits"));
-  // Megatron's interleaved order with a send right after each producer needs buffered sends: the
-  // verifier says so (Megatron itself batches its interleaved exchanges differently).
-  auto il = interleaved_1f1b(4, 8, 2);
+  // Megatron's interleaved order with every receive right before its consumer needs buffered
+  // sends; the vee orders so placed also receive a peer's messages out of the order it sends them
+  // (NCCL, which has no tags, would hand them the wrong data). Paired (the default), all pass.
+  const auto il = insert_communication(interleaved_1f1b(4, 8, 2), CommPlacement::at_use);
   REQUIRE(error_of(il).empty());
-  REQUIRE(contains(error_of(il, {SendMode::rendezvous}), "deadlock (rendezvous sends)"));
+  auto cycle = error_of(il, {SendMode::rendezvous});
+  INFO(cycle);
+  REQUIRE(contains(cycle, "deadlock (rendezvous sends)"));
+  REQUIRE(contains(cycle, "a cycle of waits"));
+  for (const auto& vee : {zero_bubble_v(4, 8), dualpipe_v(4, 8)}) {
+    const auto at_use = insert_communication(vee, CommPlacement::at_use);
+    REQUIRE(error_of(at_use).empty());
+    REQUIRE(contains(error_of(at_use, {SendMode::rendezvous}), "must be received in the order sent"));
+  }
+  for (const auto& paired : {interleaved_1f1b(4, 8, 2), zero_bubble_v(4, 8), dualpipe_v(4, 8)})
+    REQUIRE(error_of(paired, {SendMode::rendezvous}).empty());
+}
+
+TEST_CASE("verifier: rendezvous mode wants a peer's messages received in the order sent", "[pipe][verify]") {
+  // interleaved rank 1 receives activation 2 and then gradient 0 from rank 0, the order rank 0
+  // sends them; swapped, the abstract run still finishes (it matches by message), NCCL would not
+  Schedule s = interleaved_1f1b(2, 4, 2);
+  auto& list = s.ranks[1];
+  auto it = std::find(list.begin(), list.end(), recv_action(Direction::activation, 2, 0, 0));
+  REQUIRE(it + 1 != list.end());
+  REQUIRE(*(it + 1) == recv_action(Direction::gradient, 0, 0, 0));
+  std::iter_swap(it, it + 1);
+  REQUIRE(error_of(s).empty());
+  auto msg = error_of(s, {SendMode::rendezvous});
+  INFO(msg);
+  REQUIRE(contains(msg, "rank 1: recv gradient of microbatch 0, chunk 0 from rank 0 (Rg0.0<0) is received where "
+                        "rank 0 sends Sa2.0>1"));
 }
 
 TEST_CASE("verifier: duplicate, missing and misrouted actions", "[pipe][verify]") {

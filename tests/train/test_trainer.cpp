@@ -91,6 +91,10 @@ TEST_CASE("data parallel and tensor parallel equal one rank", "[train][trainer][
 TEST_CASE("pp2 with every schedule equals one rank", "[train][trainer][parity][pipe]") {
   for (const char* s : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"})
     check_against_reference({.pp = 2, .schedule = s, .microbatches = 4}, s);
+  // sends and receives posted as one group per run, as on NCCL (the receives these need paired)
+  for (const char* s : {"interleaved_1f1b", "zb_v", "dualpipe_v"})
+    check_against_reference({.pp = 2, .schedule = s, .microbatches = 4, .batch_p2p = true},
+                            (std::string(s) + " grouped").c_str());
 }
 
 TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]") {
@@ -171,7 +175,7 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
 // with it must equal the same layout on backend::Host bit for bit: that every layer, the pipe
 // executor's buffers, the optimizer, ZeRO-1 and the tied-wte sum reach memory only through the
 // backend is what a CUDA run needs (pp2 zb_h1 posts its sends and receives as one group, as the
-// trainer does on NCCL; the vee and interleaved schedules cannot, and are refused there).
+// trainer does on NCCL).
 TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
           "[train][trainer][device]") {
   using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
@@ -299,14 +303,17 @@ TEST_CASE("a text schedule from a file trains like the generator's", "[train][tr
 
 TEST_CASE("grouped point-to-point (as on NCCL) refuses a schedule that needs asynchronous sends",
           "[train][trainer][errors][pipe]") {
-  // interleaved 1F1B deadlocks when every send waits for its receive (verifier, rendezvous mode):
-  // refused at construction with the schedules that work, not at the first step
-  TrainerConfig cfg = with_layout(tiny_config(), {.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4,
-                                                  .batch_p2p = true});
+  // interleaved 1F1B with every receive right before its consumer deadlocks when every send waits
+  // for its receive (verifier, rendezvous mode): refused at construction, not at the first step
+  auto at_use = trellis::pipe::insert_communication(trellis::pipe::interleaved_1f1b(2, 4, 2),
+                                                    trellis::pipe::CommPlacement::at_use);
+  TrainerConfig cfg = with_layout(tiny_config(), {.pp = 2, .schedule = "custom", .microbatches = 4,
+                                                  .custom_schedule = at_use, .batch_p2p = true});
   trellis::comm::ThreadWorld world(2);
   REQUIRE_THROWS_WITH(world.run([&](ThreadComm& comm) { Trainer<ThreadComm> t(comm, cfg); }),
                       Catch::Contains("schedule 'interleaved_1f1b' cannot run with grouped sends") &&
-                          Catch::Contains("deadlock (rendezvous sends)") && Catch::Contains("zb_h1"));
+                          Catch::Contains("deadlock (rendezvous sends)") &&
+                          Catch::Contains("insert_communication pairs"));
 }
 
 TEST_CASE("a layout the world cannot hold is refused before any work", "[train][trainer][errors]") {

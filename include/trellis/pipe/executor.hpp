@@ -1,8 +1,9 @@
 // The executor: runs a verified schedule on real stages over any Communicator, with asynchronous
 // point-to-point messages (isend/irecv), and records a timeline of what really ran. A run of
-// consecutive send/recv actions is posted at once and then its receives are waited for (the
-// semantics the verifier proves deadlock-free); sends complete in the background, their buffers
-// kept until then.
+// consecutive send/recv actions is posted at once; each receive is waited for right before the
+// action that consumes it (the verifier, buffered mode, waits for it at its run already, so what
+// it proves deadlock-free holds here too, and a receive posted early costs no early wait); sends
+// complete in the background, their buffers kept until then.
 //
 // A rank's stage object holds this rank's chunks and satisfies trellis::pipe::Stage:
 //   value_type                               element type of activations and gradients
@@ -81,8 +82,9 @@ struct ExecuteOptions {
   std::chrono::steady_clock::time_point origin{};
   bool verify = true;  // verify the schedule before running (every rank, cheap)
   // How a run of consecutive send/recv actions goes out:
-  //   isend: each operation on its own (isend/irecv), the run's receives waited for, sends left to
-  //          complete in the background. Needs the schedule to pass verify() with buffered sends.
+  //   isend: each operation on its own (isend/irecv), each receive waited for by its consumer,
+  //          sends left to complete in the background. Needs the schedule to pass verify() with
+  //          buffered sends.
   //   batch: the run as one comm.batch() (an NCCL group), waited for as a whole. Safe for backends
   //          whose point-to-point operations must be grouped; needs the schedule to pass verify()
   //          with rendezvous sends (checked first when `verify` is set).
@@ -90,9 +92,10 @@ struct ExecuteOptions {
 };
 
 struct ExecutionResult {
-  std::vector<TimedAction> events;  // this rank's actions, seconds since the origin (a recv from
-                                    // its posting to its completion); in list order except that
-                                    // within a run of send/recv the sends come first
+  std::vector<TimedAction> events;  // this rank's actions, seconds since the origin, in list
+                                    // order except that a receive comes right before its
+                                    // consumer: isend mode records the wait for its data there
+                                    // (batch mode: the run, from its posting to its completion)
   int peak_live_activations = 0;    // (mb, chunk) activations alive at once, F to W
   double seconds = 0;               // wall time of this rank's run
 };
@@ -141,19 +144,30 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
     return out;
   };
 
+  const auto& list = schedule.ranks[rank];
   struct PendingRecv {
     typename Comm::request_type request;
     Buf buffer;
     std::size_t action;  // index in the rank's list
-    double posted;
   };
-  std::vector<PendingRecv> recvs;       // the current run's receives (isend mode)
+  std::map<std::pair<Direction, Key>, PendingRecv> recvs;  // posted, not yet consumed (isend mode)
+  // Waits for the receive that feeds a compute action, if it has one, and hands its data over.
+  auto await_input = [&](Direction d, Key key) {
+    auto it = recvs.find({d, key});
+    if (it == recvs.end()) return;
+    const double waited = seconds_since(clock::now());
+    it->second.request.wait();
+    (d == Direction::activation ? activation_in : gradient_in)[key] = std::move(it->second.buffer);
+    result.events.push_back({rank, list[it->second.action], waited, seconds_since(clock::now())});
+    recvs.erase(it);
+  };
   std::vector<Buf> buffers;  // the current run's buffers (batch mode)
-  const auto& list = schedule.ranks[rank];
   try {
     for (std::size_t i = 0; i < list.size();) {
       const Action& a = list[i];
       const Key key{a.microbatch, a.chunk};
+      if (a.kind == ActionKind::forward) await_input(Direction::activation, key);
+      if (a.kind == ActionKind::backward_input) await_input(Direction::gradient, key);
       const auto start = clock::now();
       if (a.is_comm() && batched) {
         // the whole run as one batch, waited for as a whole
@@ -189,9 +203,8 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
         continue;
       }
       if (a.is_comm()) {
-        // a run of consecutive send/recv actions is posted at once (as the verifier assumes), then
-        // its receives are waited for; sends complete in the background
-        recvs.clear();
+        // a run of consecutive send/recv actions is posted at once (as the verifier assumes); its
+        // receives are waited for by their consumers, sends complete in the background
         std::size_t end = i;
         for (; end < list.size() && list[end].is_comm(); ++end) {
           const Action& c = list[end];
@@ -206,18 +219,14 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
             result.events.push_back({rank, c, seconds_since(posted), seconds_since(clock::now())});
           } else {
             const bool act = c.direction == Direction::activation;
+            if (recvs.count({c.direction, ckey}))
+              TRELLIS_THROW("pipe::execute: rank ", rank, ": ", describe(c),
+                            " is posted twice (schedule not verified?)");
             Buf buffer = detail::stage_buffer(
                 stage, static_cast<std::size_t>(act ? stage.input_size(c.chunk) : stage.output_size(c.chunk)));
             auto request = comm.irecv(buffer.data(), buffer.size(), c.peer, message_tag(schedule, rank, c));
-            recvs.push_back(PendingRecv{std::move(request), std::move(buffer), end, seconds_since(posted)});
+            recvs.emplace(std::pair{c.direction, ckey}, PendingRecv{std::move(request), std::move(buffer), end});
           }
-        }
-        for (auto& r : recvs) {
-          r.request.wait();
-          const Action& c = list[r.action];
-          (c.direction == Direction::activation ? activation_in : gradient_in)[{c.microbatch, c.chunk}] =
-              std::move(r.buffer);
-          result.events.push_back({rank, c, r.posted, seconds_since(clock::now())});
         }
         i = end;
         while (!sends.empty() && sends.front().request.test()) sends.pop_front();  // free sent buffers
@@ -270,13 +279,14 @@ ExecutionResult execute(Comm& comm, const Schedule& schedule, S& stage, const Ex
       ++i;
     }
     for (auto& pending : sends) pending.request.wait();
+    while (!recvs.empty()) await_input(recvs.begin()->first.first, recvs.begin()->first.second);
   } catch (...) {
     // Operations may still be in flight (a peer can still read a send buffer or write a receive
     // buffer), and waiting for them could hang now that this rank has failed: their requests and
     // buffers are deliberately leaked instead of freed under the peer's feet.
     struct InFlight {
       std::deque<PendingSend> sends;
-      std::vector<PendingRecv> recvs;
+      std::map<std::pair<Direction, Key>, PendingRecv> recvs;
       std::vector<Buf> buffers;
     };
     [[maybe_unused]] auto* leaked = new InFlight{std::move(sends), std::move(recvs), std::move(buffers)};

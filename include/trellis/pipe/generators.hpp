@@ -1,6 +1,7 @@
 // Schedule generators. Each returns a Schedule with its compute order and the communication
 // inserted by insert_communication() (send right after the producer, recv right before the
-// consumer). References:
+// consumer or paired earlier with a send, so that every schedule here also runs with rendezvous
+// sends: NCCL groups). References:
 //   GPipe           Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
 //                   Pipeline Parallelism" (2019): all forwards, then all backwards.
 //   1F1B            Narayanan et al., "PipeDream" (2019) / Megatron-LM: p-1-r warm-up forwards,

@@ -20,8 +20,13 @@
 // needs no gradient from the next stage and no gradient travels between stages.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <map>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -180,13 +185,22 @@ inline Schedule compute_only(Schedule s) {
   return s;
 }
 
-// Inserts the communication the compute actions need: a recv right before the F (B) that
-// consumes a remote activation (gradient), a send right after the F (B) that produces one.
-// Existing send/recv actions are dropped first, so the result depends only on the compute order.
-// With buffered (asynchronous) sends this placement never adds a wait that the compute order does
-// not already imply.
-inline Schedule insert_communication(Schedule s) {
-  s.check_shape();
+namespace detail {
+
+// Identifies one message: direction, microbatch, consuming virtual stage (a send and its receive
+// have the same key).
+using MessageKey = std::tuple<int, int, int>;
+
+inline MessageKey message_of(const Schedule& s, int rank, const Action& a) {
+  const int vs = s.virtual_stage(rank, a.chunk);
+  int consumer = vs;
+  if (a.kind == ActionKind::send) consumer = a.direction == Direction::activation ? vs + 1 : vs - 1;
+  return {static_cast<int>(a.direction), a.microbatch, consumer};
+}
+
+// A recv right before the F (B) that consumes a remote activation (gradient), a send right after
+// the F (B) that produces one (after the W of a full backward).
+inline Schedule communication_at_use(Schedule s) {
   s = compute_only(std::move(s));
   for (int r = 0; r < s.stages; ++r) {
     std::vector<Action> out;
@@ -240,6 +254,188 @@ inline Schedule insert_communication(Schedule s) {
     }
     s.ranks[r] = std::move(out);
   }
+  return s;
+}
+
+// When each rank starts each compute action if the schedule runs with unit costs, buffered sends
+// and instant messages: starts[r][k] for compute k, starts[r][n] = infinity after the last one;
+// sent[key] = when each message leaves. False when the run does not finish (an order verify()
+// rejects).
+inline bool unit_cost_run(const Schedule& s, std::vector<std::vector<double>>& starts,
+                          std::map<MessageKey, double>& sent) {
+  const int p = s.stages;
+  std::vector<std::size_t> pc(p, 0);
+  std::vector<double> clock(p, 0.0);
+  starts.assign(static_cast<std::size_t>(p), {});
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r)
+      for (; pc[r] < s.ranks[r].size(); ++pc[r], progress = true) {
+        const Action& a = s.ranks[r][pc[r]];
+        if (a.kind == ActionKind::recv) {
+          auto it = sent.find(message_of(s, r, a));
+          if (it == sent.end()) break;
+          clock[r] = std::max(clock[r], it->second);
+        } else if (a.kind == ActionKind::send) {
+          sent[message_of(s, r, a)] = clock[r];
+        } else {
+          starts[r].push_back(clock[r]);
+          clock[r] += 1;
+        }
+      }
+  }
+  for (int r = 0; r < p; ++r) {
+    if (pc[r] < s.ranks[r].size()) return false;
+    starts[r].push_back(std::numeric_limits<double>::infinity());
+  }
+  return true;
+}
+
+// Moves receives earlier so that the schedule also runs when every send waits for its receive
+// and messages between two ranks match in the order posted (rendezvous: NCCL groups). First each
+// rank's receives from one peer are put in the order the peer sends them. Then the ranks run
+// abstractly as verify() runs them in rendezvous mode; whenever all are stuck, each send still
+// waiting for a receive its peer has not reached gets that receive moved to where the peer stands
+// (into the run of comm actions it is blocked at), unless the message leaves later in the
+// unit-cost run than the peer's next compute starts there. Hence the unit-cost timeline does not
+// change, and no cycle of waits is left: with every movable receive moved, each rank in a chain of
+// waits stands at a run whose next compute starts strictly later (unit-cost run) than that of the
+// rank it waits for. An order that already runs with rendezvous sends is left exactly as it is.
+// Lists verify() would reject (duplicates, an order stuck with buffered sends) are left alone.
+inline void pair_for_rendezvous(Schedule& s) {
+  const int p = s.stages;
+  std::vector<std::vector<double>> starts;
+  std::map<MessageKey, double> sent;
+  if (!unit_cost_run(s, starts, sent)) return;
+  // slots[r][k]: the comm actions before rank r's compute k (k == n: after its last compute)
+  std::vector<std::vector<Action>> computes(p);
+  std::vector<std::vector<std::vector<Action>>> slots(p);
+  std::map<MessageKey, std::pair<int, std::size_t>> recv_at;  // key -> (rank, slot)
+  std::map<MessageKey, std::size_t> sent_as;                  // key -> index in the sender's list
+  for (int r = 0; r < p; ++r)
+    for (std::size_t i = 0; i < s.ranks[r].size(); ++i)
+      if (s.ranks[r][i].kind == ActionKind::send && !sent_as.emplace(message_of(s, r, s.ranks[r][i]), i).second)
+        return;  // duplicate: verify()
+  // (receiver, sender) -> the messages between them: (index in the sender's list, key)
+  std::map<std::pair<int, int>, std::vector<std::pair<std::size_t, MessageKey>>> streams;
+  for (int r = 0; r < p; ++r) {
+    slots[r].emplace_back();
+    for (const Action& a : s.ranks[r]) {
+      if (a.is_compute()) {
+        computes[r].push_back(a);
+        slots[r].emplace_back();
+        continue;
+      }
+      const auto key = message_of(s, r, a);
+      if (a.kind == ActionKind::recv) {
+        if (!sent_as.count(key) || !recv_at.emplace(key, std::pair{r, computes[r].size()}).second) return;
+        streams[{r, a.peer}].emplace_back(sent_as[key], key);
+      }
+      slots[r].back().push_back(a);
+    }
+  }
+  auto move_recv = [&](const MessageKey& key, std::size_t to) {
+    auto& [q, slot] = recv_at[key];
+    auto& from = slots[q][slot];
+    auto it = std::find_if(from.begin(), from.end(), [&](const Action& a) {
+      return a.kind == ActionKind::recv && message_of(s, q, a) == key;
+    });
+    slots[q][to].push_back(*it);
+    from.erase(it);
+    slot = to;
+  };
+  // NCCL has no tags: messages between two ranks match in the order they are posted. So a receive
+  // goes no later than that of a message its peer sends afterwards (its data leaves first).
+  for (auto& stream : streams) {
+    auto& messages = stream.second;
+    std::sort(messages.begin(), messages.end());
+    std::size_t latest = std::numeric_limits<std::size_t>::max();
+    for (auto it = messages.rbegin(); it != messages.rend(); ++it) {
+      if (recv_at[it->second].second > latest) move_recv(it->second, latest);
+      latest = recv_at[it->second].second;
+    }
+  }
+  std::vector<std::size_t> at(p, 0);  // the slot each rank stands at
+  std::set<MessageKey> send_posted, recv_posted;
+  for (;;) {
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int r = 0; r < p; ++r)
+        for (;;) {
+          bool done = true;
+          for (const Action& a : slots[r][at[r]]) {
+            const auto key = message_of(s, r, a);
+            (a.kind == ActionKind::send ? send_posted : recv_posted).insert(key);
+            done = done && (a.kind == ActionKind::send ? recv_posted : send_posted).count(key) > 0;
+          }
+          if (!done || at[r] == computes[r].size()) break;
+          ++at[r];
+          progress = true;
+        }
+    }
+    std::vector<std::pair<MessageKey, int>> moves;  // (message, receiving rank)
+    bool finished = true;
+    for (int r = 0; r < p; ++r)
+      for (const Action& a : slots[r][at[r]]) {
+        const auto key = message_of(s, r, a);
+        const bool waiting = a.kind == ActionKind::send ? !recv_posted.count(key) : !send_posted.count(key);
+        finished = finished && !waiting;
+        if (a.kind != ActionKind::send || !waiting || !recv_at.count(key)) continue;
+        const int q = recv_at[key].first;
+        if (starts[q][at[q]] >= sent[key]) moves.emplace_back(key, q);
+      }
+    if (finished) break;
+    if (moves.empty()) return;  // not expected for an order that runs with buffered sends
+    // earlier messages from the same peer are received already (its sends complete in order),
+    // so the order of each stream holds
+    for (const auto& [key, q] : moves) {
+      move_recv(key, at[q]);
+      recv_posted.insert(key);
+    }
+  }
+  for (int r = 0; r < p; ++r) {
+    std::vector<Action> out;
+    for (std::size_t k = 0; k < slots[r].size(); ++k) {
+      // sends first, then receives by peer, each peer's in the order it sends them
+      std::stable_sort(slots[r][k].begin(), slots[r][k].end(), [&](const Action& a, const Action& b) {
+        auto order = [&](const Action& x) {
+          return x.kind == ActionKind::send ? std::pair{-1, std::size_t{0}}
+                                            : std::pair{x.peer, sent_as[message_of(s, r, x)]};
+        };
+        return order(a) < order(b);
+      });
+      out.insert(out.end(), slots[r][k].begin(), slots[r][k].end());
+      if (k < computes[r].size()) out.push_back(computes[r][k]);
+    }
+    s.ranks[r] = std::move(out);
+  }
+}
+
+}  // namespace detail
+
+// Where insert_communication() puts the receives (sends always go right after their producer).
+enum class CommPlacement : std::uint8_t {
+  // right before the consumer, then moved earlier where the ranks would otherwise wait for each
+  // other's receives: passes verify() with buffered and with rendezvous sends (any order that
+  // passes with buffered sends). The moved receive pairs with a send, as Megatron's
+  // send_forward_recv_forward does.
+  paired,
+  // right before the consumer only: the fewest receive buffers alive; some orders (interleaved,
+  // vee) then need buffered sends.
+  at_use,
+};
+
+// Inserts the communication the compute order needs; existing send/recv actions are dropped
+// first, so the result depends only on the compute order. Neither placement adds a wait to the
+// unit-cost run (t_F = t_B = t_W, instant messages) that the compute order does not imply.
+inline Schedule insert_communication(Schedule s, CommPlacement placement = CommPlacement::paired) {
+  s.check_shape();
+  s = detail::communication_at_use(std::move(s));
+  for (const auto& list : s.ranks)
+    for (const auto& a : list)
+      if (a.microbatch < 0 || a.microbatch >= s.microbatches || a.chunk < 0 || a.chunk >= s.chunks)
+        return s;  // left for the verifier to report
+  if (placement == CommPlacement::paired) detail::pair_for_rendezvous(s);
   return s;
 }
 

@@ -7,8 +7,9 @@
 //  - Memory is counted in units of one microbatch's activations for one rank's whole share (the
 //    unit of the 1F1B papers, where 1F1B's peak is p): an activation of one chunk is alive from
 //    its F's start to its W's end and counts 1/v. peak_chunk_activations gives the raw count.
-//  - Sends are asynchronous and cost nothing on the sender; the data arrives `comm` later; a recv
-//    blocks until then.
+//  - Sends are asynchronous and cost nothing on the sender; the data arrives `comm` later. A recv
+//    is posted where it stands; the F or B that consumes it waits until the data has arrived (as
+//    the executor does), so where a receive is posted does not change the timeline.
 #pragma once
 
 #include <algorithm>
@@ -66,6 +67,7 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
   std::vector<std::size_t> pc(p, 0);
   std::vector<int> live(p, 0);
   std::map<detail::MessageKey, double> arrival;
+  std::vector<std::map<detail::MessageKey, Action>> posted(p);  // receives not yet consumed
   std::size_t remaining = 0;
   for (const auto& list : s.ranks) remaining += list.size();
   while (remaining > 0) {
@@ -74,11 +76,7 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
       while (pc[r] < s.ranks[r].size()) {
         const Action& a = s.ranks[r][pc[r]];
         if (a.kind == ActionKind::recv) {
-          auto it = arrival.find(detail::message_of(s, r, a));
-          if (it == arrival.end()) break;
-          const double start = clock[r];
-          clock[r] = std::max(clock[r], it->second);
-          out.timeline.events.push_back({r, a, start, clock[r]});
+          posted[r][detail::message_of(s, r, a)] = a;
         } else if (a.kind == ActionKind::send) {
           double latency = 0;
           if constexpr (std::is_arithmetic_v<std::remove_cvref_t<CommOf>>)
@@ -89,6 +87,18 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
           (a.direction == Direction::activation ? out.forward_messages : out.backward_messages)++;
           out.timeline.events.push_back({r, a, clock[r], clock[r]});
         } else {
+          // the input a receive brings: (direction, microbatch, this virtual stage)
+          const auto dir = a.kind == ActionKind::forward ? Direction::activation : Direction::gradient;
+          const detail::MessageKey input{static_cast<int>(dir), a.microbatch, s.virtual_stage(r, a.chunk)};
+          auto recv = a.kind == ActionKind::backward_weight ? posted[r].end() : posted[r].find(input);
+          if (recv != posted[r].end()) {
+            auto it = arrival.find(input);
+            if (it == arrival.end()) break;
+            const double start = clock[r];
+            clock[r] = std::max(clock[r], it->second);
+            out.timeline.events.push_back({r, recv->second, start, clock[r]});
+            posted[r].erase(recv);
+          }
           const double cost = static_cast<double>(cost_of(r, a));
           if (a.kind == ActionKind::forward) {
             ++live[r];

@@ -3,7 +3,9 @@
 //   1. shape and ranges (microbatch, chunk, peer);
 //   2. every rank runs each of its F, B, W exactly once per microbatch and chunk;
 //   3. every send/recv is one the data flow needs, and every send has its receive (peer,
-//      microbatch, chunk, direction) and vice versa;
+//      microbatch, chunk, direction) and vice versa; with rendezvous sends also that each rank
+//      receives a peer's messages in the order the peer sends them (NCCL has no tags: it matches
+//      the messages between two ranks in the order they are posted);
 //   4. each action's inputs exist when it runs, in its own rank's order: F of a chunk needs the
 //      previous stage's activation (a recv, or the local F when the previous stage is on the same
 //      rank), B needs its F and the output gradient, W needs its B, a send needs its producer;
@@ -11,7 +13,8 @@
 //      (asynchronous, as the executor does them) or rendezvous sends (a send completes only when
 //      the receiver has posted the matching recv). A run of consecutive send/recv actions is posted
 //      at once, like a batched point-to-point call (Megatron's send_forward_recv_backward), and the
-//      executor does the same. A deadlock is reported with the cycle of waits.
+//      executor does the same (with isend it waits for a receive only at its consumer, later than
+//      assumed here, which cannot add a deadlock). A deadlock is reported with the cycle of waits.
 #pragma once
 
 #include <map>
@@ -28,7 +31,8 @@ namespace trellis::pipe {
 
 enum class SendMode : std::uint8_t {
   buffered,    // sends never block (isend): what the executor does
-  rendezvous,  // a send blocks until its receive is posted (synchronous send, small NCCL buffers)
+  rendezvous,  // a send blocks until its receive is posted, and messages between two ranks match
+               // in the order posted (NCCL's point-to-point; MPI_Ssend)
 };
 
 struct VerifyOptions {
@@ -39,16 +43,6 @@ namespace detail {
 
 [[noreturn]] inline void schedule_error(const Schedule& s, int rank, const std::string& msg) {
   TRELLIS_THROW("pipe schedule '", s.name, "': rank ", rank, ": ", msg);
-}
-
-// Identifies one message: direction, microbatch, consuming virtual stage.
-using MessageKey = std::tuple<int, int, int>;
-
-inline MessageKey message_of(const Schedule& s, int rank, const Action& a) {
-  const int vs = s.virtual_stage(rank, a.chunk);
-  int consumer = vs;
-  if (a.kind == ActionKind::send) consumer = a.direction == Direction::activation ? vs + 1 : vs - 1;
-  return {static_cast<int>(a.direction), a.microbatch, consumer};
 }
 
 inline std::string expected_partner(const Schedule& s, int rank, const Action& a) {
@@ -153,6 +147,22 @@ inline void verify(const Schedule& s, const VerifyOptions& options = {}) {
                              describe(ra.second) + " has no matching send: rank " +
                                  std::to_string(ra.second.peer) + " never runs " +
                                  detail::expected_partner(s, ra.first, ra.second));
+  if (options.mode == SendMode::rendezvous)
+    for (int from = 0; from < p; ++from)
+      for (int to = 0; to < p; ++to) {
+        std::vector<Action> sent, received;
+        for (const auto& a : s.ranks[from])
+          if (a.kind == ActionKind::send && a.peer == to) sent.push_back(a);
+        for (const auto& a : s.ranks[to])
+          if (a.kind == ActionKind::recv && a.peer == from) received.push_back(a);
+        for (std::size_t i = 0; i < sent.size() && i < received.size(); ++i)
+          if (detail::message_of(s, from, sent[i]) != detail::message_of(s, to, received[i]))
+            detail::schedule_error(s, to,
+                                   describe(received[i]) + " is received where rank " + std::to_string(from) +
+                                       " sends " + action_token(sent[i]) +
+                                       ": with rendezvous sends (NCCL) the messages between two ranks match in "
+                                       "the order they are posted, so they must be received in the order sent");
+      }
 
   // 4. inputs exist, in each rank's own order
   for (int r = 0; r < p; ++r) {

@@ -298,7 +298,8 @@ class Trainer {
         } catch (const Error& e) {
           TRELLIS_THROW("Trainer: schedule '", schedule_->name, "' cannot run with grouped sends and receives (",
                         device_comm ? "a device communicator such as NCCL needs them" : "TrainerConfig::p2p = batch",
-                        "): ", e.what(), ". Schedules that can: gpipe, 1f1b, zb_h1, zb_h2");
+                        "): ", e.what(), ". Every generated schedule can, and so can a custom one written without send/recv ",
+                        "(pipe::insert_communication pairs its receives)");
         }
       }
     }
