@@ -20,8 +20,6 @@
 
 #include "trellis/core/error.hpp"
 #include "trellis/pipe/text.hpp"
-#include "trellis/pipe/generators.hpp"
-#include "trellis/pipe/verify.hpp"
 #include "trellis/train/trainer.hpp"
 
 namespace train_gpt {
@@ -89,7 +87,7 @@ layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
            --dropout P (0; embedding + residual dropout in [0, 1); evaluation runs without it)
 backend:   --backend host|cuda (host; cuda: dp x tp x pp GPUs over NCCL, one thread per GPU, or one
            process per GPU with --mpi under mpirun; bf16 compute with fp32 master weights; needs a
-           CUDA build; head size 64 or 128; pipeline schedules gpipe, 1f1b, zb_h1, zb_h2)
+           CUDA build; head size 64 or 128)
            --dtype fp32|bf16 (compute dtype; host: fp32 default, bf16 runs every layout with the
            CUDA backend's bf16 rounding points, fp32 master weights and optimizer state)
            --mpi (one rank per MPI process instead of threads)
@@ -344,21 +342,6 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
                     std::to_string(o.width) + " / --heads " + std::to_string(o.heads) + " = " +
                     std::to_string(o.width / o.heads) + ": change --heads (e.g. --heads " +
                     std::to_string(std::max(1, o.width / 64)) + ")");
-    // NCCL posts a run of sends and receives as one group: a schedule must not deadlock that way
-    if (o.pp > 1 && checked.schedule_file.empty()) {
-      std::optional<trellis::pipe::Schedule> s;
-      try {
-        s = trellis::pipe::make_schedule(o.schedule, o.pp, o.microbatches, o.chunks);
-      } catch (const std::exception&) {  // a bad name or shape: reported by the layout checks
-      }
-      if (s) try {
-          trellis::pipe::verify(*s, {trellis::pipe::SendMode::rendezvous});
-        } catch (const std::exception& e) {
-          out.push_back("--backend cuda: --schedule " + o.schedule +
-                        " cannot run with NCCL's grouped sends and receives (" + e.what() +
-                        "); use gpipe, 1f1b, zb_h1 or zb_h2");
-        }
-    }
   }
   if (o.steps < 1) out.push_back("--steps must be >= 1");
   if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");

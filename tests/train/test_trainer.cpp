@@ -174,16 +174,16 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
 // argument a backend allocation, packed parameters and moments not host-readable). A layout run
 // with it must equal the same layout on backend::Host bit for bit: that every layer, the pipe
 // executor's buffers, the optimizer, ZeRO-1 and the tied-wte sum reach memory only through the
-// backend is what a CUDA run needs (pp2 zb_h1 posts its sends and receives as one group, as the
-// trainer does on NCCL).
+// backend is what a CUDA run needs (zb_h1, interleaved and the zb_v layout post their sends and
+// receives as one group, as the trainer does on NCCL).
 TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
           "[train][trainer][device]") {
   using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
   for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero1 = true}, Layout{.tp = 2, .sp = true},
-                          Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4, .batch_p2p = true},
                           Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 4, .batch_p2p = true},
                           Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v",
-                                 .microbatches = 2},
+                                 .microbatches = 2, .batch_p2p = true},
                           Layout{.dp = 2, .dropout = kDropout, .recompute = true}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " " << l.schedule);
     nn_test::Collector host_w, checked_w;

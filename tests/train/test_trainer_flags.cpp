@@ -78,12 +78,6 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
     CHECK(contains(e, "use --backend host"));
     CHECK_FALSE(contains(e, "use --dp 1"));
   }
-  // NCCL groups a run of sends and receives: interleaved and vee schedules are refused up front
-  CHECK(contains(error_of({"--backend", "cuda", "--heads", "2", "--pp", "2", "--microbatches", "4", "--schedule",
-                           "interleaved_1f1b"}),
-                 "cannot run with NCCL's grouped sends and receives"));
-  CHECK_FALSE(contains(error_of({"--backend", "cuda", "--heads", "2", "--pp", "2", "--schedule", "zb_h1"}),
-                       "grouped sends"));
   CHECK(contains(error_of({"--backend", "tpu"}), "--backend must be host or cuda"));
   // absurd sizes are refused before any allocation: 16 bytes per parameter against physical memory
   CHECK(contains(error_of({"--width", "1048576", "--heads", "16384"}), "AdamW moments alone need"));
