@@ -294,6 +294,8 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       REQUIRE(pos != std::string::npos);
       index.replace(pos, 17, "\"shape\": [51, 16]");
       std::ofstream(index_path) << index;
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("index.json is corrupt"));
+      reseal_checkpoint_index(index_path);  // as if written so: the tiling check must catch it
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wte.weight") && Catch::Contains("cover"));
     }
     SECTION("missing tensor in a shard file") {
@@ -303,6 +305,7 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       REQUIRE(pos != std::string::npos);
       index.replace(pos, 19, "\"key\": \"wpe.weighX\"");
       std::ofstream(index_path) << index;
+      reseal_checkpoint_index(index_path);
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wpe.weighX") && Catch::Contains("missing"));
     }
     // The previous step is untouched and loads by its directory.
@@ -310,6 +313,95 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
     older.verify();
     REQUIRE(older.read_whole<float>("cube") == full_tensor(9, {5, 6, 7}));
   }
+}
+
+// Before index_crc32c a flipped bit in index.json went unnoticed wherever it still parsed: in a
+// rank's metadata (its data position, its Rng) one dp group silently trained on other batches.
+TEST_CASE("index.json is checksummed: any flipped bit is an error naming the index and what is corrupt",
+          "[checkpoint][errors]") {
+  TempDir dir("ckpt-index-crc");
+  const std::vector<float> x = {1, 2, 3};
+  for (int r = 0; r < 3; ++r) {  // small, so that every byte can be flipped in turn
+    CheckpointWriter w(dir.path, 2, r, 3);
+    w.add("x", DType::f32, {3}, Box{{r}, {1}}, &x[static_cast<std::size_t>(r)]);
+    w.set_metadata("train.data", "seed=1;next_batch=2");
+    w.set_metadata("who", "rank " + std::to_string(r));
+    w.finish();
+  }
+  commit_checkpoint(dir.path, 2, 3);
+  const auto index_path = dir.path / "step-00000002" / "index.json";
+  const std::string index = read_whole_file(index_path);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(1).at("who") == "rank 1");
+
+  // One bit of every byte (bit i % 8 of byte i): nothing loads.
+  std::size_t loaded = 0;
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    std::string flipped = index;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    std::ofstream(index_path, std::ios::binary | std::ios::trunc) << flipped;  // no fsync: thousands
+    try {
+      Checkpoint ck(dir.path);
+      ++loaded;
+      UNSCOPED_INFO("byte " << i << " ('" << index[i] << "') flipped, and the checkpoint opened");
+    } catch (const Error& e) {
+      REQUIRE_THAT(e.message(), Catch::Contains(index_path.string()));
+    }
+  }
+  CHECK(loaded == 0);
+
+  // Flips inside rank 1's metadata value (bit 0 keeps every character printable and the JSON
+  // valid, even "rank 1" -> "rank 0", rank 0's value): blamed on rank 1.
+  const std::size_t value = index.find("\"rank 1\"");
+  REQUIRE(value != std::string::npos);
+  for (std::size_t i = value + 1; i < value + 7; ++i) {
+    std::string flipped = index;
+    flipped[i] = static_cast<char>(flipped[i] ^ 1);
+    write_file_atomically(index_path, flipped);
+    REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("is corrupt") &&
+                                                  Catch::Contains("the metadata of rank 1 does not match"));
+  }
+  // Outside the metadata (the step): the error says so.
+  std::string step_changed = index;
+  step_changed.replace(step_changed.find("\"step\": 2"), 9, "\"step\": 3");
+  write_file_atomically(index_path, step_changed);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("is corrupt") && Catch::Contains("outside the per-rank metadata"));
+  // The checksum removed, or the version turned back to 2 (one bit: '3' -> '2'): still refused.
+  json::Object o = json::parse(index).as_object();
+  o.erase("index_crc32c");
+  write_file_atomically(index_path, json::dump(json::Value(o), 1));
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("no \"index_crc32c\""));
+  std::string old_version = index;
+  old_version.replace(old_version.find("\"version\": 3"), 12, "\"version\": 2");
+  write_file_atomically(index_path, old_version);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("is corrupt"));
+  // A deliberate edit, resealed, loads as edited; "metadata" must stay rank 0's copy.
+  std::string edited = index;
+  edited.replace(edited.find("\"rank 2\""), 8, "\"rank X\"");
+  write_file_atomically(index_path, edited);
+  reseal_checkpoint_index(index_path);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(2).at("who") == "rank X");
+  edited = index;
+  edited.replace(edited.find("\"who\": \"rank 0\""), 15, "\"who\": \"rank Y\"");  // the first: "metadata"
+  write_file_atomically(index_path, edited);
+  reseal_checkpoint_index(index_path);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("not a copy of rank 0's"));
+  write_file_atomically(index_path, index);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(1).at("who") == "rank 1");
+}
+
+TEST_CASE("a rank's metadata corrupted in its shard header before the commit: the commit names the file",
+          "[checkpoint][errors]") {
+  TempDir dir("ckpt-meta-crc");
+  stage_split(dir.path, 4, 0, 2);
+  const auto shard1 = dir.path / "step-00000004.partial" / "shard-1.safetensors";
+  std::string bytes = read_whole_file(shard1);
+  const auto pos = bytes.find("\"rank 1\"");
+  REQUIRE(pos != std::string::npos);
+  bytes[pos + 6] = '7';  // same length: the header still parses
+  write_file_atomically(shard1, bytes);
+  REQUIRE_THROWS_WITH(commit_checkpoint(dir.path, 4, 2),
+                      Catch::Contains("shard-1.safetensors") && Catch::Contains("does not match the checksum"));
+  REQUIRE_FALSE(latest_checkpoint(dir.path).has_value());
 }
 
 TEST_CASE("re-saving a step replaces it; pruning keeps the newest", "[checkpoint]") {
