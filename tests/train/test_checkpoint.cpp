@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "trellis/io/json.hpp"
 #include "trellis/io/safetensors.hpp"
 #include "trellis/train/checkpoint.hpp"
+#include "trellis/train/train_state.hpp"
 
 #if __has_include("trellis/comm/threads.hpp")
 #include "trellis/comm/threads.hpp"
@@ -294,6 +296,8 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       REQUIRE(pos != std::string::npos);
       index.replace(pos, 17, "\"shape\": [51, 16]");
       std::ofstream(index_path) << index;
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("index.json is corrupt"));
+      reseal_checkpoint_index(index_path);  // as if written so: the tiling check must catch it
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wte.weight") && Catch::Contains("cover"));
     }
     SECTION("missing tensor in a shard file") {
@@ -303,6 +307,7 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       REQUIRE(pos != std::string::npos);
       index.replace(pos, 19, "\"key\": \"wpe.weighX\"");
       std::ofstream(index_path) << index;
+      reseal_checkpoint_index(index_path);
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wpe.weighX") && Catch::Contains("missing"));
     }
     // The previous step is untouched and loads by its directory.
@@ -310,6 +315,95 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
     older.verify();
     REQUIRE(older.read_whole<float>("cube") == full_tensor(9, {5, 6, 7}));
   }
+}
+
+// Before index_crc32c a flipped bit in index.json went unnoticed wherever it still parsed: in a
+// rank's metadata (its data position, its Rng) one dp group silently trained on other batches.
+TEST_CASE("index.json is checksummed: any flipped bit is an error naming the index and what is corrupt",
+          "[checkpoint][errors]") {
+  TempDir dir("ckpt-index-crc");
+  const std::vector<float> x = {1, 2, 3};
+  for (int r = 0; r < 3; ++r) {  // small, so that every byte can be flipped in turn
+    CheckpointWriter w(dir.path, 2, r, 3);
+    w.add("x", DType::f32, {3}, Box{{r}, {1}}, &x[static_cast<std::size_t>(r)]);
+    w.set_metadata("train.data", "seed=1;next_batch=2");
+    w.set_metadata("who", "rank " + std::to_string(r));
+    w.finish();
+  }
+  commit_checkpoint(dir.path, 2, 3);
+  const auto index_path = dir.path / "step-00000002" / "index.json";
+  const std::string index = read_whole_file(index_path);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(1).at("who") == "rank 1");
+
+  // One bit of every byte (bit i % 8 of byte i): nothing loads.
+  std::size_t loaded = 0;
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    std::string flipped = index;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    std::ofstream(index_path, std::ios::binary | std::ios::trunc) << flipped;  // no fsync: thousands
+    try {
+      Checkpoint ck(dir.path);
+      ++loaded;
+      UNSCOPED_INFO("byte " << i << " ('" << index[i] << "') flipped, and the checkpoint opened");
+    } catch (const Error& e) {
+      REQUIRE_THAT(e.message(), Catch::Contains(index_path.string()));
+    }
+  }
+  CHECK(loaded == 0);
+
+  // Flips inside rank 1's metadata value (bit 0 keeps every character printable and the JSON
+  // valid, even "rank 1" -> "rank 0", rank 0's value): blamed on rank 1.
+  const std::size_t value = index.find("\"rank 1\"");
+  REQUIRE(value != std::string::npos);
+  for (std::size_t i = value + 1; i < value + 7; ++i) {
+    std::string flipped = index;
+    flipped[i] = static_cast<char>(flipped[i] ^ 1);
+    write_file_atomically(index_path, flipped);
+    REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("is corrupt") &&
+                                                  Catch::Contains("the metadata of rank 1 does not match"));
+  }
+  // Outside the metadata (the step): the error says so.
+  std::string step_changed = index;
+  step_changed.replace(step_changed.find("\"step\": 2"), 9, "\"step\": 3");
+  write_file_atomically(index_path, step_changed);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("is corrupt") && Catch::Contains("outside the per-rank metadata"));
+  // The checksum removed, or the version turned back to 2 (one bit: '3' -> '2'): still refused.
+  json::Object o = json::parse(index).as_object();
+  o.erase("index_crc32c");
+  write_file_atomically(index_path, json::dump(json::Value(o), 1));
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("no \"index_crc32c\""));
+  std::string old_version = index;
+  old_version.replace(old_version.find("\"version\": 3"), 12, "\"version\": 2");
+  write_file_atomically(index_path, old_version);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("is corrupt"));
+  // A deliberate edit, resealed, loads as edited; "metadata" must stay rank 0's copy.
+  std::string edited = index;
+  edited.replace(edited.find("\"rank 2\""), 8, "\"rank X\"");
+  write_file_atomically(index_path, edited);
+  reseal_checkpoint_index(index_path);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(2).at("who") == "rank X");
+  edited = index;
+  edited.replace(edited.find("\"who\": \"rank 0\""), 15, "\"who\": \"rank Y\"");  // the first: "metadata"
+  write_file_atomically(index_path, edited);
+  reseal_checkpoint_index(index_path);
+  REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("not a copy of rank 0's"));
+  write_file_atomically(index_path, index);
+  REQUIRE(Checkpoint(dir.path).rank_metadata(1).at("who") == "rank 1");
+}
+
+TEST_CASE("a rank's metadata corrupted in its shard header before the commit: the commit names the file",
+          "[checkpoint][errors]") {
+  TempDir dir("ckpt-meta-crc");
+  stage_split(dir.path, 4, 0, 2);
+  const auto shard1 = dir.path / "step-00000004.partial" / "shard-1.safetensors";
+  std::string bytes = read_whole_file(shard1);
+  const auto pos = bytes.find("\"rank 1\"");
+  REQUIRE(pos != std::string::npos);
+  bytes[pos + 6] = '7';  // same length: the header still parses
+  write_file_atomically(shard1, bytes);
+  REQUIRE_THROWS_WITH(commit_checkpoint(dir.path, 4, 2),
+                      Catch::Contains("shard-1.safetensors") && Catch::Contains("does not match the checksum"));
+  REQUIRE_FALSE(latest_checkpoint(dir.path).has_value());
 }
 
 TEST_CASE("re-saving a step replaces it; pruning keeps the newest", "[checkpoint]") {
@@ -571,6 +665,115 @@ TEST_CASE("save_collectively over thread ranks: commits once, and a failure reac
   }));
   REQUIRE(Checkpoint(dir.path).step() == 1);
   REQUIRE(!std::filesystem::exists(dir.path / "step-00000003"));
+}
+#endif
+
+#ifdef TRELLIS_TEST_HAVE_THREADS
+namespace {
+// A 3-rank checkpoint of step 6 whose ranks saved `states[r]`.
+void write_states(const std::filesystem::path& root, const std::vector<TrainState>& states) {
+  std::vector<float> x = {1, 2, 3};
+  const int n = static_cast<int>(states.size());
+  for (int r = 0; r < n; ++r) {
+    CheckpointWriter w(root, 6, r, n);
+    if (r == 0) w.add_whole<float>("x", x, {3});
+    save_train_state(w, states[static_cast<std::size_t>(r)]);
+    w.finish();
+  }
+  commit_checkpoint(root, 6, n);
+}
+// Each rank's error message from agree_on_train_state ("" when it passed); `edit` may change
+// what rank r passes.
+std::vector<std::string> agreement_errors(const std::vector<std::filesystem::path>& dirs,
+                                          const std::function<void(int, TrainState&)>& edit = {}) {
+  std::vector<std::string> errors(dirs.size());
+  comm::ThreadWorld(static_cast<int>(dirs.size())).run([&](auto& c) {
+    c.set_timeout(std::chrono::milliseconds(20000));
+    Checkpoint ck(dirs[static_cast<std::size_t>(c.rank())]);
+    TrainState mine = load_train_state(ck, c.rank());
+    if (edit) edit(c.rank(), mine);
+    try {
+      agree_on_train_state(ck, mine, c);
+    } catch (const Error& e) {
+      errors[static_cast<std::size_t>(c.rank())] = e.message();
+    }
+  });
+  return errors;
+}
+}  // namespace
+
+TEST_CASE("agree_on_train_state: any disagreement throws the same error, naming the checkpoint, on every rank",
+          "[checkpoint][comm][errors]") {
+  TempDir dir("ckpt-agree");
+  std::vector<TrainState> states;
+  for (int r = 0; r < 3; ++r) states.push_back({.step = 6, .rng = Rng(5, r), .data = {.seed = 5, .next_batch = 6}});
+  write_states(dir.path / "good", states);
+  const auto good = *latest_checkpoint(dir.path / "good");
+  const std::vector<std::filesystem::path> same(3, good);
+  for (const auto& e : agreement_errors(same)) REQUIRE(e.empty());
+
+  auto all_equal_and_contain = [](const std::vector<std::string>& errors, std::vector<std::string> parts) {
+    for (const auto& e : errors) {
+      INFO(e);
+      REQUIRE(e == errors[0]);
+      for (const auto& p : parts) REQUIRE_THAT(e, Catch::Contains(p));
+    }
+  };
+  // What each rank passes in (as if one rank read other files): compared across the ranks.
+  all_equal_and_contain(agreement_errors(same, [](int r, TrainState& s) { s.data.next_batch += r == 2; }),
+                        {good.string(), "different data positions", "ranks 0-1: seed=5;next_batch=6",
+                         "rank 2: seed=5;next_batch=7"});
+  all_equal_and_contain(agreement_errors(same, [](int r, TrainState& s) { s.step -= r == 1; }),
+                        {good.string(), "different steps", "rank 1: 5"});
+  all_equal_and_contain(agreement_errors(same, [](int r, TrainState& s) { if (r == 2) s.rng = Rng(5, 0); }),
+                        {good.string(), "ranks 0 and 2 hold the same Rng state"});
+
+  // Saved inconsistently (each variant is one rank's metadata, checksums intact): every rank
+  // finds it in the index; the same message everywhere.
+  struct Bad {
+    std::function<void(std::vector<TrainState>&)> edit;
+    std::string says;
+  };
+  for (const Bad& bad : {Bad{[](auto& s) { s[1].data.next_batch = 7; }, "rank 1: seed=5;next_batch=7"},
+                         Bad{[](auto& s) { s[2].step = 5; }, "rank 2 saved train.step 5 in a checkpoint of step 6"},
+                         Bad{[](auto& s) { s[1].rng = s[0].rng; }, "ranks 0 and 1 saved the same Rng state"}}) {
+    auto bad_states = states;
+    bad.edit(bad_states);
+    std::filesystem::remove_all(dir.path / "bad");
+    write_states(dir.path / "bad", bad_states);
+    const auto bad_dir = *latest_checkpoint(dir.path / "bad");
+    all_equal_and_contain(agreement_errors({bad_dir, bad_dir, bad_dir}), {bad_dir.string(), bad.says});
+    // Only rank 1 opened that one: the others still throw its error, and nobody waits forever.
+    all_equal_and_contain(agreement_errors({good, bad_dir, good}), {bad_dir.string(), bad.says, "(on rank(s) 1 of 3)"});
+  }
+  // Two consistent checkpoints of the same step, e.g. node-local copies that differ.
+  auto other = states;
+  for (auto& s : other) s.data.next_batch = 9;
+  write_states(dir.path / "other", other);
+  const auto other_dir = *latest_checkpoint(dir.path / "other");
+  all_equal_and_contain(agreement_errors({good, good, other_dir}),
+                        {"did not load the same checkpoint", "ranks 0-1: " + good.string(), "rank 2: " + other_dir.string()});
+
+  // Opening collectively: a rank that cannot open its path, or ranks that opened different
+  // checkpoints, fail every rank with the same message before anything else is read.
+  auto open_errors = [](const std::vector<std::filesystem::path>& dirs) {
+    std::vector<std::string> errors(dirs.size());
+    comm::ThreadWorld(static_cast<int>(dirs.size())).run([&](auto& c) {
+      c.set_timeout(std::chrono::milliseconds(20000));
+      try {
+        Checkpoint ck = open_checkpoint_collectively(dirs[static_cast<std::size_t>(c.rank())], c);
+        REQUIRE(ck.step() == 6);
+      } catch (const Error& e) {
+        errors[static_cast<std::size_t>(c.rank())] = e.message();
+      }
+    });
+    return errors;
+  };
+  for (const auto& e : open_errors(same)) REQUIRE(e.empty());
+  const auto missing = dir.path / "missing";
+  all_equal_and_contain(open_errors({good, good, missing}), {"no checkpoint at", missing.string(), "(on rank(s) 2 of 3)"});
+  all_equal_and_contain(open_errors({other_dir, good, good}),
+                        {"did not open the same checkpoint", "rank 0: " + other_dir.string(), "ranks 1-2: " + good.string()});
 }
 #endif
 

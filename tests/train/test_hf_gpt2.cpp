@@ -1,4 +1,4 @@
-// GPT-2 files the Python ecosystem reads (train/hf_gpt2.hpp, checkpoint format version 2):
+// GPT-2 files the Python ecosystem reads (train/hf_gpt2.hpp, checkpoint format version 3):
 //  - a one-rank checkpoint's shard-0 is a plain GPT-2 file: the names and shapes listed by hand
 //    below (GPT-2's formula for the tiny config), whole c_attn tensors, no "#" keys, no optimizer
 //    tensors (those are in optim-0), metadata format "pt"; values == the trainer's parameters;
@@ -147,7 +147,7 @@ TEST_CASE("a one-rank checkpoint's model shard is a plain GPT-2 file", "[train][
   }
   CHECK(entries_of(optim) == moments);
   auto index = io::json::parse(io::read_whole_file(step / "index.json"));
-  CHECK(index.at("version").as_int() == 2);
+  CHECK(index.at("version").as_int() == 3);
   CHECK(index.at("tensors").at("h.0.attn.c_attn.weight").at("shards").as_array().size() == 1);
 
   // Under tp 2 a rank holds q, k and v column blocks that do not tile a box: several keys, and

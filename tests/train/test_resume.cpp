@@ -228,6 +228,7 @@ TEST_CASE("step and world size in index.json are range-checked", "[resume][error
     REQUIRE(pos != std::string::npos);
     changed.replace(pos, from.size(), to);
     write_file_atomically(index_path, changed);
+    reseal_checkpoint_index(index_path);  // the range checks, not the checksum, must catch these
   };
   with("\"world_size\": 2", "\"world_size\": 4294967298");  // an int cast made it 2
   REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains(index_path.string()) && Catch::Contains("world_size"));

@@ -4,8 +4,14 @@
 //    tp2+sp.pp2 zb_h1 and dp2 m2, whose masks come from the restored step count);
 //  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
-//    as the straight run (other layouts sum in another order, so not bitwise).
+//    as the straight run (other layouts sum in another order, so not bitwise);
+//  - refusals: another model shape or configuration; ranks that saved different data positions
+//    or cannot open the checkpoint (every rank throws the same error).
 #include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
@@ -147,10 +153,70 @@ TEST_CASE("a checkpoint of another model configuration is refused naming both va
     }
     REQUIRE(kept.size() < index.size());
     trellis::io::write_file_atomically(index_path, kept);
+    trellis::train::reseal_checkpoint_index(index_path);  // an older checkpoint, not a corrupt one
     const std::string old = load_error(one, dir.path);
     // layer 1: 12 GPT-2 tensors, each with its two AdamW moments; the first 4 names, sorted
     CHECK(has(old, "36 tensor(s) not loaded by this model"));
     CHECK(has(old, "\"h.1.attn.c_attn.bias\", \"h.1.attn.c_attn.weight\", \"h.1.attn.c_proj.bias\""));
     CHECK(load_error(two, dir.path).empty());
+  }
+}
+
+// A data position edited in one rank's metadata (checksums recomputed, as a careful hand edit or
+// a bug in a tool would leave it) used to load: that rank's dp group then trained on other
+// batches, exit 0. Now every rank refuses it with the same message, in any layout.
+TEST_CASE("ranks that saved different data positions: every rank refuses the checkpoint with the same error",
+          "[train][trainer][resume][errors]") {
+  TempDir dir("trainer-agree");
+  const Layout saved{.dp = 2, .tp = 2};
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), saved), 1, r, w, {}, dir.path);
+  }
+  const auto step = dir.path / "step-00000001";
+  const auto index_path = step / "index.json";
+  namespace json = trellis::io::json;
+  json::Value index = json::parse(trellis::io::read_whole_file(index_path));
+  auto& rank3 = index.as_object().at("rank_metadata").as_array().at(3).as_object();
+  REQUIRE(rank3.at("train.data").as_string() == "seed=99;next_batch=1");
+  rank3["train.data"] = json::Value("seed=99;next_batch=2");
+  trellis::io::write_file_atomically(index_path, json::dump(index, 1));
+  trellis::train::reseal_checkpoint_index(index_path);
+
+  std::vector<std::string> errors(4);
+  nn_test::run_ranks(4, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, with_layout(tiny_config(), saved));
+    try {
+      t.load(step);
+    } catch (const trellis::Error& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.message();
+    }
+  });
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e == errors[0]);
+    CHECK(has(e, step.string()));
+    CHECK(has(e, "different data positions"));
+    CHECK(has(e, "ranks 0-2: seed=99;next_batch=1; rank 3: seed=99;next_batch=2"));
+  }
+  // Another layout refuses it too (one rank reads only rank 0's state, but checks all).
+  CHECK(has(load_error(tiny_config(), dir.path), "different data positions"));
+
+  // One rank given a path that holds no checkpoint: every rank reports that rank's error.
+  std::fill(errors.begin(), errors.end(), std::string());
+  nn_test::run_ranks(4, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, with_layout(tiny_config(), saved));
+    try {
+      t.load(comm.rank() == 2 ? dir.path / "nowhere" : step);
+    } catch (const trellis::Error& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.message();
+    }
+  });
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e == errors[0]);
+    CHECK(has(e, "no checkpoint at"));
+    CHECK(has(e, "(on rank(s) 2 of 4)"));
   }
 }

@@ -4,7 +4,8 @@
 //                                                    tensors (one rank: a plain GPT-2 file)
 //   <root>/step-00000100/optim-<rank>.safetensors   ... of its optimizer tensors (AdamW moments)
 //   <root>/step-00000100/index.json                  per tensor: dtype, GLOBAL shape, and per
-//                                                    shard: file, key, offsets, shape, crc32c
+//                                                    shard: file, key, offsets, shape, crc32c;
+//                                                    every rank's metadata; CRC32C of it all
 //   <root>/latest                                    "step-00000100": the newest complete one
 //
 // Saving, on every rank:                     then, after a barrier, on one rank:
@@ -71,7 +72,11 @@ inline const char* ckpt_step_key = "trellis.step";
 inline const char* ckpt_rank_key = "trellis.rank";
 inline const char* ckpt_world_key = "trellis.world_size";
 inline const char* ckpt_format_key = "format";
-inline constexpr int ckpt_version = 2;  // 2: optimizer files, boxes merged per rank; 1 still loads
+inline const char* ckpt_metadata_crc_key = "trellis.metadata_crc32c";
+// 3: index_crc32c and rank_metadata_crc32c; 2: optimizer files, boxes merged per rank; 1 and 2 still load
+inline constexpr int ckpt_version = 3;
+inline constexpr std::string_view index_crc_member = "index_crc32c";
+inline constexpr std::string_view rank_metadata_crc_member = "rank_metadata_crc32c";
 
 inline io::json::Value shape_json(const Shape& s) {
   io::json::Array a;
@@ -86,6 +91,20 @@ inline Shape shape_from_json(const io::json::Value& v, const std::string& what) 
 inline bool is_reserved_metadata(std::string_view key) {
   return key == ckpt_format_key || key.starts_with("trellis.") || key.starts_with(io::safetensors_crc_prefix);
 }
+inline io::json::Value metadata_json(const Metadata& m) {
+  io::json::Object o;
+  for (const auto& [k, v] : m) o[k] = io::json::Value(v);
+  return io::json::Value(std::move(o));
+}
+// Checksums of JSON content are taken over its compact form (sorted keys, no spaces), so they
+// do not depend on the pretty-printing of index.json.
+inline std::string json_crc(const io::json::Value& v) {
+  const std::string text = io::json::dump(v);
+  return io::crc_hex(io::crc32c(text.data(), text.size()));
+}
+// A rank's metadata, as it set it: computed by the rank at finish(), checked at the commit and
+// at every load, so a flipped bit on the way is found and blamed on that rank.
+inline std::string metadata_crc(const Metadata& m) { return json_crc(metadata_json(m)); }
 inline bool is_float_dtype(DType t) {
   return t == DType::f64 || t == DType::f32 || t == DType::f16 || t == DType::bf16;
 }
@@ -204,6 +223,7 @@ class CheckpointWriter {
       w.set_metadata(std::string(detail::ckpt_shard_prefix) + e.key, io::json::dump(io::json::Value(std::move(info))));
     }
     for (const auto& [k, v] : metadata_) model.set_metadata(k, v);
+    model.set_metadata(detail::ckpt_metadata_crc_key, detail::metadata_crc(metadata_));
     for (io::SafetensorsWriter* w : {&model, &optimizer}) {
       w->set_metadata(detail::ckpt_format_key, "pt");  // what Hugging Face's loaders require
       w->set_metadata(detail::ckpt_step_key, std::to_string(step_));
@@ -313,15 +333,14 @@ inline io::json::Value index_json(std::int64_t step, int world_size, const std::
   root["version"] = io::json::Value(ckpt_version);
   root["step"] = io::json::Value(step);
   root["world_size"] = io::json::Value(world_size);
-  auto object_of = [](const Metadata& m) {
-    io::json::Object o;
-    for (const auto& [k, v] : m) o[k] = io::json::Value(v);
-    return io::json::Value(std::move(o));
-  };
-  root["metadata"] = object_of(rank_metadata.at(0));
-  io::json::Array ranks;
-  for (const auto& m : rank_metadata) ranks.push_back(object_of(m));
+  root["metadata"] = metadata_json(rank_metadata.at(0));
+  io::json::Array ranks, crcs;
+  for (const auto& m : rank_metadata) {
+    ranks.push_back(metadata_json(m));
+    crcs.emplace_back(metadata_crc(m));
+  }
   root["rank_metadata"] = io::json::Value(std::move(ranks));
+  root[std::string(rank_metadata_crc_member)] = io::json::Value(std::move(crcs));
   io::json::Object ts;
   for (const auto& [name, t] : tensors) {
     io::json::Object o;
@@ -341,9 +360,75 @@ inline io::json::Value index_json(std::int64_t step, int world_size, const std::
     ts[name] = io::json::Value(std::move(o));
   }
   root["tensors"] = io::json::Value(std::move(ts));
+  const std::string crc = json_crc(io::json::Value(root));
+  root[std::string(index_crc_member)] = io::json::Value(crc);
   return io::json::Value(std::move(root));
 }
+
+// Checks index_crc32c (the CRC32C of the index without that member) and each rank's
+// rank_metadata_crc32c before anything in the index is used; required from version 3 and
+// checked whenever present (a flipped version digit does not turn the check off). Returns the
+// checksum of the content (computed the same way for older versions: ranks compare it).
+inline std::uint32_t check_index_checksums(const io::json::Value& index, const std::string& what) {
+  io::json::Object body = index.as_object(what);
+  const auto stored_it = body.find(index_crc_member);
+  const auto version_it = body.find("version");
+  const bool old_version = version_it != body.end() && version_it->second.is_int() && version_it->second.as_int() <= 2;
+  std::optional<std::string> stored;
+  if (stored_it != body.end()) {
+    stored = stored_it->second.as_string(what + " index_crc32c");
+    body.erase(stored_it);
+  }
+  const std::string text = io::json::dump(io::json::Value(body));
+  const std::uint32_t crc = io::crc32c(text.data(), text.size());
+  if (!stored && !old_version)
+    TRELLIS_THROW(what, " has no \"index_crc32c\" (required from version 3): the index is corrupt");
+  if (!stored) return crc;
+  // Which rank's metadata disagrees with the checksum its rank computed, if any.
+  std::string rank_problem;
+  const auto ranks_it = body.find("rank_metadata");
+  const auto crcs_it = body.find(rank_metadata_crc_member);
+  if (ranks_it == body.end() || crcs_it == body.end() || !ranks_it->second.is_array() || !crcs_it->second.is_array() ||
+      ranks_it->second.as_array().size() != crcs_it->second.as_array().size()) {
+    rank_problem = "rank_metadata and rank_metadata_crc32c are missing or of different lengths";
+  } else {
+    const auto& ranks = ranks_it->second.as_array();
+    const auto& crcs = crcs_it->second.as_array();
+    for (std::size_t r = 0; r < ranks.size() && rank_problem.empty(); ++r) {
+      if (!ranks[r].is_object() || !crcs[r].is_string() || json_crc(ranks[r]) != crcs[r].as_string())
+        rank_problem = "the metadata of rank " + std::to_string(r) + " does not match the checksum rank " +
+                       std::to_string(r) + " computed when saving";
+    }
+  }
+  const std::string computed = io::crc_hex(crc);
+  if (computed != *stored || !rank_problem.empty())
+    TRELLIS_THROW(what, " is corrupt: ",
+                  computed == *stored ? ""
+                                      : "its content has CRC32C " + computed + " but index_crc32c says " + *stored + "; ",
+                  rank_problem.empty()
+                      ? "the change is outside the per-rank metadata (step, world size, tensor list or a checksum)"
+                      : rank_problem,
+                  " (a flipped bit or an edit after the save; use another checkpoint, or after a deliberate edit "
+                  "reseal it with train::reseal_checkpoint_index)");
+  return crc;
+}
 }  // namespace detail
+
+// Recomputes the checksums of an index.json edited by hand (each rank's metadata's, then the
+// whole index's) and rewrites it atomically: whatever the file now says becomes authoritative,
+// so only for deliberate edits (tests, repairs).
+inline void reseal_checkpoint_index(const std::filesystem::path& index_path) {
+  const std::string what = index_path.string();
+  io::json::Object index = io::json::parse(io::read_whole_file(index_path), what).as_object(what);
+  if (auto it = index.find(detail::index_crc_member); it != index.end()) index.erase(it);
+  io::json::Array crcs;
+  for (const auto& m : index.at("rank_metadata").as_array(what + " rank_metadata"))
+    crcs.emplace_back(detail::json_crc(m));
+  index[std::string(detail::rank_metadata_crc_member)] = io::json::Value(std::move(crcs));
+  const std::string crc = detail::json_crc(io::json::Value(index));
+  index[std::string(detail::index_crc_member)] = io::json::Value(crc);
+  io::write_file_atomically(index_path, io::json::dump(io::json::Value(std::move(index)), 1) + "\n");
+}
 
 // The newest committed checkpoint directory under `root`, if any (defined after Checkpoint).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
@@ -431,9 +516,13 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
                     " was written for world size ", get(detail::ckpt_world_key), ", not ", world_size);
       TRELLIS_CHECK(get(detail::ckpt_rank_key) == std::to_string(r), path, " was written by rank ",
                     get(detail::ckpt_rank_key), ", not ", r);
-      if (name == shard_file_name(r))
+      if (name == shard_file_name(r)) {
+        Metadata& mine = rank_metadata[static_cast<std::size_t>(r)];
         for (const auto& [k, v] : meta)
-          if (!detail::is_reserved_metadata(k)) rank_metadata[static_cast<std::size_t>(r)][k] = v;
+          if (!detail::is_reserved_metadata(k)) mine[k] = v;
+        if (get(detail::ckpt_metadata_crc_key) != detail::metadata_crc(mine))
+          TRELLIS_THROW(path, ": the rank's metadata does not match the checksum it computed when writing (corrupt header)");
+      }
       for (const auto& e : file.entries()) {
         std::string what = path.string() + ", tensor \"" + e.name + "\"";
         io::json::Value info = io::json::parse(get(std::string(detail::ckpt_shard_prefix) + e.name), what);
@@ -543,9 +632,11 @@ inline void prune_checkpoints(const std::filesystem::path& root, int keep) {
     if (!latest || dirs[i] != *latest) fs::remove_all(dirs[i]);
 }
 
-// A committed checkpoint, opened for reading. Opening validates the index and every shard file's
-// header against it (a truncated file or a shape that disagrees fails here, naming the file and
-// tensor); reading verifies each shard's CRC32C.
+// A committed checkpoint, opened for reading. Opening checks the index's checksums (a flipped bit
+// in it or in a rank's metadata is an error naming index.json and, where it lies there, the
+// rank), then validates the index and every shard file's header against it (a truncated file or
+// a shape that disagrees fails here, naming the file and tensor); reading verifies each shard's
+// CRC32C.
 class Checkpoint {
  public:
   // `path` is a step directory (holding index.json) or a root holding `latest`.
@@ -562,6 +653,7 @@ class Checkpoint {
     const std::string what = index_path.string();
     io::json::Value index = io::json::parse(io::read_whole_file(index_path), what);
     TRELLIS_CHECK(index.at("format", what).as_string(what) == "trellis-checkpoint", what, " is not a trellis checkpoint index");
+    index_crc_ = detail::check_index_checksums(index, "checkpoint index " + what);
     const auto version = index.at("version", what).as_int(what);
     TRELLIS_CHECK(version >= 1 && version <= detail::ckpt_version, what, ": unsupported version ", version,
                   " (this build reads 1..", detail::ckpt_version, ")");
@@ -578,6 +670,7 @@ class Checkpoint {
     }
     TRELLIS_CHECK(static_cast<int>(rank_metadata_.size()) == world_size_, what, ": rank_metadata has ",
                   rank_metadata_.size(), " entries for world size ", world_size_);
+    if (metadata_ != rank_metadata_[0]) TRELLIS_THROW(what, ": \"metadata\" is not a copy of rank 0's rank_metadata");
     for (const auto& [name, t] : index.at("tensors", what).as_object(what)) {
       std::string where = what + ", tensor \"" + name + "\"";
       TensorInfo info;
@@ -613,6 +706,9 @@ class Checkpoint {
   }
 
   const std::filesystem::path& directory() const { return dir_; }
+  // CRC32C of the index's content (see detail::check_index_checksums): equal on two ranks when
+  // they opened the same checkpoint.
+  std::uint32_t index_checksum() const { return index_crc_; }
   std::int64_t step() const { return step_; }
   int world_size() const { return world_size_; }
   const Metadata& metadata() const { return metadata_; }
@@ -732,6 +828,7 @@ class Checkpoint {
 
   std::filesystem::path dir_;
   std::int64_t step_ = 0;
+  std::uint32_t index_crc_ = 0;
   int world_size_ = 0;
   Metadata metadata_;
   std::vector<Metadata> rank_metadata_;

@@ -122,6 +122,7 @@ class FlatTrainer {
     Checkpoint ck(step_dir);
     check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, 0);
+    check_saved_train_states(ck);  // the saving ranks agreed (step, data position, Rng streams)
     auto& o = model_.backend();
     for (const nn::FlatTensor& t : model_.tensors()) {
       const Box box = full_box(t.shape);

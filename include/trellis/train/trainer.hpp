@@ -499,11 +499,12 @@ class Trainer {
   // Loads a checkpoint written by any layout (parameters, moments, step, this rank's Rng when the
   // saving run had this rank); returns the saved train state (restore the loader with .data).
   TrainState load(const std::filesystem::path& step_dir) {
-    Checkpoint ck(step_dir);
+    Checkpoint ck = open_checkpoint_collectively(step_dir, mesh_.world());  // same index on every rank, or all throw
     check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, mesh_.world().rank());
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
+    agree_on_train_state(ck, s, mesh_.world());  // collective: a disagreement throws on every rank
     std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];

@@ -574,7 +574,10 @@ class ThreadRankState {
       }
     };
     wait_until(group_->wake, group_->world->spin_ns, done, check);
-    if (s.error) std::rethrow_exception(s.error);
+    // Taken out (a request is waited once), so the exception dies on this thread. Left in, the
+    // progress thread could free it when it dropped its OpState after our handler had read it;
+    // ordered only by libstdc++'s own reference counts, which ThreadSanitizer cannot see.
+    if (s.error) std::rethrow_exception(std::exchange(s.error, nullptr));
   }
 
   // ---- progress thread for async collectives ----------------------------------------------------
