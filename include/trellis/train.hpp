@@ -12,4 +12,5 @@
 #include "trellis/train/metrics.hpp"      // defines: MetricsWriter, StepMetrics, gpt_flops_per_token, loss_curves_from_metrics
 #include "trellis/train/rng.hpp"          // defines: Rng (xoshiro256**)
 #include "trellis/train/train_state.hpp"  // defines: TrainState, save/load_train_state, adamw moments, gpt2_parameters
-#include "trellis/train/trainer.hpp"      // defines: Trainer, TrainerConfig, StepResult, check_config
+#include "trellis/train/trainer.hpp"      // defines: Trainer
+#include "trellis/train/trainer_config.hpp"  // defines: TrainerConfig, StepResult, check_config, config_problems

@@ -86,174 +86,9 @@
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
+#include "trellis/train/trainer_config.hpp"
 
 namespace trellis::train {
-
-struct TrainerConfig {
-  nn::GptConfig model{};
-  nn::GptOptions options{};
-  int pp = 1, dp = 1, tp = 1;
-  std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
-  // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
-  // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
-  std::optional<pipe::Schedule> custom_schedule{};
-  int virtual_chunks = 2;         // v of interleaved_1f1b (vee schedules always hold 2)
-  int microbatches = 1;
-  index_t batch = 8;  // rows of the GLOBAL batch
-  index_t seq = 64;   // T
-  bool zero1 = false;
-  optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
-  optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
-  double clip = 1.0;  // max global grad norm (<= 0: no clipping)
-  std::size_t bucket_elements = std::size_t{1} << 18;
-  // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
-  // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
-  // same order of results, so the same bits).
-  bool overlap_dp = true;
-  // How the pipe executor posts a run of sends/receives (pipe::ExecuteOptions::P2P): unset means
-  // isend on host communicators and batch (one group, as NCCL needs) on device ones.
-  std::optional<pipe::ExecuteOptions::P2P> p2p{};
-  std::uint64_t seed = 1234;  // Rng streams (one per rank) and dropout masks; the model's init seed is options.seed
-};
-
-// The dropout seed of optimizer step `step` (0-based) of a run with seed `run_seed`: every step
-// draws new masks, and a resumed run (same seed, restored step count) draws the uninterrupted
-// run's. Which elements drop also depends on the token's global sample index (nn/dropout.hpp),
-// not on the dp rank or microbatch that holds it.
-inline std::uint64_t dropout_seed(std::uint64_t run_seed, std::int64_t step) {
-  return trellis::splitmix64(trellis::splitmix64(run_seed ^ name_hash("dropout")) + static_cast<std::uint64_t>(step));
-}
-
-// Problems of a custom pipeline schedule for this config (empty: usable).
-inline std::vector<std::string> custom_schedule_problems(const TrainerConfig& c, const pipe::Schedule& s) {
-  std::vector<std::string> out;
-  const std::string what = "the custom schedule '" + s.name + "'";
-  if (c.pp <= 1) {
-    out.push_back(what + " is a pipeline schedule: it needs --pp > 1");
-    return out;
-  }
-  if (s.stages != c.pp)
-    out.push_back(what + " has " + std::to_string(s.stages) + " rank lines but --pp is " + std::to_string(c.pp));
-  if (s.microbatches != c.microbatches)
-    out.push_back(what + " has " + std::to_string(s.microbatches) + " microbatches but --microbatches is " +
-                  std::to_string(c.microbatches));
-  if (s.local_learning)
-    out.push_back(what + " uses local losses (loss=local), which the GPT model does not have");
-  if (s.chunks >= 1 && c.model.layers < static_cast<index_t>(s.stages) * s.chunks)
-    out.push_back("--layers " + std::to_string(c.model.layers) + " is fewer than the " +
-                  std::to_string(s.stages * s.chunks) + " virtual pipeline stages of " + what);
-  if (out.empty()) {
-    try {
-      pipe::verify(s);
-    } catch (const Error& e) {
-      out.push_back(what + " does not verify: " + e.message());
-    }
-  }
-  return out;
-}
-
-// dp x tp x pp, or -1 when it does not fit in an int (ranks are ints everywhere); 0 when a size is < 1.
-inline std::int64_t layout_ranks(int pp, int dp, int tp) {
-  std::int64_t n = 1;
-  for (int k : {pp, dp, tp}) {
-    if (k < 1) return 0;
-    n *= k;
-    if (n > std::numeric_limits<int>::max()) return -1;
-  }
-  return n;
-}
-
-// Every problem with a layout, each saying what to change; empty when the config is usable.
-inline std::vector<std::string> config_problems(const TrainerConfig& c) {
-  std::vector<std::string> out;
-  auto add = [&](auto&&... parts) {
-    std::ostringstream s;
-    (s << ... << parts);
-    out.push_back(s.str());
-  };
-  const auto& m = c.model;
-  if (c.pp < 1 || c.dp < 1 || c.tp < 1)
-    add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
-  if (layout_ranks(c.pp, c.dp, c.tp) < 0)
-    add("--dp ", c.dp, " x --tp ", c.tp, " x --pp ", c.pp, " is more ranks than an int holds (",
-        std::numeric_limits<int>::max(), "): use smaller sizes");
-  if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
-    add("--layers, --heads, --width, --vocab and --context must be >= 1");
-  if (m.heads >= 1 && m.width % m.heads != 0)
-    add("--width ", m.width, " is not divisible by --heads ", m.heads, ": change one of them");
-  if (c.tp >= 1 && m.heads >= 1 && m.heads % c.tp != 0)
-    add("--tp ", c.tp, " does not divide --heads ", m.heads, ": use a tp that divides the head count");
-  if (c.tp >= 1 && m.vocab < c.tp) add("--vocab ", m.vocab, " is smaller than --tp ", c.tp);
-  if (c.seq < 1 || c.seq > m.positions)
-    add("sequence length ", c.seq, " must be in 1..--context (", m.positions, ")");
-  if (c.microbatches < 1) add("--microbatches must be >= 1 (got ", c.microbatches, ")");
-  if (c.batch < 1) add("--batch must be >= 1 (got ", c.batch, ")");
-  if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 &&
-      c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
-    add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
-        " (each dp rank cuts its rows into equal microbatches)");
-  if (!(c.options.dropout >= 0.0f && c.options.dropout < 1.0f))
-    add("--dropout is a probability in [0, 1), got ", c.options.dropout);
-  if (c.options.overlap_chunks < 1) add("--overlap must be >= 1 (1: no overlap), got ", c.options.overlap_chunks);
-  if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
-    add("--sp needs the sequence length ", c.seq, " divisible by --tp ", c.tp);
-  if (c.custom_schedule) {
-    for (auto& p : custom_schedule_problems(c, *c.custom_schedule)) out.push_back(std::move(p));
-  } else if (c.pp > 1) {
-    const auto names = pipe::schedule_names();
-    if (std::find(names.begin(), names.end(), c.schedule) == names.end()) {
-      std::string known;
-      for (auto& n : names) known += (known.empty() ? "" : ", ") + n;
-      add("unknown --schedule '", c.schedule, "' (known: ", known, ")");
-    } else if (c.schedule == "local_learning") {
-      add("--schedule local_learning trains every stage on its own auxiliary loss, which the GPT model does "
-          "not "
-          "have: pick another schedule");
-    } else {
-      const int v = c.schedule == "interleaved_1f1b"                       ? c.virtual_chunks
-                    : (c.schedule == "zb_v" || c.schedule == "dualpipe_v") ? 2
-                                                                           : 1;
-      if (v < 1)
-        add("--chunks must be >= 1");
-      else if (m.layers < static_cast<index_t>(c.pp) * v)
-        add("--layers ", m.layers, " is fewer than the ", static_cast<index_t>(c.pp) * v, " virtual pipeline stages of '",
-            c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
-    }
-  }
-  if (c.clip < 0) add("--clip must be >= 0");
-  if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
-  return out;
-}
-
-// Throws trellis::Error listing every problem (with `world_size` also checking dp x tp x pp).
-inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt) {
-  auto problems = config_problems(c);
-  const std::int64_t ranks = layout_ranks(c.pp, c.dp, c.tp);
-  if (world_size && ranks > 0 && *world_size != ranks) {
-    std::ostringstream s;
-    s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x "
-      << c.pp << " = " << ranks << ": start " << ranks << " ranks or change the layout";
-    problems.push_back(s.str());
-  }
-  if (problems.empty()) return;
-  std::string msg = "invalid training configuration:";
-  for (auto& p : problems) msg += "\n  - " + p;
-  TRELLIS_THROW(msg);
-}
-
-struct StepResult {
-  double loss = 0;       // global mean loss of the step (before the update)
-  double grad_norm = 0;  // global norm before clipping
-  double lr = 0;
-  float clip_scale = 1;
-  std::int64_t step = 0;  // optimizer steps done after this one
-  // dp buckets (no ZeRO) of this rank: how many there are, and how many were started while this
-  // rank still had W passes of the step to run (their all-reduce overlaps that compute; 0 with
-  // overlap_dp = false). That the overlap saves time is measured with comm::SimulatedLink
-  // (tests/train/test_overlap_timing.cpp), not by this count.
-  int buckets = 0;
-  int buckets_overlapped = 0;
-};
 
 template <comm::Communicator C, backend::Backend B = backend::Host<float>>
   requires backend::CompatibleWith<B, C>
@@ -488,23 +323,18 @@ class Trainer {
     s.data = data;
     save_train_state(w, s);
     save_model_config(w, cfg_.model);
-    if constexpr (B::host_readable) {
-      save_collectively(w, world);
-    } else {  // the commit's agreement exchanges host flags: staged through B's memory (NCCL)
-      HostScalars agree{this, &world};
-      save_collectively(w, agree);
-    }
+    with_host_world([&](auto& agree) { save_collectively(w, agree); });
   }
 
   // Loads a checkpoint written by any layout (parameters, moments, step, this rank's Rng when the
   // saving run had this rank); returns the saved train state (restore the loader with .data).
   TrainState load(const std::filesystem::path& step_dir) {
-    Checkpoint ck = open_checkpoint_collectively(step_dir, mesh_.world());  // same index on every rank, or all throw
+    Checkpoint ck = with_host_world([&](auto& w) { return open_checkpoint_collectively(step_dir, w); });  // same index on every rank, or all throw
     check_model_config(ck, cfg_.model);
     TrainState s = load_train_state(ck, mesh_.world().rank());
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
-    agree_on_train_state(ck, s, mesh_.world());  // collective: a disagreement throws on every rank
+    with_host_world([&](auto& w) { agree_on_train_state(ck, s, w); });  // collective: a disagreement throws on every rank
     std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
@@ -740,8 +570,9 @@ class Trainer {
   }
   float lr_now() const { return static_cast<float>(cfg_.lr(state_.step())); }
 
-  // Host scalars over a communicator of device buffers (NCCL): each collective staged through B's
-  // memory. What checkpoint agreement (save_collectively) needs of a communicator.
+  // Host values over a communicator of device buffers (NCCL): each collective staged through B's
+  // memory. What checkpoint agreement (save_collectively, open_checkpoint_collectively,
+  // agree_on_train_state) needs of a communicator.
   struct HostScalars {
     const Trainer* t;
     C* c;
@@ -755,6 +586,14 @@ class Trainer {
       t->be_.download(out, staged.data(), n);
     }
     template <class T>
+    void all_gather(const T* in, T* out, std::size_t n) {
+      const std::size_t total = n * static_cast<std::size_t>(c->size());
+      auto staged_in = t->be_.template allocate<T>(n), staged_out = t->be_.template allocate<T>(total);
+      t->be_.upload(staged_in.data(), in, n);
+      c->all_gather(staged_in.data(), staged_out.data(), n);
+      t->be_.download(out, staged_out.data(), total);
+    }
+    template <class T>
     void broadcast(T* x, std::size_t n, int root) {
       auto staged = t->be_.template allocate<T>(n);
       t->be_.upload(staged.data(), x, n);
@@ -762,6 +601,17 @@ class Trainer {
       t->be_.download(x, staged.data(), n);
     }
   };
+  // f(world) for the checkpoint agreement (host flags, strings): the world itself where B's memory
+  // is the host's, else the world through HostScalars.
+  template <class F>
+  decltype(auto) with_host_world(F&& f) {
+    if constexpr (B::host_readable) {
+      return f(mesh_.world());
+    } else {
+      HostScalars staged{this, &mesh_.world()};
+      return f(staged);
+    }
+  }
   // A host scalar reduced over `c`, staged through B's memory when B's memory is not the host's
   // (NCCL reduces device buffers only).
   double reduce_scalar(C& c, double x, comm::ReduceOp op = comm::ReduceOp::sum) const {
