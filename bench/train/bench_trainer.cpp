@@ -37,6 +37,7 @@
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/train/flat_trainer.hpp"
+#include "trellis/pipe/simulate.hpp"
 #include "trellis/train/trainer.hpp"
 
 using namespace trellis;
@@ -101,6 +102,14 @@ struct LayoutResult {
   // bytes on the wire per step, summed over the ranks (ring model), per communicator of the mesh
   double dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, other_bytes = 0;
   double calls = 0;  // communicator calls per step, summed over the ranks
+  // Saved activations per pipeline stage (its dp 0, tp 0 rank): the simulator's peak of live
+  // (microbatch, chunk) activations, the arena's measured peak of slots held, the arena's capacity
+  // and the measured peak of bytes held in saved tensors.
+  struct Activations {
+    int stage = 0, simulated_live = 0, measured_live = 0;
+    double capacity_mb = 0, measured_mb = 0, slot_mb = 0;
+  };
+  std::vector<Activations> activations;
 };
 
 // One configuration on pp*dp*tp thread ranks: a step's wall time is the slowest rank's (a world
@@ -144,11 +153,26 @@ LayoutResult run_layout(const std::string& name, const train::TrainerConfig& c, 
     mine.other_bytes = v[3]->counters().bytes + v[4]->counters().bytes + v[5]->counters().bytes;
     for (Comm* x : v) mine.calls += static_cast<double>(x->counters().calls);
     mine.calls -= 2.0 * iters;  // the timing barriers
+    if (mesh.template coord<trellis::dp>() == 0 && mesh.template coord<trellis::tp>() == 0) {
+      const auto& arena = trainer.activation_arena();
+      const int pp_rank = mesh.template coord<trellis::pp>();
+      LayoutResult::Activations a;
+      a.stage = pp_rank;
+      a.simulated_live = c.pp > 1 ? pipe::simulate(pipe::make_schedule(c.schedule, c.pp, c.microbatches))
+                                        .peak_chunk_activations[static_cast<std::size_t>(pp_rank)]
+                                  : 1;
+      a.measured_live = arena.peak_held_slots();
+      a.capacity_mb = static_cast<double>(arena.capacity_bytes()) / 1e6;
+      a.measured_mb = static_cast<double>(arena.peak_held_bytes()) / 1e6;
+      a.slot_mb = static_cast<double>(arena.slot_bytes(0)) / 1e6;
+      mine.activations = {a};
+    }
   });
   std::sort(times.begin(), times.end());
   res.ms_min = times.front() * 1e3;
   res.ms_median = times[times.size() / 2] * 1e3;
   for (const auto& r : per_rank) {
+    res.activations.insert(res.activations.end(), r.activations.begin(), r.activations.end());
     res.dp_bytes += r.dp_bytes / iters;
     res.tp_bytes += r.tp_bytes / iters;
     res.pp_bytes += r.pp_bytes / iters;
@@ -231,6 +255,23 @@ int layout_main(int argc, char** argv) {
         .add("calls_per_step", r.calls, "%.0f");
     report.add(row);
   }
+  std::printf("# saved activations per pipeline stage (nn/activation_arena.hpp): live = (microbatch, chunk) "
+              "activations alive at once, F to W\n");
+  std::printf("%-32s %5s %10s %10s %10s %12s %12s %9s\n", "layout", "stage", "sim live", "meas live", "slot MB",
+              "arena MB", "measured MB", "meas/arena");
+  for (const auto& r : results)
+    for (const auto& a : r.activations) {
+      std::printf("%-32s %5d %10d %10d %10.2f %12.2f %12.2f %9.3f\n", r.name.c_str(), a.stage, a.simulated_live,
+                  a.measured_live, a.slot_mb, a.capacity_mb, a.measured_mb, a.measured_mb / a.capacity_mb);
+      bench::Row row;
+      row.add_text("layout", r.name)
+          .add("stage", static_cast<long long>(a.stage))
+          .add("simulated_live", static_cast<long long>(a.simulated_live))
+          .add("measured_live", static_cast<long long>(a.measured_live))
+          .add("arena_mb", a.capacity_mb)
+          .add("measured_mb", a.measured_mb);
+      report.add(row);
+    }
   report.write(bench::json_path(argc, argv));
   return 0;
 }

@@ -76,6 +76,7 @@ struct ModelRun {
   bool deferred_w = false;  // all B passes (reverse order) before any W
   float dropout = 0.0f;     // masks: seed kDropoutSeed, microbatch mb = samples mb * kBatch.., as GptPipelineStage
   index_t vocab = 96;
+  bool arena = false;       // saved activations in a poisoned ActivationArena (a slot per microbatch per stage)
 };
 
 // Collects the loss (sum over microbatches, checked equal across tp ranks), the initial values
@@ -102,6 +103,15 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
     auto shape_of = [](int mb) { return TokenShape{kBatch, kSeq, kDropoutSeed, mb * kBatch}; };
     const TokenShape shape{kBatch, kSeq};
     const index_t act = stages[0]->local_rows(shape) * cfg.width;
+    std::unique_ptr<trellis::nn::ActivationArena<trellis::backend::Host<float>>> arena;
+    std::vector<int> pools;
+    if (o.arena) {
+      arena = std::make_unique<trellis::nn::ActivationArena<trellis::backend::Host<float>>>();
+      for (int s = 0; s < o.stages; ++s)
+        pools.push_back(arena->add_pool("stage " + std::to_string(s), stages[s]->saved_bytes(shape), o.microbatches));
+      arena->allocate(/*poison=*/true);
+      for (int s = 0; s < o.stages; ++s) stages[s]->set_saved_memory(arena.get(), pools[s]);
+    }
     // acts[mb][s]: output of stage s; grads[mb][s]: gradient of stage s's input.
     std::vector<std::vector<std::vector<float>>> acts(o.microbatches), grads(o.microbatches);
     std::vector<std::vector<std::int32_t>> tokens, targets;
@@ -113,9 +123,12 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
       grads[mb].assign(o.stages, std::vector<float>(act));
     }
     auto backward_input = [&](int mb) {
-      for (int s = o.stages - 1; s >= 0; --s)
+      for (int s = o.stages - 1; s >= 0; --s) {
         stages[s]->backward_input(mb, shape_of(mb), s + 1 < o.stages ? grads[mb][s + 1].data() : nullptr,
                                   s > 0 ? grads[mb][s].data() : nullptr);
+        // Forward and backward_input saved exactly what the formula says (the slot's size).
+        if (arena) RANK_CHECK(arena->used_bytes(pools[s], mb) == stages[s]->saved_bytes(shape));
+      }
     };
     for (int mb = 0; mb < o.microbatches; ++mb) {
       for (int s = 0; s < o.stages; ++s) {
@@ -133,6 +146,11 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
         for (auto& st : stages) st->backward_weight(mb);
     }
     for (auto& st : stages) RANK_CHECK(st->saved_microbatches() == 0);
+    if (arena) {  // every slot went back at its microbatch's W
+      RANK_CHECK(arena->held_bytes() == 0);
+      RANK_CHECK(arena->held_slots() == 0);
+      RANK_CHECK(arena->peak_held_slots() == (o.deferred_w ? o.microbatches * o.stages : o.stages));
+    }
     // The tied wte: what the trainer's all-reduce over {first, last} stage does.
     if (o.stages > 1) {
       Parameter* first = stages.front()->tied_wte();
@@ -251,6 +269,60 @@ TEST_CASE("GPT-2 with tensor parallelism equals the 1-rank model", "[nn][gpt][tp
       else CHECK(rel_error(got.get(key), ref.get(key)) <= 2e-5);
     }
   }
+}
+
+TEST_CASE("saved activations in an arena: the same bits, exactly the formula's bytes, no read before write",
+          "[nn][gpt][arena]") {
+  // Each run twice, layers holding their own buffers and layers cutting from a NaN-poisoned arena:
+  // bit-identical losses and gradients (a saved tensor read before it is written would be NaN),
+  // and run_model checks each stage's bytes after backward_input against saved_bytes().
+  ModelRun a, b, c, d, e, f;
+  b.tp = 2, b.sp = true, b.chunks = 2;                           // sp: the input shard saved, re-gathered at B
+  c.recompute = true, c.dropout = 0.1f, c.microbatches = 2;      // recompute: only block inputs in the arena
+  d.stages = 2, d.microbatches = 3, d.deferred_w = true;         // W after every B: a slot per microbatch
+  e.tp = 2, e.sp = true, e.dropout = 0.1f, e.microbatches = 2;   // sp + dropout
+  f.tp = 4, f.stages = 2, f.microbatches = 2, f.vocab = 97;      // uneven vocabulary shards
+  for (ModelRun o : {a, b, c, d, e, f}) {
+    INFO("tp=" << o.tp << " sp=" << o.sp << " chunks=" << o.chunks << " recompute=" << o.recompute
+               << " stages=" << o.stages << " deferred_w=" << o.deferred_w << " dropout=" << o.dropout);
+    Collector own, cut;
+    run_model(o, own);
+    o.arena = true;
+    run_model(o, cut);
+    CHECK(cut.scalar == own.scalar);
+    CHECK(std::isfinite(cut.scalar));
+    for (const std::string& key : own.keys()) {
+      INFO(key);
+      REQUIRE(cut.complete(key));
+      CHECK(cut.get(key) == own.get(key));
+    }
+  }
+}
+
+TEST_CASE("the activation arena refuses a microbatch beyond its slots and a slot overflow, naming the pool",
+          "[nn][arena]") {
+  using Arena = trellis::nn::ActivationArena<trellis::backend::Host<float>>;
+  Arena arena;
+  const int pool = arena.add_pool("chunk 0 (virtual stage 2)", 1000, 2);
+  CHECK(arena.slot_bytes(pool) == 1024);  // rounded to the 256-byte alignment
+  CHECK(arena.capacity_bytes() == 2048);
+  arena.allocate();
+  float* a = arena.take<float>(pool, 7, 10, "x");
+  float* b = arena.take<float>(pool, 7, 10, "y");
+  CHECK(b - a == 64);  // 40 bytes round to 256
+  CHECK(arena.used_bytes(pool, 7) == 512);
+  arena.take<float>(pool, 8, 1, "z");
+  CHECK(arena.held_slots() == 2);
+  CHECK_THROWS_WITH(arena.take<float>(pool, 9, 1, "h.0.ln_1 input"),
+                    Catch::Contains("chunk 0 (virtual stage 2)") && Catch::Contains("microbatches 7, 8") &&
+                        Catch::Contains("microbatch 9"));
+  CHECK_THROWS_WITH(arena.take<float>(pool, 7, 200, "logits"),
+                    Catch::Contains("microbatch 7 saves more than its slot of 1024 bytes") && Catch::Contains("logits"));
+  arena.release(pool, 7);
+  CHECK(arena.held_bytes() == 256);
+  CHECK(arena.take<float>(pool, 9, 1, "w") == a);  // the freed slot is reused
+  CHECK(arena.peak_held_slots() == 2);
+  CHECK(arena.peak_held_bytes() == 768);
 }
 
 TEST_CASE("GPT-2 with dropout: tp / sp / overlap / recompute equal the 1-rank model", "[nn][gpt][tp][dropout]") {

@@ -21,6 +21,7 @@
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
 #include "trellis/backend/device_checked.hpp"
+#include "trellis/pipe/simulate.hpp"
 #include "trellis/pipe/text.hpp"
 
 using namespace trainer_test;
@@ -346,6 +347,53 @@ TEST_CASE("a rank holding the first and last stage shares one wte", "[train][tra
       RANK_CHECK((chunks[0]->tied_wte() == nullptr && chunks[1]->tied_wte() == nullptr));
     }
   });
+}
+
+// Saved activations: each chunk's arena pool has the slots the simulator says the schedule keeps
+// alive (F to W) in that chunk, and the step uses every one and no more; the rank's measured peak
+// of live (microbatch, chunk) slots equals the simulator's peak_chunk_activations; every slot is
+// one microbatch's saved bytes; nothing is held after the step; the losses are finite (the
+// arena is NaN-poisoned and the parity tests compare them with one rank).
+TEST_CASE("activation arena: slots = the simulator's live microbatches, measured = arena", "[train][trainer][arena]") {
+  const Layout layouts[] = {
+      {.pp = 2, .schedule = "gpipe", .microbatches = 4},
+      {.pp = 2, .schedule = "1f1b", .microbatches = 4},
+      {.pp = 4, .schedule = "1f1b", .microbatches = 8},
+      {.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+      {.pp = 2, .schedule = "zb_h1", .microbatches = 4},
+      {.pp = 2, .schedule = "zb_v", .microbatches = 4},
+      {.pp = 2, .schedule = "dualpipe_v", .microbatches = 4},
+      {.pp = 2, .tp = 2, .sp = true, .schedule = "1f1b", .microbatches = 4, .recompute = true},
+      {.dp = 2, .microbatches = 2},
+  };
+  for (const Layout& l : layouts) {
+    auto cfg = with_layout(tiny_config(), l);
+    INFO(l.schedule << " pp" << l.pp << " tp" << l.tp << " dp" << l.dp << " recompute " << l.recompute);
+    const int v = l.schedule == "interleaved_1f1b" || l.schedule == "zb_v" || l.schedule == "dualpipe_v" ? 2 : 1;
+    std::optional<trellis::pipe::Simulation> sim;
+    if (l.pp > 1) sim = trellis::pipe::simulate(trellis::pipe::make_schedule(l.schedule, l.pp, l.microbatches, v));
+    nn_test::run_ranks(l.pp * l.tp * l.dp, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, cfg);
+      trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, t.mesh().coord<trellis::dp>(), cfg.dp});
+      const auto r = t.step(loader.next());
+      RANK_CHECK(std::isfinite(r.loss));
+      const auto& arena = t.activation_arena();
+      const int pp_rank = t.mesh().coord<trellis::pp>();
+      std::size_t capacity = 0;
+      RANK_CHECK(arena.pools() == static_cast<int>(t.chunks().size()));
+      for (int c = 0; c < arena.pools(); ++c) {
+        const int want = sim ? sim->peak_activations_by_chunk[pp_rank][c] : 1;
+        RANK_CHECK(arena.slots(c) == want);
+        RANK_CHECK(arena.peak_slots(c) == want);  // every slot used: none reserved for nothing
+        RANK_CHECK(arena.slot_bytes(c) == trellis::nn::saved_round(t.chunks()[c]->saved_bytes(t.microbatch_shape())));
+        capacity += static_cast<std::size_t>(want) * arena.slot_bytes(c);
+      }
+      RANK_CHECK(arena.capacity_bytes() == capacity);
+      RANK_CHECK(arena.peak_held_slots() == (sim ? sim->peak_chunk_activations[pp_rank] : 1));
+      RANK_CHECK(arena.peak_held_bytes() <= arena.capacity_bytes());
+      RANK_CHECK(arena.held_bytes() == 0);
+    });
+  }
 }
 
 // Which dp all-reduces start while backward compute remains on the rank (StepResult counters):

@@ -90,6 +90,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.options.recompute = l.recompute;
   c.custom_schedule = l.custom_schedule;
   if (l.batch_p2p) c.p2p = trellis::pipe::ExecuteOptions::P2P::batch;
+  c.poison_activations = true;  // a saved activation read before it is written turns the loss NaN
   return c;
 }
 

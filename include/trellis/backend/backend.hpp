@@ -2,7 +2,7 @@
 // kernels and hold memory. A backend names
 //   - its memory space (trellis::Host or trellis::Cuda) and activation type act_t (the GEMM
 //     operand and activation dtype: fp32, or bf16 with fp32 accumulation and statistics);
-//   - buffers (owning, zeroed), copies in and out of its memory, a stream and events (empty
+//   - buffers (owning: zeroed, or scratch left unset), copies in and out of its memory, a stream and events (empty
 //     types on the host, where every call has finished when it returns), named ranges (NVTX);
 //   - CUB-style workspace queries, asked at set-up for the largest shapes, then one
 //     reserve_workspace(max): no scratch grows in the middle of a step;
@@ -58,6 +58,8 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   cb.range("");
   // memory
   { cb.template allocate<float>(n) } -> std::same_as<typename B::template buffer<float>>;
+  // scratch: contents unspecified (not zeroed); for temporaries written in full before any read
+  { cb.template scratch<float>(n) } -> std::same_as<typename B::template buffer<float>>;
   cb.upload(f, cf, n);
   cb.download(f, cf, n);
   cb.copy(f, cf, n);

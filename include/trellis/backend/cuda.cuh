@@ -113,6 +113,7 @@ class Cuda {
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n, stream_, true); }
+  template <class T> buffer<T> scratch(std::size_t n) const { return buffer<T>(n, stream_, false); }  // no memset
   // Host -> device; returns when `src` may be reused.
   template <class T> void upload(T* dst, const T* src, std::size_t n) const {
     if (n == 0) return;

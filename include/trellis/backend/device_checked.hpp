@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -106,7 +107,9 @@ class CheckedRange {
   std::string name_;
 };
 
-// An owning, zeroed buffer in "device" memory: data() and size() only, like Buffer<T, Cuda>.
+// An owning buffer in "device" memory: data() and size() only, like Buffer<T, Cuda>. Zeroed, or
+// (scratch) filled with 0xFF bytes, a NaN in fp32 and bf16, so that reading scratch before writing
+// it shows up in the results.
 template <class T>
 class CheckedBuffer {
  public:
@@ -114,9 +117,10 @@ class CheckedBuffer {
   using space = trellis::Host;
 
   CheckedBuffer() = default;
-  CheckedBuffer(std::size_t n, std::shared_ptr<DeviceRegistry> registry)
-      : buffer_(n), registry_(std::move(registry)) {
+  CheckedBuffer(std::size_t n, std::shared_ptr<DeviceRegistry> registry, bool poison = false)
+      : buffer_(n, !poison), registry_(std::move(registry)) {
     if (buffer_.data()) registry_->add(buffer_.data(), n * sizeof(T));
+    if (poison && n > 0) std::memset(static_cast<void*>(buffer_.data()), 0xFF, n * sizeof(T));
   }
   CheckedBuffer(CheckedBuffer&& o) noexcept = default;
   CheckedBuffer& operator=(CheckedBuffer&& o) noexcept {
@@ -170,6 +174,7 @@ class DeviceChecked {
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n, registry_); }
+  template <class T> buffer<T> scratch(std::size_t n) const { return buffer<T>(n, registry_, /*poison=*/true); }
   template <class T> void upload(T* dst, const T* src, std::size_t n) const {
     if (n == 0) return;
     device("upload", "dst", dst);

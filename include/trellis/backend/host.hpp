@@ -50,6 +50,7 @@ class Host {
 
   // ---- memory ---------------------------------------------------------------------------------
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n); }  // zeroed
+  template <class T> buffer<T> scratch(std::size_t n) const { return buffer<T>(n, false); }  // not zeroed
   template <class T> void upload(T* dst, const T* src, std::size_t n) const { std::copy_n(src, n, dst); }
   template <class T> void download(T* dst, const T* src, std::size_t n) const { std::copy_n(src, n, dst); }
   template <class T> void copy(T* dst, const T* src, std::size_t n) const { std::copy_n(src, n, dst); }

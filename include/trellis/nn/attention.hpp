@@ -7,6 +7,7 @@
 #include <string>
 
 #include "trellis/kernels/heads.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/linear.hpp"
 
@@ -84,8 +85,11 @@ class CausalSelfAttention {
     const auto args = attention_args(shape);
     const auto heads = heads_layout(shape);
     const index_t n = args.q_elements();
-    s.q = allocate<act_t>(n), s.k = allocate<act_t>(n), s.v = allocate<act_t>(n), s.o = allocate<act_t>(n);
-    s.lse = allocate<float>(args.lse_elements());
+    s.q = saved_.template take<act_t>(be_, mb, n, "attention q");
+    s.k = saved_.template take<act_t>(be_, mb, n, "attention k");
+    s.v = saved_.template take<act_t>(be_, mb, n, "attention v");
+    s.o = saved_.template take<act_t>(be_, mb, n, "attention output");
+    s.lse = saved_.template take<float>(be_, mb, args.lse_elements(), "attention lse");
     act_t* parts[3] = {s.q.data(), s.k.data(), s.v.data()};
     for (int g = 0; g < 3; ++g) be_.rows_to_heads(heads, qkv.data() + g * cl, 3 * cl, parts[g]);
     be_.attention_forward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
@@ -127,15 +131,27 @@ class CausalSelfAttention {
   }
   std::size_t saved_microbatches() const { return store_.size() + c_attn_.saved_microbatches() + c_proj_.saved_microbatches(); }
 
+  void set_saved_memory(SavedMemory<B> m) {
+    saved_ = m;
+    c_attn_.set_saved_memory(m);
+    c_proj_.set_saved_memory(m);
+  }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    const auto args = attention_args(shape);
+    return 4 * saved_size<act_t>(args.q_elements()) + saved_size<float>(args.lse_elements()) +
+           c_attn_.saved_bytes(shape) + c_proj_.saved_bytes(shape);
+  }
+
  private:
   struct Saved {
-    typename B::template buffer<act_t> q, k, v, o;  // (batch, local_heads, seq, head_dim)
-    typename B::template buffer<float> lse;         // (batch, local_heads, seq)
+    SavedTensor<B, act_t> q, k, v, o;  // (batch, local_heads, seq, head_dim)
+    SavedTensor<B, float> lse;         // (batch, local_heads, seq)
   };
 
+  // Temporaries of one call, written in full before they are read: not zeroed.
   template <class T>
   typename B::template buffer<T> allocate(index_t n) const {
-    return be_.template allocate<T>(static_cast<std::size_t>(n));
+    return be_.template scratch<T>(static_cast<std::size_t>(n));
   }
   kernels::AttentionArgs attention_args(const TokenShape& shape) const {
     kernels::AttentionArgs a;
@@ -155,6 +171,7 @@ class CausalSelfAttention {
   ColumnParallelLinear<C, B> c_attn_;
   RowParallelLinear<C, B> c_proj_;
   TensorParallel<C> tp_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

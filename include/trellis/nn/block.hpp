@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/attention.hpp"
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/layernorm.hpp"
@@ -81,7 +82,7 @@ class TransformerBlock {
     Saved& s = store_.create(mb);
     s.rows = tp_.local_rows(shape);
     if (cfg_.recompute) {
-      s.input = allocate(s.rows * cfg_.width);
+      s.input = saved_.template take<act_t>(be_, mb, s.rows * cfg_.width, "TransformerBlock input (recompute)");
       be_.copy(s.input.data(), x, s.input.size());
       run_forward(mb, shape, x, y);
       release_sublayers(mb);
@@ -157,14 +158,32 @@ class TransformerBlock {
            mlp_.saved_microbatches();
   }
 
+  // Where saved tensors go (nn/activation_arena.hpp). With recompute only the block input is
+  // saved there; the state the backward recomputes is the sublayers' own, held from this block's
+  // B to its W (one block at a time in GptModel::backward).
+  void set_saved_memory(SavedMemory<B> m) {
+    saved_ = m;
+    if (cfg_.recompute) return;
+    ln_1_.set_saved_memory(m);
+    attn_.set_saved_memory(m);
+    ln_2_.set_saved_memory(m);
+    mlp_.set_saved_memory(m);
+  }
+  // Bytes one microbatch saves in the arena (forward and backward_input together).
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    if (cfg_.recompute) return saved_size<act_t>(tp_.local_rows(shape) * cfg_.width);
+    return ln_1_.saved_bytes(shape) + attn_.saved_bytes(shape) + ln_2_.saved_bytes(shape) + mlp_.saved_bytes(shape);
+  }
+
  private:
   struct Saved {
     index_t rows = 0;
-    typename B::template buffer<act_t> input;  // with recompute: the block input
+    SavedTensor<B, act_t> input;  // with recompute: the block input
   };
 
+  // Temporaries of one call, written in full before they are read: not zeroed.
   typename B::template buffer<act_t> allocate(index_t n) const {
-    return be_.template allocate<act_t>(static_cast<std::size_t>(n));
+    return be_.template scratch<act_t>(static_cast<std::size_t>(n));
   }
 
   void run_forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
@@ -201,6 +220,7 @@ class TransformerBlock {
   Mlp<C, B> mlp_;
   Dropout drop_attn_, drop_mlp_;
   PassNames names_, attn_names_, mlp_names_;  // backend ranges (NVTX on CUDA)
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

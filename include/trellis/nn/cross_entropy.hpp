@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "trellis/backend/host.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/operand.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
@@ -70,23 +71,25 @@ class VocabParallelLMHeadLoss {
     s.scale = static_cast<float>(1.0 / token_count);
     std::vector<std::int32_t> row_targets(static_cast<std::size_t>(rows));
     for (index_t r = 0; r < rows; ++r) row_targets[r] = targets[(r % Bt) * T + r / Bt];
-    s.targets = be_.template allocate<std::int32_t>(row_targets.size());
+    s.targets = saved_.template take<std::int32_t>(be_, mb, rows, "loss targets");
     be_.upload(s.targets.data(), row_targets.data(), row_targets.size());
-    s.h = allocate<act_t>(rows * width_);
-    s.logits = allocate<act_t>(rows * V);
+    s.logits = saved_.template take<act_t>(be_, mb, rows * V, "logits");
     const act_t* w = w_.of(be_, *wte_);
+    const act_t* input = nullptr;  // (rows, width): the (gathered) input
     auto compute = [&](index_t row0, index_t n) {
-      detail::matmul_bt(be_, n, V, width_, s.h.data() + row0 * width_, w, s.logits.data() + row0 * V);
+      detail::matmul_bt(be_, n, V, width_, input + row0 * width_, w, s.logits.data() + row0 * V);
     };
-    if (tp_.sequence_parallel) {
-      detail::gather_rows_then(tp_, be_, h, tp_.local_rows(shape), width_, s.h.data(), compute);
-      if (tp_.size() > 1) {  // keep this rank's rows only; re-gathered in backward_input
-        s.h_local = allocate<act_t>(tp_.local_rows(shape) * width_);
-        be_.copy(s.h_local.data(), h, s.h_local.size());
-        s.h = {};
-      }
+    if (gathers()) {  // keep this rank's rows only; the gathered input is scratch, re-gathered in backward_input
+      const index_t local = tp_.local_rows(shape);
+      s.h_local = saved_.template take<act_t>(be_, mb, local * width_, "LM head input shard");
+      be_.copy(s.h_local.data(), h, s.h_local.size());
+      auto full = allocate<act_t>(rows * width_);
+      input = full.data();
+      detail::gather_rows_then(tp_, be_, h, local, width_, full.data(), compute);
     } else {
+      s.h = saved_.template take<act_t>(be_, mb, rows * width_, "LM head input");
       be_.copy(s.h.data(), h, s.h.size());
+      input = s.h.data();
       compute(0, rows);
     }
     auto row_max = allocate<float>(rows), stats = allocate<float>(2 * rows);
@@ -96,7 +99,7 @@ class VocabParallelLMHeadLoss {
     be_.xent_partial_target(rows, V, V, s.logits.data(), s.targets.data(), vocab_start_, stats.data() + rows);
     if (tp_.size() > 1) tp_.comm->all_reduce(stats.data(), stats.data(), stats.size(), comm::ReduceOp::sum);
     auto loss = allocate<float>(rows);
-    s.lse = allocate<float>(rows);
+    s.lse = saved_.template take<float>(be_, mb, rows, "loss lse");
     be_.xent_finish(rows, row_max.data(), stats.data(), stats.data() + rows, s.targets.data(), loss.data(),
                     s.lse.data());
     return be_.sum(loss.data(), loss.size()) / token_count;
@@ -114,7 +117,7 @@ class VocabParallelLMHeadLoss {
       detail::matmul(be_, n, width_, V, s.logits.data() + row0 * V, w, dst);
     };
     if (!s.h_local.empty()) {
-      s.h = allocate<act_t>(rows * width_);
+      s.h = saved_.template take<act_t>(be_, mb, rows * width_, "LM head gathered input");
       auto regather = tp_.comm->all_gather_async(s.h_local.data(), s.h.data(), s.h_local.size());
       detail::produce_then_reduce_scatter(tp_, be_, tp_.local_rows(shape), width_, dh, produce);
       regather.wait();
@@ -136,27 +139,43 @@ class VocabParallelLMHeadLoss {
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
+  // Where saved tensors go (nn/activation_arena.hpp), and the bytes one microbatch saves: the
+  // logits (turned into their gradient in place), the input rows, targets and lse.
+  void set_saved_memory(SavedMemory<B> m) { saved_ = m; }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    const index_t rows = shape.rows();
+    std::size_t bytes = saved_size<std::int32_t>(rows) + saved_size<act_t>(rows * vocab_local_) +
+                        saved_size<act_t>(rows * width_) + saved_size<float>(rows);
+    if (gathers()) bytes += saved_size<act_t>(tp_.local_rows(shape) * width_);
+    return bytes;
+  }
+
  private:
+  bool gathers() const { return tp_.sequence_parallel && tp_.size() > 1; }
+
+  // Temporaries of one call, written in full before they are read (the padding columns of
+  // logits()'s blocks travel unset and are never copied out): not zeroed.
   template <class T>
   typename B::template buffer<T> allocate(index_t n) const {
-    return be_.template allocate<T>(static_cast<std::size_t>(n));
+    return be_.template scratch<T>(static_cast<std::size_t>(n));
   }
 
   struct Saved {
     index_t rows = 0;
     float scale = 0.0f;
     bool backward_done = false;
-    typename B::template buffer<std::int32_t> targets;  // (rows) in row order
-    typename B::template buffer<act_t> h;        // (rows, width): gathered input (sp: from backward_input on)
-    typename B::template buffer<act_t> h_local;  // (local_rows, width): sp, until backward_input
-    typename B::template buffer<act_t> logits;   // (rows, vocab_local): logits, then d logits
-    typename B::template buffer<float> lse;      // (rows)
+    SavedTensor<B, std::int32_t> targets;  // (rows) in row order
+    SavedTensor<B, act_t> h;        // (rows, width): the input (sp over tp > 1: gathered again at backward_input)
+    SavedTensor<B, act_t> h_local;  // (local_rows, width): sp, until backward_input
+    SavedTensor<B, act_t> logits;   // (rows, vocab_local): logits, then d logits
+    SavedTensor<B, float> lse;      // (rows)
   };
   Parameter* wte_;
   index_t vocab_start_, width_, vocab_local_ = 0;
   TensorParallel<C> tp_;
   B be_;
   Operand<B> w_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

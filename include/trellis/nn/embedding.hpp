@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "trellis/backend/host.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
@@ -63,7 +64,7 @@ class VocabParallelEmbedding {
                             dst);
     });
     const auto positions = upload(position_ids(step.start * step.batch, rows, step.batch));
-    auto pos = be_.template allocate<act_t>(static_cast<std::size_t>(rows * width_));
+    auto pos = be_.template scratch<act_t>(static_cast<std::size_t>(rows * width_));
     be_.embedding_forward(position_args(rows), positions.data(), wpe_.value.data(), static_cast<const float*>(nullptr),
                           pos.data());
     be_.add(rows * width_, y, pos.data(), y);
@@ -80,7 +81,8 @@ class VocabParallelEmbedding {
     Saved& s = store_.create(mb);
     std::vector<std::int32_t> row_tokens(static_cast<std::size_t>(Bt * T));
     for (index_t r = 0; r < Bt * T; ++r) row_tokens[r] = tokens[(r % Bt) * T + r / Bt];
-    s.row_tokens = upload(row_tokens);
+    s.row_tokens = saved_.template take<std::int32_t>(be_, mb, Bt * T, "embedding token ids");
+    be_.upload(s.row_tokens.data(), row_tokens.data(), row_tokens.size());
     auto produce = [&](index_t row0, index_t n, act_t* dst) {
       be_.embedding_forward(token_args(n), s.row_tokens.data() + row0, wte_.value.data(),
                             static_cast<const float*>(nullptr), dst);
@@ -89,7 +91,7 @@ class VocabParallelEmbedding {
     else detail::produce_then_all_reduce(tp_, Bt * T, width_, y, produce);
     const index_t first = tp_.sequence_parallel ? tp_.rank() * local : 0;
     const auto positions = upload(position_ids(first, local, Bt));
-    auto pos = be_.template allocate<act_t>(static_cast<std::size_t>(local * width_));
+    auto pos = be_.template scratch<act_t>(static_cast<std::size_t>(local * width_));
     be_.embedding_forward(position_args(local), positions.data(), wpe_.value.data(),
                           static_cast<const float*>(nullptr), pos.data());
     be_.add(local * width_, y, pos.data(), y);
@@ -101,7 +103,7 @@ class VocabParallelEmbedding {
     const index_t local = tp_.local_rows(shape);
     s.batch = shape.batch;
     s.seq = shape.seq;
-    s.dy = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * width_));
+    s.dy = saved_.template take<act_t>(be_, mb, shape.rows() * width_, "embedding output gradient");
     if (tp_.sequence_parallel) detail::gather_rows_then(tp_, be_, dy, local, width_, s.dy.data(), [](index_t, index_t) {});
     else be_.copy(s.dy.data(), dy, s.dy.size());
   }
@@ -120,11 +122,16 @@ class VocabParallelEmbedding {
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
+  void set_saved_memory(SavedMemory<B> m) { saved_ = m; }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    return saved_size<std::int32_t>(shape.rows()) + saved_size<act_t>(shape.rows() * width_);
+  }
+
  private:
   using ids = typename B::template buffer<std::int32_t>;
 
   ids upload(const std::vector<std::int32_t>& host) const {
-    auto out = be_.template allocate<std::int32_t>(host.size());
+    auto out = be_.template scratch<std::int32_t>(host.size());
     be_.upload(out.data(), host.data(), host.size());
     return out;
   }
@@ -156,15 +163,16 @@ class VocabParallelEmbedding {
   }
 
   struct Saved {
-    ids row_tokens;  // ids in row order (row = t * batch + b)
+    SavedTensor<B, std::int32_t> row_tokens;  // ids in row order (row = t * batch + b)
     index_t batch = 0, seq = 0;
-    typename B::template buffer<act_t> dy;  // (rows, width): full output gradient
+    SavedTensor<B, act_t> dy;  // (rows, width): full output gradient
   };
   index_t vocab_, positions_, width_;
   TensorParallel<C> tp_;
   B be_;
   shard::Chunk rows_;
   Parameter wte_, wpe_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "trellis/comm/mesh.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/block.hpp"
 #include "trellis/nn/cross_entropy.hpp"
 #include "trellis/nn/dropout.hpp"
@@ -251,6 +252,7 @@ class GptModel {
       }
       unit_done(unit++);
     }
+    saved_.release(mb);
   }
   // Units of backward_weight and the parameters of each (in packing order; wte in none).
   int weight_units() const {
@@ -271,8 +273,6 @@ class GptModel {
     return out;
   }
 
-  // Drops microbatch mb's saved activations without computing gradients (after a forward used
-  // only for evaluation).
   // Scratch the backend's kernels need for microbatches of `shape` (CUB style, asked at set-up):
   // the largest of the norms' backward (rows x width), the attention backward (this rank's heads)
   // and the bias-gradient column sums (rows x 4 width, the widest bias). Full rows and full widths
@@ -292,6 +292,8 @@ class GptModel {
   }
   void reserve_workspace(const TokenShape& shape) { be_.reserve_workspace(workspace_bytes(shape)); }
 
+  // Drops microbatch mb's saved activations without computing gradients (after a forward used
+  // only for evaluation).
   void release(int mb) {
     if (head_) {
       head_->release(mb);
@@ -299,6 +301,27 @@ class GptModel {
     }
     for (auto& b : blocks_) b->release(mb);
     if (embedding_) embedding_->release(mb);
+    saved_.release(mb);
+  }
+
+  // Saved activations (nn/activation_arena.hpp): every layer of this stage keeps what a microbatch
+  // saves in `pool` of `arena`, a slot per microbatch, freed after the microbatch's last W (or
+  // release). saved_bytes(shape) is one microbatch's slot: the sum of the layers' formulas.
+  // Unbound (the default), layers hold their own buffers.
+  void set_saved_memory(ActivationArena<B>* arena, int pool) {
+    saved_ = SavedMemory<B>(arena, pool);
+    if (embedding_) embedding_->set_saved_memory(saved_);
+    for (auto& b : blocks_) b->set_saved_memory(saved_);
+    if (ln_f_) ln_f_->set_saved_memory(saved_);
+    if (head_) head_->set_saved_memory(saved_);
+  }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    std::size_t bytes = 0;
+    if (embedding_) bytes += embedding_->saved_bytes(shape);
+    for (auto& b : blocks_) bytes += b->saved_bytes(shape);
+    if (ln_f_) bytes += ln_f_->saved_bytes(shape);
+    if (head_) bytes += head_->saved_bytes(shape);
+    return bytes;
   }
 
   // Microbatch states still held anywhere in the stage (0 after every W: no leak).
@@ -406,10 +429,12 @@ class GptModel {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
       be_.copy(dinput, g.data(), g.size());
     }
+    if (with_weights) saved_.release(mb);
   }
 
+  // Temporaries of one call, written in full before they are read: not zeroed.
   typename B::template buffer<act_t> allocate(index_t n) const {
-    return be_.template allocate<act_t>(static_cast<std::size_t>(n));
+    return be_.template scratch<act_t>(static_cast<std::size_t>(n));
   }
 
   void init_parameters() {
@@ -438,6 +463,7 @@ class GptModel {
   Parameter* shared_wte_ = nullptr;  // the embedding stage's wte on this rank (not ours)
   std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
   ParameterBuffer<B> buffer_;
+  SavedMemory<B> saved_;
 };
 
 // This rank's GPT-2 stage on a device mesh: tensor parallel over mesh.comm<tp>(); with a pp axis,

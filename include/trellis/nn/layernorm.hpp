@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "trellis/backend/host.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
 
@@ -38,7 +39,7 @@ class LayerNorm {
 
   // Inference (decoding): y = LayerNorm(x) on `rows` rows; nothing is saved.
   void infer(index_t rows, const act_t* x, act_t* y) const {
-    auto stats = be_.template allocate<float>(static_cast<std::size_t>(2 * rows));  // mean, rstd
+    auto stats = be_.template scratch<float>(static_cast<std::size_t>(2 * rows));  // mean, rstd
     be_.layernorm_forward(rows, dim_, x, weight_.value.data(), bias_.value.data(), y, stats.data(),
                           stats.data() + rows, eps_);
   }
@@ -47,10 +48,10 @@ class LayerNorm {
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
     s.rows = tp_.local_rows(shape);
-    s.x = be_.template allocate<act_t>(static_cast<std::size_t>(s.rows * dim_));
+    s.x = saved_.template take<act_t>(be_, mb, s.rows * dim_, "LayerNorm input");
     be_.copy(s.x.data(), x, s.x.size());
-    s.mean = be_.template allocate<float>(static_cast<std::size_t>(s.rows));
-    s.rstd = be_.template allocate<float>(static_cast<std::size_t>(s.rows));
+    s.mean = saved_.template take<float>(be_, mb, s.rows, "LayerNorm mean");
+    s.rstd = saved_.template take<float>(be_, mb, s.rows, "LayerNorm rstd");
     be_.layernorm_forward(s.rows, dim_, s.x.data(), weight_.value.data(), bias_.value.data(), y, s.mean.data(),
                           s.rstd.data(), eps_);
   }
@@ -59,7 +60,8 @@ class LayerNorm {
   void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
     Saved& s = store_.at(mb, "LayerNorm::backward_input");
     TRELLIS_CHECK(s.rows == tp_.local_rows(shape), "LayerNorm::backward_input: token shape differs from forward");
-    s.dwb = be_.template allocate<float>(static_cast<std::size_t>(2 * dim_));
+    s.dwb = saved_.template take<float>(be_, mb, 2 * dim_, "LayerNorm weight gradients");
+    be_.fill_zero(s.dwb.data(), s.dwb.size());  // the kernel adds into dweight and dbias
     be_.layernorm_backward(s.rows, dim_, dy, s.x.data(), weight_.value.data(), s.mean.data(), s.rstd.data(), dx,
                            s.dwb.data(), s.dwb.data() + dim_, false);
   }
@@ -76,18 +78,26 @@ class LayerNorm {
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
+  // Where saved tensors go (nn/activation_arena.hpp), and how many bytes one microbatch saves.
+  void set_saved_memory(SavedMemory<B> m) { saved_ = m; }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    const index_t rows = tp_.local_rows(shape);
+    return saved_size<act_t>(rows * dim_) + 2 * saved_size<float>(rows) + saved_size<float>(2 * dim_);
+  }
+
  private:
   struct Saved {
     index_t rows = 0;
-    typename B::template buffer<act_t> x;
-    typename B::template buffer<float> mean, rstd;
-    typename B::template buffer<float> dwb;  // (2, dim): this microbatch's weight and bias gradients
+    SavedTensor<B, act_t> x;
+    SavedTensor<B, float> mean, rstd;
+    SavedTensor<B, float> dwb;  // (2, dim): this microbatch's weight and bias gradients
   };
   index_t dim_;
   float eps_;
   TensorParallel<C> tp_;
   B be_;
   Parameter weight_, bias_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

@@ -23,6 +23,7 @@
 
 #include "trellis/backend/host.hpp"
 #include "trellis/kernels/epilogue.hpp"
+#include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/operand.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
@@ -98,13 +99,13 @@ class ColumnParallelLinear {
     Saved& s = store_.create(mb);
     const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), in = cfg_.in;
     s.rows = rows;
-    s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in));
     if (cfg_.activation == Activation::gelu_tanh)
-      s.pre = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out_local_));
+      s.pre = saved_.template take<act_t>(be_, mb, rows * out_local_, "ColumnParallelLinear pre-activation");
     const act_t* w = w_.of(be_, weight_);
     const act_t* b = cfg_.bias ? b_.of(be_, bias_) : nullptr;
+    const act_t* input = nullptr;  // (rows, in): the (gathered) input
     auto compute = [&](index_t row0, index_t n) {
-      const act_t* xr = s.x.data() + row0 * in;
+      const act_t* xr = input + row0 * in;
       act_t* yr = y + row0 * out_local_;
       if (cfg_.activation == Activation::gelu_tanh) {
         kernels::epilogue::BiasGelu<act_t> ep{b, s.pre.data() + row0 * out_local_};
@@ -115,17 +116,18 @@ class ColumnParallelLinear {
         detail::matmul(be_, n, out_local_, in, xr, w, yr);
       }
     };
-    if (tp_.sequence_parallel) {
-      detail::gather_rows_then(tp_, be_, x, local, in, s.x.data(), compute);
-      if (tp_.size() > 1) {
-        // Megatron: keep only this rank's rows; backward_input gathers them again, overlapped
-        // with its dX product.
-        s.x_local = be_.template allocate<act_t>(static_cast<std::size_t>(local * in));
-        be_.copy(s.x_local.data(), x, s.x_local.size());
-        s.x = {};
-      }
+    if (gathers()) {
+      // Megatron: keep only this rank's rows; the gathered input is scratch, and backward_input
+      // gathers it again, overlapped with its dX product.
+      s.x_local = saved_.template take<act_t>(be_, mb, local * in, "ColumnParallelLinear input shard");
+      be_.copy(s.x_local.data(), x, s.x_local.size());
+      auto full = be_.template scratch<act_t>(static_cast<std::size_t>(rows * in));
+      input = full.data();
+      detail::gather_rows_then(tp_, be_, x, local, in, full.data(), compute);
     } else {
+      s.x = saved_.template take<act_t>(be_, mb, rows * in, "ColumnParallelLinear input");
       be_.copy(s.x.data(), x, static_cast<std::size_t>(rows * in));
+      input = s.x.data();
       compute(0, rows);
     }
   }
@@ -135,18 +137,20 @@ class ColumnParallelLinear {
     Saved& s = store_.at(mb, "ColumnParallelLinear::backward_input");
     const index_t rows = s.rows, local = tp_.local_rows(shape), in = cfg_.in;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "ColumnParallelLinear::backward_input: token shape differs from forward");
-    s.dz = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out_local_));
-    if (cfg_.activation == Activation::gelu_tanh)
-      be_.gelu_backward(rows * out_local_, s.pre.data(), dy, s.dz.data());
-    else
+    if (cfg_.activation == Activation::gelu_tanh) {  // in place: dz overwrites the pre-activation (llm.c)
+      be_.gelu_backward(rows * out_local_, s.pre.data(), dy, s.pre.data());
+      s.dz = std::move(s.pre);
+    } else {
+      s.dz = saved_.template take<act_t>(be_, mb, rows * out_local_, "ColumnParallelLinear output gradient");
       be_.copy(s.dz.data(), dy, s.dz.size());
+    }
     s.backward_done = true;
     const act_t* w = w_.of(be_, weight_);
     auto produce = [&](index_t row0, index_t n, act_t* dst) {
       detail::matmul_bt(be_, n, in, out_local_, s.dz.data() + row0 * out_local_, w, dst);
     };
     if (!s.x_local.empty()) {
-      s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in));
+      s.x = saved_.template take<act_t>(be_, mb, rows * in, "ColumnParallelLinear gathered input");
       auto regather = tp_.comm->all_gather_async(s.x_local.data(), s.x.data(), s.x_local.size());
       detail::produce_then_reduce_scatter(tp_, be_, local, in, dx, produce);
       regather.wait();
@@ -170,15 +174,27 @@ class ColumnParallelLinear {
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
+  // Where saved tensors go (nn/activation_arena.hpp), and how many bytes one microbatch saves
+  // (forward and backward_input together).
+  void set_saved_memory(SavedMemory<B> m) { saved_ = m; }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    const index_t rows = tp_.full_rows(shape), in = cfg_.in;
+    std::size_t bytes = saved_size<act_t>(rows * out_local_);               // pre (GELU), else dz
+    if (gathers()) bytes += saved_size<act_t>(tp_.local_rows(shape) * in);  // x_local, then x at B
+    return bytes + saved_size<act_t>(rows * in);
+  }
+
  private:
-  using buffer = typename B::template buffer<act_t>;
+  // Sequence parallel over more than one rank: the input arrives as row shards.
+  bool gathers() const { return tp_.sequence_parallel && tp_.size() > 1; }
+
   struct Saved {
     index_t rows = 0;
     bool backward_done = false;
-    buffer x;        // (rows, in): the (gathered) input, from backward_input on under sp
-    buffer x_local;  // (local_rows, in): under sp, this rank's input rows until backward_input
-    buffer pre;      // (rows, local_out): pre-activation, with GELU
-    buffer dz;       // (rows, local_out): grad of the pre-activation output
+    SavedTensor<B, act_t> x;        // (rows, in): the input; under sp (gathers()) from backward_input on
+    SavedTensor<B, act_t> x_local;  // (local_rows, in): under sp, this rank's input rows
+    SavedTensor<B, act_t> pre;      // (rows, local_out): pre-activation, with GELU
+    SavedTensor<B, act_t> dz;       // (rows, local_out): grad of the pre-activation output (GELU: in pre's memory)
   };
   LinearConfig cfg_;
   TensorParallel<C> tp_;
@@ -186,6 +202,7 @@ class ColumnParallelLinear {
   index_t group_local_ = 0, out_local_ = 0;
   Parameter weight_, bias_;
   Operand<B> w_, b_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 
@@ -235,7 +252,7 @@ class RowParallelLinear {
     Saved& s = store_.create(mb);
     const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), out = cfg_.out;
     s.rows = rows;
-    s.x = be_.template allocate<act_t>(static_cast<std::size_t>(rows * in_local_));
+    s.x = saved_.template take<act_t>(be_, mb, rows * in_local_, "RowParallelLinear input");
     be_.copy(s.x.data(), x, s.x.size());
     const act_t* w = w_.of(be_, weight_);
     // The bias joins tp rank 0's partial sums, so the reduction adds it exactly once.
@@ -254,7 +271,7 @@ class RowParallelLinear {
     Saved& s = store_.at(mb, "RowParallelLinear::backward_input");
     const index_t rows = s.rows, local = tp_.local_rows(shape), out = cfg_.out;
     TRELLIS_CHECK(rows == tp_.full_rows(shape), "RowParallelLinear::backward_input: token shape differs from forward");
-    s.dy = be_.template allocate<act_t>(static_cast<std::size_t>(rows * out));
+    s.dy = saved_.template take<act_t>(be_, mb, rows * out, "RowParallelLinear output gradient");
     s.backward_done = true;
     const act_t* w = w_.of(be_, weight_);
     auto compute = [&](index_t row0, index_t n) {
@@ -278,13 +295,18 @@ class RowParallelLinear {
   void release(int mb) { store_.erase(mb); }
   std::size_t saved_microbatches() const { return store_.size(); }
 
+  void set_saved_memory(SavedMemory<B> m) { saved_ = m; }
+  std::size_t saved_bytes(const TokenShape& shape) const {
+    const index_t rows = tp_.full_rows(shape);
+    return saved_size<act_t>(rows * in_local_) + saved_size<act_t>(rows * cfg_.out);
+  }
+
  private:
-  using buffer = typename B::template buffer<act_t>;
   struct Saved {
     index_t rows = 0;
     bool backward_done = false;
-    buffer x;   // (rows, local_in)
-    buffer dy;  // (rows, out): the full (gathered) output gradient
+    SavedTensor<B, act_t> x;   // (rows, local_in)
+    SavedTensor<B, act_t> dy;  // (rows, out): the full (gathered) output gradient
   };
   LinearConfig cfg_;
   TensorParallel<C> tp_;
@@ -292,6 +314,7 @@ class RowParallelLinear {
   index_t in_local_ = 0;
   Parameter weight_, bias_;
   Operand<B> w_, b_;
+  SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };
 

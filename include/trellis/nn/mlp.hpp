@@ -31,17 +31,17 @@ class Mlp {
 
   // Inference (decoding): whole rows, nothing saved.
   void infer(index_t rows, const act_t* x, act_t* y) {
-    auto h = be_.template allocate<act_t>(static_cast<std::size_t>(rows * c_fc_.local_out_features()));
+    auto h = be_.template scratch<act_t>(static_cast<std::size_t>(rows * c_fc_.local_out_features()));
     c_fc_.infer(rows, x, h.data());
     c_proj_.infer(rows, h.data(), y);
   }
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
-    auto h = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
+    auto h = be_.template scratch<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
     c_fc_.forward(mb, shape, x, h.data());
     c_proj_.forward(mb, shape, h.data(), y);
   }
   void backward_input(int mb, const TokenShape& shape, const act_t* dy, act_t* dx) {
-    auto dh = be_.template allocate<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
+    auto dh = be_.template scratch<act_t>(static_cast<std::size_t>(shape.rows() * c_fc_.local_out_features()));
     c_proj_.backward_input(mb, shape, dy, dh.data());
     c_fc_.backward_input(mb, shape, dh.data(), dx);
   }
@@ -54,6 +54,11 @@ class Mlp {
     c_proj_.release(mb);
   }
   std::size_t saved_microbatches() const { return c_fc_.saved_microbatches() + c_proj_.saved_microbatches(); }
+  void set_saved_memory(SavedMemory<B> m) {
+    c_fc_.set_saved_memory(m);
+    c_proj_.set_saved_memory(m);
+  }
+  std::size_t saved_bytes(const TokenShape& shape) const { return c_fc_.saved_bytes(shape) + c_proj_.saved_bytes(shape); }
 
  private:
   B be_;

@@ -143,7 +143,7 @@ void gather_rows_then(TensorParallel<C>& tp, const B& be, const T* local, index_
   inflight.reserve(static_cast<std::size_t>(chunks));
   auto start = [&](int j) {
     const auto c = row_chunk(local_rows, chunks, j);
-    staging.push_back(be.template allocate<T>(static_cast<std::size_t>(n * c.size * width)));
+    staging.push_back(be.template scratch<T>(static_cast<std::size_t>(n * c.size * width)));
     inflight.push_back(tp.comm->all_gather_async(local + c.offset * width, staging.back().data(),
                                                  static_cast<std::size_t>(c.size * width)));
   };
@@ -173,7 +173,7 @@ void produce_then_reduce_scatter(TensorParallel<C>& tp, const B& be, index_t loc
   }
   const int chunks = effective_chunks(tp.overlap_chunks, local_rows);
   if (chunks == 1) {
-    auto partial = be.template allocate<T>(static_cast<std::size_t>(n * local_rows * width));
+    auto partial = be.template scratch<T>(static_cast<std::size_t>(n * local_rows * width));
     produce(index_t{0}, n * local_rows, partial.data());
     tp.comm->reduce_scatter(partial.data(), local, static_cast<std::size_t>(local_rows * width), comm::ReduceOp::sum);
     return;
@@ -184,7 +184,7 @@ void produce_then_reduce_scatter(TensorParallel<C>& tp, const B& be, index_t loc
   inflight.reserve(static_cast<std::size_t>(chunks));
   for (int j = 0; j < chunks; ++j) {
     const auto c = row_chunk(local_rows, chunks, j);
-    staging.push_back(be.template allocate<T>(static_cast<std::size_t>(n * c.size * width)));
+    staging.push_back(be.template scratch<T>(static_cast<std::size_t>(n * c.size * width)));
     for (int r = 0; r < n; ++r) produce(r * local_rows + c.offset, c.size, staging[j].data() + r * c.size * width);
     inflight.push_back(tp.comm->reduce_scatter_async(staging[j].data(), local + c.offset * width,
                                                      static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));

@@ -39,6 +39,9 @@ struct Simulation {
   std::vector<double> busy;                 // per rank
   std::vector<double> peak_memory;          // per rank, in rank-share microbatch units (see above)
   std::vector<int> peak_chunk_activations;  // per rank, raw count of live (mb, chunk) activations
+  // [rank][chunk]: live microbatches of that chunk alone, at most (how many activation slots the
+  // chunk needs: nn/activation_arena.hpp); their sum over chunks can exceed the rank's joint peak
+  std::vector<std::vector<int>> peak_activations_by_chunk;
   double max_peak_memory = 0;
   int forward_messages = 0;   // activation messages between ranks
   int backward_messages = 0;  // gradient messages between ranks
@@ -63,6 +66,8 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
   out.timeline.stages = p;
   out.peak_memory.assign(static_cast<std::size_t>(p), 0.0);
   out.peak_chunk_activations.assign(static_cast<std::size_t>(p), 0);
+  out.peak_activations_by_chunk.assign(static_cast<std::size_t>(p), std::vector<int>(static_cast<std::size_t>(s.chunks), 0));
+  std::vector<std::vector<int>> live_chunk = out.peak_activations_by_chunk;
   std::vector<double> clock(p, 0.0);
   std::vector<std::size_t> pc(p, 0);
   std::vector<int> live(p, 0);
@@ -100,13 +105,20 @@ Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& co
             posted[r].erase(recv);
           }
           const double cost = static_cast<double>(cost_of(r, a));
+          int& chunk_live = live_chunk[r][static_cast<std::size_t>(a.chunk)];
           if (a.kind == ActionKind::forward) {
             ++live[r];
             out.peak_chunk_activations[r] = std::max(out.peak_chunk_activations[r], live[r]);
+            ++chunk_live;
+            int& chunk_peak = out.peak_activations_by_chunk[r][static_cast<std::size_t>(a.chunk)];
+            chunk_peak = std::max(chunk_peak, chunk_live);
           }
           out.timeline.events.push_back({r, a, clock[r], clock[r] + cost});
           clock[r] += cost;
-          if (a.kind == ActionKind::backward_weight) --live[r];
+          if (a.kind == ActionKind::backward_weight) {
+            --live[r];
+            --chunk_live;
+          }
         }
         ++pc[r];
         --remaining;

@@ -79,6 +79,7 @@
 #include "trellis/optim/zero.hpp"
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/simulate.hpp"
 #include "trellis/pipe/verify.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/checkpoint_model.hpp"
@@ -195,6 +196,7 @@ class Trainer {
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (norm_weight_[i] != 0.0f) norm_spans_.emplace_back(params_[i]->grad.elements());
     }
+    setup_activation_arena(pp_rank);
     // Scratch reserved once, before the first step (CUB style; backend::Cuda refuses growth later).
     for (auto& m : models_) m->reserve_workspace(shape_);
     be_.reserve_workspace(be_.sum_of_squares_workspace(norm_spans_));
@@ -209,6 +211,8 @@ class Trainer {
   const std::vector<nn::Parameter*>& parameters() const { return params_; }
   std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
+  // Where the chunks keep saved activations (nn/activation_arena.hpp): capacity and measured peaks.
+  const nn::ActivationArena<B>& activation_arena() const { return *arena_; }
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
 
@@ -442,6 +446,23 @@ class Trainer {
     dropout.first_sample = static_cast<index_t>(mesh_.template coord<trellis::dp>()) * (cfg_.batch / cfg_.dp);
     dropout.train = train;
     stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout);
+  }
+
+  // One arena pool per chunk: as many slots as the schedule keeps that chunk's microbatches alive
+  // (F to W; the simulator counts them), each one microbatch's saved bytes (GptModel's formula).
+  // pp = 1 runs one microbatch at a time (run_local_loop, evaluate): one slot per chunk.
+  void setup_activation_arena(int pp_rank) {
+    std::vector<int> slots(models_.size(), 1);
+    if (cfg_.pp > 1) slots = pipe::simulate(*schedule_).peak_activations_by_chunk.at(static_cast<std::size_t>(pp_rank));
+    arena_ = std::make_unique<nn::ActivationArena<B>>(be_);
+    std::vector<int> pools;
+    for (std::size_t c = 0; c < models_.size(); ++c) {
+      const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, static_cast<int>(c)) : static_cast<int>(c);
+      pools.push_back(arena_->add_pool("chunk " + std::to_string(c) + " (virtual stage " + std::to_string(vs) + ")",
+                                       models_[c]->saved_bytes(shape_), std::max(1, slots[c])));
+    }
+    arena_->allocate(cfg_.poison_activations);
+    for (std::size_t c = 0; c < models_.size(); ++c) models_[c]->set_saved_memory(arena_.get(), pools[c]);
   }
 
   // pp = 1: per microbatch F through the chunks, then the fused backward (each unit's W right
@@ -750,6 +771,7 @@ class Trainer {
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
   std::optional<pipe::Schedule> schedule_;
+  std::unique_ptr<nn::ActivationArena<B>> arena_;  // saved activations of every chunk
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
   std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;

@@ -48,6 +48,9 @@ struct TrainerConfig {
   // How the pipe executor posts a run of sends/receives (pipe::ExecuteOptions::P2P): unset means
   // isend on host communicators and batch (one group, as NCCL needs) on device ones.
   std::optional<pipe::ExecuteOptions::P2P> p2p{};
+  // Tests: fill each activation-arena slot with NaN when a microbatch claims it, so a saved tensor
+  // read before it is written shows up in the loss (nn/activation_arena.hpp).
+  bool poison_activations = false;
   std::uint64_t seed = 1234;  // Rng streams (one per rank) and dropout masks; the model's init seed is options.seed
 };
 
