@@ -11,7 +11,8 @@
 //  - avg is ncclAvg; half/bfloat16 are ncclFloat16/ncclBfloat16 (NCCL reduces 16-bit data in its
 //    own order and precision, so results may differ from the thread backend in the last bits;
 //    float avg is computed by NCCL as a pre-multiplied sum).
-//  - split is ncclCommSplit; a new communicator keeps the parent's stream, timeout and debug mode.
+//  - split is ncclCommSplit; a new communicator keeps the parent's stream, timeout and debug mode
+//    (in overlap mode: the parent's compute stream, and a communication stream of its own).
 //  - NCCL has no tags: point-to-point messages between a pair of ranks match in issue order; the
 //    tag argument is accepted (for the common API) and ignored.
 //  - debug mode (TRELLIS_COMM_DEBUG=1 or set_debug(true)) all-gathers each rank's OpFingerprint
@@ -20,6 +21,13 @@
 //    calls. A rank that never arrives makes that exchange time out; NCCL gives no partial view,
 //    so the missing rank is not named.
 //  - on a timeout the communicator is aborted (ncclCommAbort) and unusable from then on.
+//  - overlap mode (set_compute_stream(compute)), how a trainer overlaps communication with compute
+//    on a GPU: operations run on the communicator's own high-priority stream, each ordered after
+//    what `compute` holds when it is issued (an event); a blocking call makes `compute` wait for
+//    it, so the caller's later kernels still see its result; an async call's wait() makes
+//    `compute` wait for it and returns at once: the host never blocks, and kernels enqueued
+//    between the call and its wait() run beside the transfer. Errors and timeouts of work waited
+//    for this way surface at the next host synchronisation (synchronize, barrier, a download).
 // Bootstrap: NcclComm::bootstrap(any_communicator, device) broadcasts the ncclUniqueId over an
 // existing communicator (e.g. MpiComm, one process per GPU), or NcclComm::init_all(devices)
 // builds one communicator per local GPU in one process (ncclCommInitAll; drive them from one
@@ -122,6 +130,8 @@ struct NcclCommState {
   cudaStream_t stream = nullptr;        // where operations are enqueued now (set_stream may change it)
   cudaStream_t owned_stream = nullptr;  // the stream this communicator created, destroyed with it
   bool owns_stream = false;
+  cudaStream_t compute = nullptr;       // overlap mode: the stream operations are ordered after
+  cudaStream_t side_stream = nullptr;   // overlap mode: the communication stream (created here)
   int rank = 0;
   int size = 1;
   int device = 0;
@@ -137,7 +147,7 @@ struct NcclCommState {
   NcclCommState& operator=(const NcclCommState&) = delete;
 
   ~NcclCommState() {
-    if (!comm && !scratch && !owns_stream) return;
+    if (!comm && !scratch && !owns_stream && !side_stream) return;
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device);
@@ -151,6 +161,7 @@ struct NcclCommState {
     if (scratch) cudaFree(scratch);
     // Destroy only the stream we created: a stream given by set_stream belongs to the caller.
     if (owns_stream && owned_stream) cudaStreamDestroy(owned_stream);
+    if (side_stream) cudaStreamDestroy(side_stream);
     cudaSetDevice(previous);
   }
 
@@ -266,10 +277,15 @@ class NcclRequest {
   NcclRequest& operator=(const NcclRequest&) = delete;
   ~NcclRequest() { release(); }
 
-  // Blocks the host until the work completed (with the communicator's timeout).
+  // Blocks the host until the work completed (with the communicator's timeout); in overlap mode
+  // (NcclComm::set_compute_stream) makes the compute stream wait for it instead, at once.
   void wait() {
     if (!event_) return;
-    state_->wait_event(event_, call_);
+    if (state_->compute) {
+      TRELLIS_CHECK_CUDA(cudaStreamWaitEvent(state_->compute, event_, 0));
+    } else {
+      state_->wait_event(event_, call_);
+    }
     state_->recorder.completed(call_.seq);
     release();
   }
@@ -393,9 +409,33 @@ class NcclComm {
   const std::string& label() const { return state_->recorder.label(); }
   const FlightRecorder& recorder() const { return state_->recorder; }
 
-  // The stream every later operation is enqueued on (the caller keeps it alive).
-  void set_stream(cudaStream_t stream) { state_->stream = stream; }
+  // The stream every later operation is enqueued on (the caller keeps it alive). Ends overlap mode.
+  void set_stream(cudaStream_t stream) {
+    state_->stream = stream;
+    state_->compute = nullptr;
+  }
   cudaStream_t stream() const { return state_->stream; }
+
+  // Overlap mode (see the header comment): operations on a high-priority stream of this
+  // communicator's own, ordered after `compute`, which waits for them at blocking calls and at
+  // wait(). nullptr ends it (operations go on stream() as before, wait() blocks the host).
+  void set_compute_stream(cudaStream_t compute) {
+    auto& s = *state_;
+    if (!compute) {
+      if (s.compute) s.stream = s.compute;  // back to one stream: the compute stream
+      s.compute = nullptr;
+      return;
+    }
+    if (!s.side_stream) {
+      detail::NcclDeviceScope scope(s.device);
+      int least = 0, greatest = 0;
+      TRELLIS_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      TRELLIS_CHECK_CUDA(cudaStreamCreateWithPriority(&s.side_stream, cudaStreamNonBlocking, greatest));
+    }
+    s.stream = s.side_stream;
+    s.compute = compute;
+  }
+  cudaStream_t compute_stream() const { return state_->compute; }
 
   void set_debug(bool on) { state_->debug = on; }
   bool debug() const { return state_->debug; }
@@ -605,6 +645,7 @@ class NcclComm {
     NcclComm result(sub, device(), stream(), label() + "/split(" + std::to_string(color) + ")");
     result.set_debug(debug());
     result.set_timeout(timeout());
+    if (compute_stream()) result.set_compute_stream(compute_stream());  // a stream of its own
     return result;
   }
 
@@ -624,20 +665,37 @@ class NcclComm {
     if (collective) {
       OpFingerprint shared = call;
       shared.seq = s.collectives++;
-      if (!s.debug || s.size == 1) return call;
-      detail::NcclDeviceScope scope(s.device);
-      try {
-        s.check_fingerprints(shared);
-      } catch (...) {
-        s.recorder.failed(call.seq);
-        throw;
+      if (s.debug && s.size > 1) {
+        detail::NcclDeviceScope scope(s.device);
+        try {
+          s.check_fingerprints(shared);
+        } catch (...) {
+          s.recorder.failed(call.seq);
+          throw;
+        }
       }
     }
+    if (s.compute) stream_waits(s.stream, s.compute);  // overlap mode: after the data's producers
     return call;
   }
 
-  // Stream-ordered calls are "completed" for the recorder once enqueued.
-  void enqueued(const OpFingerprint& call) { state_->recorder.completed(call.seq); }
+  // Stream-ordered calls are "completed" for the recorder once enqueued; in overlap mode the
+  // compute stream waits for a blocking call's work.
+  void enqueued(const OpFingerprint& call) {
+    if (state_->compute) stream_waits(state_->compute, state_->stream);
+    state_->recorder.completed(call.seq);
+  }
+
+  // `waiter` waits (on the device) for what `producer` holds now.
+  void stream_waits(cudaStream_t waiter, cudaStream_t producer) {
+    detail::NcclDeviceScope scope(state_->device);
+    cudaEvent_t event = nullptr;
+    TRELLIS_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    cudaError_t status = cudaEventRecord(event, producer);
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(waiter, event, 0);
+    cudaEventDestroy(event);  // released once completed
+    TRELLIS_CHECK_CUDA(status);
+  }
 
   NcclRequest make_request(const OpFingerprint& call) {
     detail::NcclDeviceScope scope(state_->device);

@@ -116,11 +116,18 @@ class Trainer {
         pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
         rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())),
         be_(std::move(be)) {
-    // A device communicator enqueues on the backend's stream: every collective is ordered after
-    // the kernels that produce its data (one stream; overlapping the dp reductions with compute on
-    // a GPU needs a second stream and events, not built yet). Sets the stream of `world` too.
-    if constexpr (requires(C& c) { c.set_stream(be_.stream()); })
-      for (C* c : {&mesh_.world(), pp_comm_, dp_comm_, tp_comm_, pp_dp_comm_, pp_tp_comm_}) c->set_stream(be_.stream());
+    // A device communicator's operations are ordered after the kernels that produce their data:
+    // on a stream of its own, after the backend's stream by events, which waits for them in turn
+    // (overlap, cfg.comm_stream), or on the backend's stream itself. Sets `world`'s streams too.
+    for (C* c : {&mesh_.world(), pp_comm_, dp_comm_, tp_comm_, pp_dp_comm_, pp_tp_comm_}) {
+      if constexpr (requires(C& x, typename B::stream_type st) { x.set_compute_stream(st); }) {
+        if (cfg_.comm_stream) {
+          c->set_compute_stream(be_.stream());
+          continue;
+        }
+      }
+      if constexpr (requires(C& x, typename B::stream_type st) { x.set_stream(st); }) c->set_stream(be_.stream());
+    }
     const int pp_rank = mesh_.template coord<trellis::pp>();
     int chunks = 1, stages = 1;
     if (cfg_.pp > 1) {

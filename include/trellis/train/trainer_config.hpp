@@ -48,6 +48,11 @@ struct TrainerConfig {
   // How the pipe executor posts a run of sends/receives (pipe::ExecuteOptions::P2P): unset means
   // isend on host communicators and batch (one group, as NCCL needs) on device ones.
   std::optional<pipe::ExecuteOptions::P2P> p2p{};
+  // Device communicators (NCCL): collectives and point-to-point transfers on a stream of each
+  // communicator's own, ordered after the compute stream by events, so dp buckets, ZeRO-1's
+  // reduce-scatters and the tp chunks (options.overlap_chunks) overlap kernels on the GPU
+  // (NcclComm::set_compute_stream). false: everything on the compute stream (no overlap).
+  bool comm_stream = true;
   // Tests: fill each activation-arena slot with NaN when a microbatch claims it, so a saved tensor
   // read before it is written shows up in the loss (nn/activation_arena.hpp).
   bool poison_activations = false;
