@@ -9,8 +9,12 @@
 //  (c) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
 //      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so;
 //  (d) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
-//      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32).
-// (a), (b), Trainer and (d) run round robin, one step each in turn, so a change of load on a shared
+//      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32);
+//  (e) the optimizer's memory floor: the 36 bytes per parameter an fp32 AdamW step moves (zero the
+//      gradients, read them for the norm, AdamW's reads and writes) as plain parallel memcpy. At
+//      256 tokens a step's GEMMs are only ~1.5 kFLOP per parameter, so this traffic is a large
+//      share of any step: "sgemm + memory floor" is what no implementation can beat.
+// (a), (b), Trainer, (d) and (e) run round robin, one step each in turn, so a change of load on a shared
 // machine touches them alike; each side's minimum and median are reported.
 //   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
 //
@@ -26,6 +30,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -36,8 +41,9 @@
 #include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
-#include "trellis/train/flat_trainer.hpp"
+#include "trellis/kernels/thread_pool.hpp"
 #include "trellis/pipe/simulate.hpp"
+#include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/trainer.hpp"
 
 using namespace trellis;
@@ -93,6 +99,29 @@ train::Batch make_batch(index_t rows, index_t seq, index_t vocab, index_t first_
   }
   return b;
 }
+
+// The memory traffic any fp32 AdamW step must make, as plain parallel memcpy: per parameter, the
+// gradient zeroed (4 bytes), read for the global norm (4) and AdamW's reads of p, g, m, v (16) and
+// writes of p, m, v (12): 36 bytes, i.e. 18 bytes copied. Buffers of 128 MiB (far beyond the
+// caches) are copied round and round on the kernel pool's threads.
+struct OptimizerMemoryFloor {
+  explicit OptimizerMemoryFloor(double parameters)
+      : bytes(static_cast<std::size_t>(18.0 * parameters)), src(chunk_bytes, 1), dst(chunk_bytes, 0) {}
+  void run() {
+    const std::size_t chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+    constexpr std::int64_t pieces = 64;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t n = std::min(chunk_bytes, bytes - c * chunk_bytes);
+      kernels::host::parallel_for(pieces, [&](std::int64_t i) {
+        const std::size_t a = n * static_cast<std::size_t>(i) / pieces, b = n * static_cast<std::size_t>(i + 1) / pieces;
+        std::memcpy(dst.data() + a, src.data() + a, b - a);
+      });
+    }
+  }
+  static constexpr std::size_t chunk_bytes = std::size_t{128} << 20;
+  std::size_t bytes;
+  std::vector<unsigned char> src, dst;
+};
 
 struct LayoutResult {
   std::string name;
@@ -297,6 +326,7 @@ int main(int argc, char** argv) {
   // again), so load changes on the shared machine touch each alike; PyTorch runs after them.
   const train::Batch b = make_batch(c.batch, c.seq, c.model.vocab);
   double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, f_min = 0, f_med = 0, h_min = 0, h_med = 0;
+  double mem_s = 0, mem_med = 0, parameters = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
     bench::GptSgemmFloor floor(c.model, static_cast<int>(tokens));
@@ -306,13 +336,17 @@ int main(int argc, char** argv) {
     // Trainer with bf16 compute (fp32 master weights, gradients and AdamW): same step. (Spelled
     // trellis::bfloat16: OpenBLAS' cblas.h declares a global bfloat16 typedef.)
     train::Trainer<comm::ThreadComm, backend::Host<trellis::bfloat16>> bf16(comm, c);
-    std::vector<std::function<void()>> sides = {
-        [&] { floor.run(); }, [&] { trainer.step(b); }, [&] { flat.step(b); }, [&] { bf16.step(b); }};
+    parameters = trainer.global_parameter_count();
+    OptimizerMemoryFloor memory(parameters);
+    std::vector<std::function<void()>> sides = {[&] { floor.run(); },     [&] { trainer.step(b); },
+                                                [&] { flat.step(b); },    [&] { bf16.step(b); },
+                                                [&] { memory.run(); }};
     const auto t = bench::time_round_robin(sides, warmup, iters);
     std::tie(floor_s, floor_med) = t[0];
     std::tie(t_min, t_med) = t[1];
     std::tie(f_min, f_med) = t[2];
     std::tie(h_min, h_med) = t[3];
+    std::tie(mem_s, mem_med) = t[4];
   });
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
@@ -333,6 +367,8 @@ int main(int argc, char** argv) {
                 md / floor_med);
   };
   line("cblas_sgemm floor", floor_s, floor_med);
+  line("optimizer memory floor", mem_s, mem_med);
+  line("sgemm + memory floor", floor_s + mem_s, floor_med + mem_med);
   line("trellis Trainer fp32", t_min, t_med);
   line("trellis FlatTrainer (host)", f_min, f_med);
   line("trellis Trainer bf16 compute", h_min, h_med);
@@ -342,8 +378,12 @@ int main(int argc, char** argv) {
                 torch.note.c_str());
   else
     std::printf("%-30s %s\n", "PyTorch CPU", torch.note.c_str());
+  std::printf("# optimizer memory floor: 36 bytes per parameter (%.1f M parameters) as parallel memcpy: %.1f GB/s\n",
+              parameters / 1e6, 36.0 * parameters / mem_s / 1e9);
   std::printf("# Trainer fp32 / FlatTrainer: %.2f (min), %.2f (median); Trainer bf16 / fp32: %.2f (min)\n",
               t_min / f_min, t_med / f_med, h_min / t_min);
+  std::printf("# Trainer fp32 / (sgemm + memory floor): %.2f (min), %.2f (median)\n", t_min / (floor_s + mem_s),
+              t_med / (floor_med + mem_med));
   if (torch.ok)
     std::printf("# trellis / PyTorch: Trainer %.2f, FlatTrainer %.2f\n", t_min * 1e3 / torch.ms_min,
                 f_min * 1e3 / torch.ms_min);
@@ -362,7 +402,9 @@ int main(int argc, char** argv) {
       .add("trellis_over_flat", t_min / f_min)
       .add("bf16_ms_min", h_min * 1e3)
       .add("bf16_ms_median", h_med * 1e3)
-      .add("bf16_over_floor", h_min / floor_s);
+      .add("bf16_over_floor", h_min / floor_s)
+      .add("memory_floor_ms", mem_s * 1e3)
+      .add("trellis_over_sgemm_and_memory_floor", t_min / (floor_s + mem_s));
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
   report.add(row);
   report.write(bench::json_path(argc, argv));
