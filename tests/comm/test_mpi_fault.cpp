@@ -94,7 +94,7 @@ TEST_CASE("a rank stopped mid-collective: the other names it and the job ends wi
   const double after = seconds_after_fault(run.job, run.out);
   INFO("mpirun exited " << after << " s after rank 1 stopped");
   CHECK(run.job.exit_code() != 0);
-  CHECK(after > 2.0);  // rank 0 waited the timeout
+  CHECK(after > 2.0 - 0.5);  // rank 0 waited the timeout (from its own wait, which may start first)
   CHECK(after < 2.0 + 5.0);
   // One error, from rank 0, naming the call, the timeout and the stopped rank.
   CHECK(count_of(run.out, "trellis: [rank 0]") == 1);
@@ -187,11 +187,11 @@ TEST_CASE("train_gpt --mpi with a rank stopped mid-training exits within the tim
   const double after = static_cast<double>(job.exited_ns() - stopped_ns) * 1e-9;
   INFO("mpirun exited " << after << " s after rank 1 was stopped");
   CHECK(job.exit_code() != 0);
-  CHECK(after > 2.0);
+  CHECK(after > 2.0 - 0.5);
   CHECK(after < 2.0 + 5.0);
   CHECK(count_of(out, "trellis: [rank 0]") == 1);
-  CHECK(std::regex_search(out, std::regex(R"(trellis: \[rank 0\] #[0-9]+ [a-z_]+\([a-z0-9]+, count=[0-9]+.*\) timed )"
-                                          R"(out after 2000 ms on rank 0 of 2 of communicator '[^']+': rank 1 )")));
+  CHECK(std::regex_search(out, std::regex(R"(trellis: \[rank 0\] #[0-9]+ [a-z_]+\(.*\) timed out after 2000 ms )"
+                                          R"(on rank 0 of 2 of communicator '[^']+': rank 1 did not arrive)")));
   check_no_crash(out);
   CHECK(job.rank_ended_within(1, 3s));
 }

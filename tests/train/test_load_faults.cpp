@@ -189,8 +189,9 @@ TEST_CASE("MPI: a corrupt tensor shard makes every process throw the same error"
     std::vector<std::uint8_t> padded(longest), all(longest * 4);
     std::copy(error.begin(), error.end(), padded.begin());
     comm.all_gather(padded.data(), all.data(), longest);
-    for (int r = 0; r < 4; ++r)
-      CHECK(std::string(all.begin() + r * static_cast<long>(longest), all.begin() + (r + 1) * static_cast<long>(longest)) ==
+    const auto width = static_cast<long>(longest);
+    for (long r = 0; r < 4; ++r)
+      CHECK(std::string(all.begin() + r * width, all.begin() + (r + 1) * width) ==
             std::string(padded.begin(), padded.end()));
     comm.barrier();  // rank 0 removes the directory after everyone is done with it
   });

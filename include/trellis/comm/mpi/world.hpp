@@ -5,11 +5,13 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "trellis/comm/mpi/comm.hpp"
@@ -31,7 +33,8 @@ namespace trellis::comm {
 //  - after a fault (fault.hpp: a timeout, or a request abandoned by an exception) the destructor
 //    does not finalise -- MPI_Finalize would progress the abandoned operation into memory freed
 //    since and wait for a stopped rank forever -- but says why on stderr and calls MPI_Abort.
-// A world that does not own MPI leaves both to whoever initialised it: run() rethrows.
+// Without a fault the destructor finalises once every rank has reached it (see there).
+// A world that does not own MPI leaves all this to whoever initialised it: run() rethrows.
 class MpiWorld {
  public:
   MpiWorld() : MpiWorld(nullptr, nullptr) {}
@@ -46,10 +49,20 @@ class MpiWorld {
     MPI_Finalized(&finalized);
     if (finalized) return;
     if (detail::mpi_faulted())
-      abort_job(trellis::detail::concat("trellis: [rank ", rank_, "] MpiWorld: not finalising MPI after a communication fault (",
-                               detail::mpi_fault_description(),
-                               "): an operation abandoned in flight could complete into freed memory, and "
-                               "MPI_Finalize could wait forever for a rank that stopped"));
+      abort_job(trellis::detail::concat(
+          "trellis: [rank ", rank_, "] MpiWorld: not finalising MPI after a communication fault (",
+          detail::mpi_fault_description(),
+          "): an operation abandoned in flight could complete into freed memory, and MPI_Finalize could wait "
+          "forever for a rank that stopped"));
+    // Nobody enters MPI_Finalize before every rank came this far: with one rank inside it while
+    // another called MPI_Abort, OpenMPI 4.1's mpirun crashed or hung in its own teardown (6 of 54
+    // runs of comm.mpi_fault.caught under load). Polled, so that a peer's abort ends this process
+    // here; no deadline, as MPI_Finalize has none.
+    MPI_Request all_here = MPI_REQUEST_NULL;
+    if (MPI_Ibarrier(MPI_COMM_WORLD, &all_here) == MPI_SUCCESS) {
+      for (int done = 0; MPI_Test(&all_here, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done;)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     MPI_Finalize();
   }
 
@@ -79,7 +92,8 @@ class MpiWorld {
       abort_job(trellis::detail::concat("trellis: [rank ", rank_, "] ", e.what()));
     } catch (...) {
       if (!owns_ || size_ == 1) throw;
-      abort_job(trellis::detail::concat("trellis: [rank ", rank_, "] an exception that is not a std::exception left run()"));
+      abort_job(trellis::detail::concat("trellis: [rank ", rank_, "] an exception that is not a std::exception "
+                                        "left run()"));
     }
   }
 
