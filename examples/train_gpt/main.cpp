@@ -41,17 +41,21 @@ int main(int argc, char** argv) {
     if (o.mpi) {
 #if defined(TRELLIS_TRAIN_GPT_MPI)
       comm::MpiWorld world(argc, argv);
-      train_gpt::validate(o, world.size());
-      train_gpt::validate_paths(o, default_corpus());
-      const Data data = load_data(o);
+      train_gpt::validate(o, world.size());  // flags only: the same verdict on every rank
       const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
+      Data data;
       Outcome out;
+      // Everything that can fail on one rank alone (a file missing on its node, a communication
+      // timeout) runs inside run(): MpiWorld prints the error there and ends the whole job
+      // (MPI_Abort) instead of leaving the other ranks waiting for this one.
+      world.run([&](comm::MpiComm& comm) {
+        train_gpt::validate_paths(o, default_corpus());
+        data = load_data(o);
 #if defined(TRELLIS_TRAIN_GPT_CUDA)
-      if (o.backend == "cuda")
-        world.run([&](comm::MpiComm& comm) { run_cuda_mpi(comm, o, data, out); });
-      else
+        if (o.backend == "cuda") return run_cuda_mpi(comm, o, data, out);
 #endif
-        world.run([&](comm::MpiComm& comm) { run_rank(comm, o, data, peak, out); });
+        run_rank(comm, o, data, peak, out);
+      });
       if (world.rank() == 0) final_report(o, data, out);
       return 0;
 #else

@@ -1,7 +1,7 @@
-// MpiWorld the way a program uses it: it initialises MPI itself (MPI_THREAD_MULTIPLE) and
-// finalises it. Rank 1 never joins a collective; the others must get a trellis::Error naming it
-// (debug mode) within the timeout, with their own rank attached by run(); then every process
-// leaves run() and finalises: exit 0 everywhere, no MPI_Abort, no hang (ctest's timeout guards).
+// MpiWorld the way a program uses it: it initialises MPI itself (MPI_THREAD_MULTIPLE), run() sets
+// the rank for errors and hands out the world communicator, and the destructor finalises: every
+// process exits 0. A rank that never joins is comm.mpi_fault.caught (test_mpi_fault.cpp): after a
+// timeout MpiWorld ends the job instead of finalising.
 // Own main (no Catch2): the Catch2 MPI main initialises MPI itself, which is what this test must not do.
 #include <mpi.h>
 
@@ -31,22 +31,12 @@ int main(int argc, char** argv) {
     expect(world.size() >= 2, "needs at least 2 ranks");
     world.run([&](trellis::comm::MpiComm& comm) {
       expect(trellis::current_rank() == world.rank(), "run() did not set the rank for errors");
-      comm.set_debug(true);
-      comm.set_timeout(300ms);
-      if (comm.rank() == 1) return;  // never joins
-      std::vector<float> a(100, 1.0f), b(100);
-      const auto t0 = std::chrono::steady_clock::now();
-      try {
-        comm.all_reduce(a.data(), b.data(), a.size(), trellis::comm::ReduceOp::sum);
-        expect(false, "the missing rank was not detected");
-      } catch (const trellis::Error& e) {
-        const std::string what = e.what();
-        const auto elapsed = std::chrono::steady_clock::now() - t0;
-        expect(e.rank() == world.rank(), "error does not carry this rank: " + what);
-        expect(what.find("[rank " + std::to_string(world.rank()) + "]") != std::string::npos, "no [rank] in: " + what);
-        expect(what.find("rank 1 did not arrive") != std::string::npos, "missing rank not named: " + what);
-        expect(elapsed >= 300ms && elapsed < 10s, "timeout not honoured");
-      }
+      expect(comm.rank() == world.rank() && comm.size() == world.size(), "run() did not give the world communicator");
+      comm.set_timeout(20s);
+      std::vector<float> a(100, static_cast<float>(comm.rank() + 1)), b(100);
+      comm.all_reduce(a.data(), b.data(), a.size(), trellis::comm::ReduceOp::sum);
+      const int n = comm.size();
+      expect(b.front() == static_cast<float>(n * (n + 1) / 2) && b.back() == b.front(), "wrong all_reduce result");
     });
   }
   int finalized = 0;

@@ -23,6 +23,10 @@
 //    plus any rank waiting in a different call.
 // After a timeout the communicator is unusable (the MPI operation may still be in flight and is
 // kept alive, with its staging buffers, until the communicator is destroyed); later calls raise.
+// A timeout, or a pending request destroyed by an exception, is a fault of the process
+// (mpi/fault.hpp): clean-up then makes no MPI call, and an MpiWorld that owns MPI ends the job
+// with MPI_Abort (after printing the error) instead of finalising -- so a stopped or failed rank
+// ends the whole job within the timeout instead of hanging it.
 // Needs MPI (the header's name contains "mpi": built only with trellis::mpi).
 //
 // The pieces, top down (each compiles on its own):
@@ -30,6 +34,7 @@
 //   mpi/comm.hpp         MpiComm: the Communicator (collectives, async, p2p, batch, split)
 //   mpi/request.hpp      MpiRequest: an operation in flight
 //   mpi/comm_state.hpp   shared state; timeouts, arrival queries, debug-mode checks
+//   mpi/fault.hpp        the process-wide fault record (no MPI progress after one)
 //   mpi/pending.hpp      MpiPending: requests, staging buffers, finishing step; polling wait
 //   mpi/environment.hpp  TRELLIS_COMM_DEBUG, TRELLIS_COMM_TIMEOUT_MS
 //   mpi/datatypes.hpp    half/bfloat16 user datatypes and min/max operators, widening, counts

@@ -246,8 +246,9 @@ class SafetensorsFile {
     auto it = metadata_.find(std::string(safetensors_crc_prefix) + e.name);
     if (it != metadata_.end()) {
       std::string got = crc_hex(crc32c(out, e.bytes()));
-      TRELLIS_CHECK(got == it->second, path(), ": checksum mismatch for tensor \"", e.name,
-                    "\" (stored ", it->second, ", computed ", got, "): the file is corrupt");
+      if (got != it->second)
+        TRELLIS_THROW(path(), ": checksum mismatch for tensor \"", e.name, "\" (stored ", it->second, ", computed ",
+                      got, "): the file is corrupt");
     }
   }
   std::vector<std::byte> read(std::string_view name) const {

@@ -7,8 +7,9 @@
 // The data position is a GLOBAL batch index, so a run resumed with another dp size continues
 // with the same global batches. At load the ranks must agree (open_checkpoint_collectively: the
 // same index; check_saved_train_states: the saved ranks fit together; agree_on_train_state: what
-// each rank loaded): otherwise every rank throws the same error naming the checkpoint. Also the
-// GPT-2 parameter names and shapes (docs/checkpoint.md).
+// each rank loaded; read_tensors_collectively: every rank read its tensors, checksums intact):
+// otherwise every rank throws the same error naming the checkpoint. Also the GPT-2 parameter
+// names and shapes (docs/checkpoint.md).
 #pragma once
 
 #include <algorithm>
@@ -244,6 +245,24 @@ void agree_on_train_state(const Checkpoint& ck, const TrainState& mine, C& world
   if (auto twins = detail::same_rng(rngs))
     TRELLIS_THROW(where, ": ranks ", twins->first, " and ", twins->second,
                   " hold the same Rng state after loading; each rank draws its own stream");
+}
+
+// Collective over `world`: runs `read` (this rank's reads of tensors from `ck`), then one status
+// exchange. Each rank reads only its own boxes, so a corrupt shard (CRC32C mismatch), a missing
+// tensor or a failed read is found only by the ranks that read it; the others would go on and
+// wait in a later collective. Instead every rank throws the same Error: the checkpoint, the lowest
+// failing rank and its error (file and tensor), and every rank that failed. Needs a communicator
+// of host memory (thread ranks, MPI; a trainer stages a device one, Trainer::with_host_world).
+template <class C, class F>
+void read_tensors_collectively(const Checkpoint& ck, C& world, F&& read) {
+  const std::vector<std::string> errors = detail::all_gather_strings(world, detail::error_of(std::forward<F>(read)));
+  std::vector<int> failed;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed.push_back(static_cast<int>(r));
+  if (failed.empty()) return;
+  TRELLIS_THROW("checkpoint ", ck.directory().string(), ": rank ", failed[0], " could not read its tensors: ",
+                errors[static_cast<std::size_t>(failed[0])], " (failed on rank", failed.size() > 1 ? "s " : " ",
+                detail::rank_list(failed), " of ", errors.size(), ")");
 }
 
 // AdamW moments of this rank's box of parameter `param`.

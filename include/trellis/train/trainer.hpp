@@ -346,15 +346,23 @@ class Trainer {
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
     with_host_world([&](auto& w) { agree_on_train_state(ck, s, w); });  // collective: a disagreement throws on every rank
-    std::vector<std::vector<float>> m_full(params_.size()), v_full(params_.size());
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      nn::Parameter* p = params_[i];
-      read_parameter_shaped(ck, p->name, *p, p->value.elements(), be_);
-      m_full[i].assign(p->value.size(), 0.0f);
-      v_full[i].assign(p->value.size(), 0.0f);
-      read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, std::span<float>(m_full[i]), backend::Host<float>{});
-      read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, std::span<float>(v_full[i]), backend::Host<float>{});
-    }
+    // Read into host copies first: a corrupt shard is found only by the ranks that read it, so one
+    // status exchange makes every rank throw the same error, before any state of this trainer changed.
+    std::vector<std::vector<float>> values(params_.size()), m_full(params_.size()), v_full(params_.size());
+    with_host_world([&](auto& w) {
+      read_tensors_collectively(ck, w, [&] {
+        for (std::size_t i = 0; i < params_.size(); ++i) {
+          nn::Parameter* p = params_[i];
+          for (auto* full : {&values[i], &m_full[i], &v_full[i]}) full->assign(p->value.size(), 0.0f);
+          const backend::Host<float> host{};
+          read_parameter_shaped(ck, p->name, *p, std::span<float>(values[i]), host);
+          read_parameter_shaped(ck, optim::adamw_m_name(p->name), *p, std::span<float>(m_full[i]), host);
+          read_parameter_shaped(ck, optim::adamw_v_name(p->name), *p, std::span<float>(v_full[i]), host);
+        }
+      });
+    });
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      be_.upload(params_[i]->value.data(), values[i].data(), values[i].size());
     if (cfg_.zero1) {
       for (std::size_t k = 0; k < zpieces_.size(); ++k) {
         const auto& pc = zpieces_[k];

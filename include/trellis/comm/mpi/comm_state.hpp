@@ -20,10 +20,12 @@
 #include <utility>
 #include <vector>
 
+#include "trellis/comm/mpi/fault.hpp"
 #include "trellis/comm/mpi/pending.hpp"
 #include "trellis/comm/recorder.hpp"
 #include "trellis/core/buffer.hpp"
 #include "trellis/core/check_mpi.hpp"
+#include "trellis/core/config.hpp"
 #include "trellis/core/error.hpp"
 
 namespace trellis::comm {
@@ -67,6 +69,13 @@ struct MpiCommState {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    if (mpi_faulted()) {
+      // No MPI call at all (any may progress an abandoned operation into freed memory): what MPI
+      // may still use is leaked, and the communicators are left to MPI_Abort.
+      for (auto& p : abandoned) TRELLIS_LSAN_IGNORE_OBJECT(p.release());
+      for (auto& c : control_sends) TRELLIS_LSAN_IGNORE_OBJECT(c.release());
+      return;
+    }
     for (auto& p : abandoned) {
       int flag = 0;
       if (!p->requests.empty())
@@ -118,8 +127,21 @@ struct MpiCommState {
         << who << ". The communicator is unusable from now on.\n"
         << recorder.dump(8);
     failure = out.str();
+    mpi_record_fault(call.describe() + " timed out after " + std::to_string(timeout.count()) + " ms " + where());
     if (pending) abandoned.push_back(std::move(pending));
     TRELLIS_THROW(failure);
+  }
+
+  // Keeps an operation that is given up while it may be in flight (its request was destroyed by
+  // an exception, or after a fault) and records the fault: nothing waits for it any more.
+  void abandon(std::unique_ptr<MpiPending> pending, const char* why) noexcept {
+    recorder.failed(pending->call.seq);
+    try {
+      mpi_record_fault(pending->call.describe() + " " + why + " " + where());
+      abandoned.push_back(std::move(pending));
+    } catch (...) {
+      TRELLIS_LSAN_IGNORE_OBJECT(pending.release());  // MPI may still use it
+    }
   }
 
   // Waits for a started operation (blocking form) and finishes it.

@@ -5,10 +5,12 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <utility>
 
 #include "trellis/comm/mpi/comm_state.hpp"
+#include "trellis/comm/mpi/fault.hpp"
 #include "trellis/comm/mpi/pending.hpp"
 #include "trellis/core/space.hpp"
 
@@ -17,11 +19,13 @@ namespace trellis::comm {
 // A handle to an MPI operation in flight. wait() blocks until it completes (with the
 // communicator's timeout) and finishes it (16-bit narrowing, avg division); test() polls and
 // finishes it when done. Destroying an unfinished request waits for it (errors are swallowed:
-// call wait() to see them).
+// call wait() to see them) -- except while an exception unwinds through it, or after a fault
+// (fault.hpp): then the operation is abandoned without any MPI call and the fault recorded, since
+// its buffers are about to be freed and its peers may never come (each wait would cost a timeout).
 class MpiRequest {
  public:
   MpiRequest() = default;
-  MpiRequest(MpiRequest&&) noexcept = default;
+  MpiRequest(MpiRequest&& other) noexcept : state_(std::move(other.state_)), pending_(std::move(other.pending_)) {}
   MpiRequest& operator=(MpiRequest&& other) noexcept {
     if (this != &other) {
       drain();
@@ -68,6 +72,14 @@ class MpiRequest {
 
   void drain() noexcept {
     if (!pending_) return;
+    if (std::uncaught_exceptions() > exceptions_) {
+      state_->abandon(std::move(pending_), "was abandoned in flight by an exception");
+      return;
+    }
+    if (detail::mpi_faulted()) {
+      state_->abandon(std::move(pending_), "was abandoned in flight after an earlier fault");
+      return;
+    }
     try {
       wait();
     } catch (...) {
@@ -77,6 +89,7 @@ class MpiRequest {
 
   std::shared_ptr<detail::MpiCommState> state_;
   std::unique_ptr<detail::MpiPending> pending_;
+  int exceptions_ = std::uncaught_exceptions();  // at creation: more at destruction = unwinding
 };
 
 }  // namespace trellis::comm
