@@ -50,7 +50,7 @@ template <class T>
 struct Operands {
   std::vector<T> a, b, c16;
   std::vector<float> c32, bias;
-  std::vector<T> pre;
+  std::vector<T> pre, bias_t;
   Operands(const Product& p) {
     const GemmArgs& g = p.args;
     a = filled<T>(g.a_rows() * g.a_cols(), 1.0f, 1);
@@ -59,6 +59,7 @@ struct Operands {
     c32.assign(g.m * g.n, 0.0f);
     pre.assign(g.m * g.n, T(0.0f));
     bias = filled<float>(g.n, 0.2f, 3);
+    bias_t = filled<T>(g.n, 0.2f, 3);
   }
   void run(const Product& p, host::GemmOptions opt) {
     const std::string ep = p.epilogue;
@@ -67,7 +68,7 @@ struct Operands {
     } else if (ep == "bias") {
       host::gemm(p.args, a.data(), b.data(), c16.data(), epilogue::Bias<>{bias.data()}, opt);
     } else if (ep == "bias_gelu") {
-      host::gemm(p.args, a.data(), b.data(), c16.data(), epilogue::BiasGelu<T>{nullptr, pre.data()}, opt);
+      host::gemm(p.args, a.data(), b.data(), c16.data(), epilogue::BiasGelu<T>{bias_t.data(), pre.data()}, opt);
     } else {
       host::gemm(p.args, a.data(), b.data(), c16.data(), epilogue::None{}, opt);
     }
