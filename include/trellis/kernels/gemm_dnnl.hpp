@@ -70,9 +70,11 @@ inline GemmProduct last_gemm_product() { return detail::last_product_slot(); }
 
 namespace detail {
 
+// One per process, as oneDNN wants. Never destroyed: the kernel pool's threads (a static that may
+// be destroyed after this one) release their thread_local streams of it at exit.
 inline dnnl::engine& dnnl_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);  // one per process, as oneDNN wants
-  return engine;
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
 }
 
 // One tile's matmul: C (rows x cols, fp32) = alpha * A (rows x k, bf16) B (k x cols, bf16) [+ beta C],
