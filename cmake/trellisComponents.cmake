@@ -5,7 +5,7 @@
 # Targets are IMPORTED GLOBAL INTERFACE libraries, so add_subdirectory/FetchContent users see them.
 include_guard(GLOBAL)
 
-set(TRELLIS_KNOWN_COMPONENTS blas mpi cuda nccl)
+set(TRELLIS_KNOWN_COMPONENTS blas dnnl mpi cuda nccl)
 
 # CMake 3.25 knows nvcc's language levels only up to C++17. trellis needs C++20 in CUDA too, so
 # teach CMake the flag when the CUDA language is enabled and CMake does not know it yet; then
@@ -47,6 +47,26 @@ function(trellis_add_component name found_var)
     add_library(trellis::blas INTERFACE IMPORTED GLOBAL)
     target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS)
     target_compile_definitions(trellis::blas INTERFACE TRELLIS_HAS_CBLAS=1)
+
+  elseif(name STREQUAL "dnnl")
+    # oneDNN (Debian: libdnnl-dev) for bf16 GEMMs on AMX / AVX512-BF16. Debian's build threads with
+    # OpenMP (libgomp); the header sets OpenMP's thread count per calling thread, so libgomp is
+    # linked directly (its library only: no -fopenmp for the user's code).
+    find_package(dnnl QUIET CONFIG)
+    if(NOT dnnl_FOUND OR NOT TARGET DNNL::dnnl)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'dnnl' needs oneDNN (dnnl.hpp + libdnnl): install libdnnl-dev, or set dnnl_DIR to its CMake config" PARENT_SCOPE)
+      return()
+    endif()
+    find_package(OpenMP QUIET COMPONENTS CXX)
+    if(NOT OpenMP_CXX_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'dnnl' needs OpenMP (libgomp) for oneDNN's thread control" PARENT_SCOPE)
+      return()
+    endif()
+    add_library(trellis::dnnl INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::dnnl INTERFACE trellis::trellis DNNL::dnnl ${OpenMP_CXX_LIBRARIES})
+    target_compile_definitions(trellis::dnnl INTERFACE TRELLIS_HAS_DNNL=1)
 
   elseif(name STREQUAL "mpi")
     find_package(MPI QUIET COMPONENTS CXX)

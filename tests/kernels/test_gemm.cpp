@@ -4,8 +4,10 @@
 // bfloat16 output adds its own rounding (2^-8 relative); half output 2^-11 relative.
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
 #include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "kernels/reference.hpp"
@@ -26,6 +28,13 @@ std::int64_t at(const GemmArgs& g, std::int64_t r, std::int64_t c, std::int64_t 
 struct Case {
   GemmArgs args;
   std::int64_t tile_rows = 0, tile_cols = 0;  // 0: the default tiling
+  host::Bf16Product bf16_product = host::Bf16Product::automatic;
+};
+
+// What a call produced (matrix elements only, in (batch, row, col) order), for comparing two paths.
+struct Outputs {
+  std::vector<float> c, pre, bias_grad;
+  host::GemmProduct product;
 };
 
 // Storage sizes for a batched operand.
@@ -36,7 +45,7 @@ std::int64_t storage(std::int64_t ld, std::int64_t rows, std::int64_t cols, cons
 }
 
 template <class TA, class TB, class TC, class E>
-void run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
+Outputs run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
   const GemmArgs& g = cs.args;
   constexpr auto kind = epilogue_traits<E>::kind;
   const std::int64_t lda = g.lda_or_packed(), ldb = g.ldb_or_packed(), ldc = g.ldc_or_packed();
@@ -93,7 +102,9 @@ void run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
   host::GemmOptions options;
   options.tile_rows = cs.tile_rows;
   options.tile_cols = cs.tile_cols;
+  options.bf16_product = cs.bf16_product;
   host::gemm(g, a.data(), b.data(), c.data(), ep, options);
+  const host::GemmProduct product = host::last_gemm_product();
 
   // Only the matrix elements are compared; padding must be left alone (checked via NaN/-7 below).
   std::vector<float> got_c, got_pre;
@@ -120,6 +131,7 @@ void run_case(const Case& cs, E ep_template, double abs_tol, double rel_tol) {
     const std::int64_t pad_elem = at(g, g.layout == Layout::row_major ? 0 : g.m, g.layout == Layout::row_major ? g.n : 0, ldc);
     REQUIRE(std::isnan(static_cast<float>(c[pad_elem])));
   }
+  return {got_c, got_pre, bias_grad, product};
 }
 
 std::vector<Case> all_cases() {
@@ -303,4 +315,130 @@ TEST_CASE("a BLAS on kernels narrower than the CPU is reported, with the core ty
   const CpuFeatures here = trellis::kernels::host::cpu_features();
   CHECK((!here.avx512f || here.avx2));
   CHECK((!here.avx512_bf16 || here.avx512f));
+}
+
+// ---- bf16 x bf16 on oneDNN (kernels/gemm_dnnl.hpp) -------------------------------------------
+// Each case runs twice, on the automatic path (oneDNN where linked and native) and forced through
+// today's fp32 conversion; both are checked against the double reference (run_case) and against
+// each other. bf16 products are exact in fp32, so the paths differ only in the fp32 summation
+// order (fp32 C: 1e-5 abs + rel for k <= 64 and |inputs| <= 1) and, for bf16 C, by one bf16
+// rounding of that (2^-8 relative).
+
+namespace {
+
+host::GemmProduct expected_bf16_product() {
+  return host::dnnl_bf16_native() ? host::GemmProduct::dnnl_bf16 : host::GemmProduct::fp32;
+}
+
+template <class TC, class E>
+void compare_bf16_paths(Case cs, E ep) {
+  cs.bf16_product = host::Bf16Product::automatic;
+  const Outputs fast = run_case<bfloat16, bfloat16, TC>(cs, ep, 1e-4, 1e-4);
+  REQUIRE(fast.product == expected_bf16_product());
+  cs.bf16_product = host::Bf16Product::convert_fp32;
+  const Outputs ref = run_case<bfloat16, bfloat16, TC>(cs, ep, 1e-4, 1e-4);
+  REQUIRE(ref.product == host::GemmProduct::fp32);
+  const double out_rel = std::is_same_v<TC, bfloat16> ? 8e-3 : 0.0;
+  require_close(fast.c, std::vector<double>(ref.c.begin(), ref.c.end()), 1e-5 + out_rel, 1e-5 + out_rel, "C: dnnl vs fp32 path");
+  require_close(fast.pre, std::vector<double>(ref.pre.begin(), ref.pre.end()), 1e-5, 1e-5, "pre: dnnl vs fp32 path");
+  require_close(fast.bias_grad, std::vector<double>(ref.bias_grad.begin(), ref.bias_grad.end()), 1e-4 + 10 * out_rel,
+                1e-5 + out_rel, "bias_grad: dnnl vs fp32 path");
+}
+
+template <class TC>
+void compare_bf16_paths_all_epilogues() {
+  for (const Case& cs : all_cases()) {
+    INFO("layout " << int(cs.args.layout) << " op_a " << int(cs.args.op_a) << " op_b " << int(cs.args.op_b)
+                   << " batch " << cs.args.batch << " beta " << cs.args.beta << " alpha " << cs.args.alpha);
+    compare_bf16_paths<TC>(cs, epilogue::None{});
+    compare_bf16_paths<TC>(cs, epilogue::Bias<>{});
+    compare_bf16_paths<TC>(cs, epilogue::Relu{});
+    compare_bf16_paths<TC>(cs, epilogue::BiasRelu<>{});
+    compare_bf16_paths<TC>(cs, epilogue::Gelu{});
+    compare_bf16_paths<TC>(cs, epilogue::BiasGelu<>{});
+    compare_bf16_paths<TC>(cs, epilogue::DGelu<>{});
+    compare_bf16_paths<TC>(cs, epilogue::BiasGrad<>{});
+    compare_bf16_paths<TC>(cs, epilogue::BiasGrad<>{nullptr, true});
+    compare_bf16_paths<TC>(cs, epilogue::DGeluBiasGrad<>{});
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bf16 gemm takes oneDNN's native bf16 kernels where the CPU has them", "[kernels][gemm][dnnl]") {
+  const auto cpu = host::cpu_features();
+  INFO("oneDNN implementation: '" << host::dnnl_bf16_implementation() << "', amx_bf16 " << cpu.amx_bf16
+                                  << ", avx512_bf16 " << cpu.avx512_bf16);
+#if defined(TRELLIS_HAS_DNNL)
+  const char* env = std::getenv("TRELLIS_DNNL");
+  if (!(env && std::string(env) == "0")) {
+    REQUIRE(host::dnnl_bf16_native() == (cpu.amx_bf16 || cpu.avx512_bf16));
+    if (cpu.amx_bf16) CHECK_THAT(host::dnnl_bf16_implementation(), Catch::Contains("amx"));
+  }
+#else
+  REQUIRE_FALSE(host::dnnl_bf16_native());
+  REQUIRE(host::dnnl_bf16_implementation().empty());
+#endif
+  // The path a call took is reported: bf16 x bf16 follows dnnl_bf16_native(), anything else is fp32.
+  std::vector<bfloat16> a(64 * 32, bfloat16(0.5f)), b(32 * 48, bfloat16(0.25f));
+  std::vector<float> af(a.size(), 0.5f), c(64 * 48);
+  host::gemm(gemm_args(64, 48, 32), a.data(), b.data(), c.data());
+  REQUIRE(host::last_gemm_product() == expected_bf16_product());
+  for (float x : c) REQUIRE(x == 4.0f);  // 32 * 0.5 * 0.25, exact
+  host::gemm(gemm_args(64, 48, 32), af.data(), b.data(), c.data());
+  REQUIRE(host::last_gemm_product() == host::GemmProduct::fp32);
+  host::gemm(gemm_args(64, 48, 0), a.data(), b.data(), c.data());
+  REQUIRE(host::last_gemm_product() == host::GemmProduct::none);
+}
+
+TEST_CASE("bf16 gemm on oneDNN vs the fp32 path and the reference: every layout, transpose, epilogue",
+          "[kernels][gemm][dnnl]") {
+  compare_bf16_paths_all_epilogues<float>();
+  compare_bf16_paths_all_epilogues<bfloat16>();
+}
+
+TEST_CASE("bf16 gemm on oneDNN, default tiles of a GPT-2 sized product, vs reference", "[kernels][gemm][dnnl]") {
+  // 256 x 768 x 192 (two default tiles of 128 rows); k larger than above, so fp32 sums of 192 terms.
+  Case cs;
+  cs.args = gemm_args(256, 768, 192);
+  compare_bf16_paths<float>(cs, epilogue::BiasGelu<>{});
+  cs.args = gemm_args(256, 768, 192, Op::none, Op::transpose);
+  compare_bf16_paths<bfloat16>(cs, epilogue::DGeluBiasGrad<>{});
+  cs.args = gemm_args(768, 192, 256, Op::transpose, Op::none, 1.0f, 1.0f);  // a weight gradient, accumulated
+  compare_bf16_paths<float>(cs, epilogue::None{});
+}
+
+TEST_CASE("bf16 gemm from several threads at once gives each thread's serial bits", "[kernels][gemm][dnnl]") {
+  // Thread ranks call gemm concurrently: the primitive cache, streams and scratchpads must hold.
+  constexpr int threads = 4;
+  struct Job {
+    std::int64_t m, n, k;
+    std::vector<bfloat16> a, b;
+    std::vector<float> serial, concurrent;
+  };
+  std::vector<Job> jobs;
+  for (int t = 0; t < threads; ++t) {
+    Job j{96 + 32 * t, 80 + 16 * (t % 2), 64 + 8 * t, {}, {}, {}, {}};
+    j.a = random_vector<bfloat16>(j.m * j.k, 20 + t);
+    j.b = random_vector<bfloat16>(j.k * j.n, 30 + t);
+    j.serial.assign(j.m * j.n, 0.0f);
+    host::gemm(gemm_args(j.m, j.n, j.k), j.a.data(), j.b.data(), j.serial.data());
+    jobs.push_back(std::move(j));
+  }
+  std::vector<std::thread> pool;
+  std::vector<int> ok(threads, 1);
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      Job& j = jobs[t];
+      for (int rep = 0; rep < 20; ++rep) {
+        j.concurrent.assign(j.m * j.n, -1.0f);
+        host::gemm(gemm_args(j.m, j.n, j.k), j.a.data(), j.b.data(), j.concurrent.data());
+        if (j.concurrent != j.serial || host::last_gemm_product() != expected_bf16_product()) ok[t] = 0;
+      }
+    });
+  for (auto& th : pool) th.join();
+  for (int t = 0; t < threads; ++t) {
+    INFO("thread " << t);
+    REQUIRE(ok[t] == 1);
+  }
 }

@@ -11,6 +11,9 @@
 // pass at all; GELU runs as explicit SIMD (host::gelu_row in kernels/host_math.hpp). Without
 // CBLAS a plain blocked kernel computes each tile, so this header compiles with g++ alone.
 // 16-bit A/B are converted to fp32 once per batch; 16-bit C goes through an fp32 tile buffer.
+// Except bf16 x bf16 with TRELLIS_HAS_DNNL (link trellis::dnnl) on a CPU with AMX or AVX512-BF16:
+// each tile's product is then a single-threaded oneDNN matmul on the bf16 operands as stored, fp32
+// accumulation into the tile's fp32 C (kernels/gemm_dnnl.hpp); epilogues run as for fp32.
 #pragma once
 
 #include <algorithm>
@@ -23,6 +26,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/epilogue.hpp"
 #include "trellis/kernels/blas_core.hpp"
+#include "trellis/kernels/gemm_dnnl.hpp"
 #include "trellis/kernels/host_math.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 
@@ -45,6 +49,8 @@ struct GemmOptions {
   // Rows and columns of C per task (product + epilogue); 0: chosen from the shape (tile_shape).
   std::int64_t tile_rows = 0;
   std::int64_t tile_cols = 0;
+  // bf16 x bf16 products: oneDNN where available (automatic) or always via fp32 (convert_fp32).
+  Bf16Product bf16_product = Bf16Product::automatic;
 };
 
 // True when the product runs on cblas_sgemm.
@@ -332,6 +338,7 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
   if constexpr (traits::bias_grad) {
     TRELLIS_CHECK(ep.bias_grad != nullptr, "gemm: bias-grad epilogue without a bias_grad vector");
   }
+  detail::last_product_slot() = GemmProduct::none;
   if (m == 0 || n == 0) {
     if constexpr (traits::bias_grad) {
       if (!ep.accumulate)
@@ -367,6 +374,13 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
   std::vector<float> colsums;  // (batch, row tile, n): column sums per row of tiles, reduced in order
   if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * row_tiles * n), 0.0f);
 
+  // bf16 x bf16 on oneDNN (no fp32 copies of A and B), when linked and native on this CPU.
+  constexpr bool bf16_operands = std::is_same_v<TA, bfloat16> && std::is_same_v<TB, bfloat16>;
+  bool use_dnnl = false;
+  if constexpr (bf16_operands)
+    use_dnnl = options.bf16_product == Bf16Product::automatic && k > 0 && args.alpha != 0.0f && dnnl_bf16_native();
+  if (k > 0 && args.alpha != 0.0f) detail::last_product_slot() = use_dnnl ? GemmProduct::dnnl_bf16 : GemmProduct::fp32;
+
   std::vector<float> a32, b32, bpack;
   for (std::int64_t batch = 0; batch < args.batch; ++batch) {
     const TA* a_b = a ? a + batch * args.stride_a : nullptr;
@@ -378,6 +392,8 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
     std::int64_t lda = args.lda_or_packed(), ldb = args.ldb_or_packed();
     if constexpr (std::is_same_v<TA, float>) {
       af = a_b;
+    } else if (use_dnnl) {
+      af = nullptr;
     } else {
       if (batch == 0 || args.stride_a != 0) detail::convert_matrix(args, a_b, lda, args.a_rows(), args.a_cols(), a32);
       af = a32.data();
@@ -385,12 +401,14 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
     }
     if constexpr (std::is_same_v<TB, float>) {
       bf = b_b;
+    } else if (use_dnnl) {
+      bf = nullptr;
     } else {
       if (batch == 0 || args.stride_b != 0) detail::convert_matrix(args, b_b, ldb, args.b_rows(), args.b_cols(), b32);
       bf = b32.data();
       ldb = args.packed_ld(args.b_rows(), args.b_cols());
     }
-    if (!gemm_uses_cblas() && k > 0) {
+    if (!gemm_uses_cblas() && k > 0 && !use_dnnl) {
       // The fallback kernel streams rows of op(B): pack it row-major k x n.
       if (batch == 0 || args.stride_b != 0 || !std::is_same_v<TB, float>) {
         bpack.resize(static_cast<std::size_t>(k * n));
@@ -425,7 +443,11 @@ void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, Gemm
               t.c[args.offset(r, j, t.ldc)] = to_float(c_b[args.offset(t.row0 + r, t.col0 + j, ldc)]);
       }
       if constexpr (traits::has_bias) detail::prefill_bias(args, t, bias.data());
-      detail::tile_product(product_args, af, lda, bf, ldb, t);
+      if (use_dnnl) {
+        detail::dnnl_tile_product(product_args, a_b, lda, b_b, ldb, t.c, t.ldc, t.row0, t.rows, t.col0, t.cols);
+      } else {
+        detail::tile_product(product_args, af, lda, bf, ldb, t);
+      }
       if constexpr (kind != EpilogueKind::none && kind != EpilogueKind::bias) {
         TE* pre = nullptr;
         if constexpr (traits::reads_pre || traits::writes_pre) {
