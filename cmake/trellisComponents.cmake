@@ -66,7 +66,9 @@ function(trellis_add_component name found_var)
     endif()
     add_library(trellis::dnnl INTERFACE IMPORTED GLOBAL)
     target_link_libraries(trellis::dnnl INTERFACE trellis::trellis DNNL::dnnl ${OpenMP_CXX_LIBRARIES})
-    target_compile_definitions(trellis::dnnl INTERFACE TRELLIS_HAS_DNNL=1)
+    # C++ translation units only: nvcc's front end (CUDA 13) aborts with an internal error on
+    # dnnl.hpp, so .cu files keep the fp32 path for host bf16 GEMMs (they run device kernels).
+    target_compile_definitions(trellis::dnnl INTERFACE $<$<COMPILE_LANGUAGE:CXX>:TRELLIS_HAS_DNNL=1>)
 
   elseif(name STREQUAL "mpi")
     find_package(MPI QUIET COMPONENTS CXX)
