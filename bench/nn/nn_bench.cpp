@@ -51,6 +51,7 @@ std::pair<double, double> step_seconds(const GptConfig& cfg, const Layout& lay, 
         model.backward_input(mb, {batch, seq}, nullptr, nullptr);
         model.backward_weight(mb);
       }
+      model.reduce_tp_partial_grads();
       comm.barrier();
     };
     auto t = bench::time_min_median(step, warmup, iters);

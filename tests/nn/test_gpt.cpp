@@ -146,6 +146,7 @@ void run_model(const ModelRun& o, Collector& out, float randomize_scale = 0.05f)
         for (auto& st : stages) st->backward_weight(mb);
     }
     for (auto& st : stages) RANK_CHECK(st->saved_microbatches() == 0);
+    for (auto& st : stages) st->reduce_tp_partial_grads();  // LayerNorm's under sp: what the Trainer does
     if (arena) {  // every slot went back at its microbatch's W
       RANK_CHECK(arena->held_bytes() == 0);
       RANK_CHECK(arena->held_slots() == 0);
@@ -648,6 +649,7 @@ void run_pipeline(const std::string& schedule_name, int pp, int v, int tp, bool 
     stage.set_batch(tok_ptr, tgt_ptr, token_count, DropoutContext{kDropoutSeed});
     pipe::execute(pp_comm, schedule, stage);
     stage.all_reduce_tied_wte_grad(pp_comm);
+    for (auto* m : chunks) m->reduce_tp_partial_grads();
     for (auto* m : chunks) {
       RANK_CHECK(m->saved_microbatches() == 0);
       for (Parameter* p : m->parameters()) out.put_grad(*p);  // wte copies: equal after the reduction

@@ -312,6 +312,9 @@ void run_case(const Case& c, const RunOptions& o, Collector& out) {
         layer.backward_weight(mb);
       }
     }
+    std::vector<Parameter*> params;  // LayerNorm's gradients under sp are Partial over tp: summed once
+    layer.for_each_parameter([&](Parameter& p) { params.push_back(&p); });
+    reduce_tp_partial_grads(comm, params);
     for (int mb = 0; mb < o.microbatches; ++mb) {
       const std::string s = std::to_string(mb);
       for (index_t i = 0; i < out_rows; ++i)
@@ -557,4 +560,94 @@ TEST_CASE("overlap splits each tp collective into async chunks", "[nn][overlap]"
       row.backward_weight(0);
     }
   });
+}
+
+TEST_CASE("parameters say their sharding as placements; boxes follow from them", "[nn][placement]") {
+  const shard::PlacementCode R = shard::replicate_code(), P = shard::partial_code(comm::ReduceOp::sum);
+  nn_test::run_ranks(2, [&](Comm& comm) {
+    const int r = comm.rank();
+    for (bool sp : {false, true}) {
+      TensorParallel<Comm> tp{&comm, sp, 1};
+      // fused q/k/v: 3 groups of 12 columns in units of 4 (3 heads): rank 0 holds 2 heads, rank 1 one.
+      ColumnParallelLinear<Comm> qkv("c_attn", LinearConfig{8, 36, true, 4, 3}, tp);
+      const Parameter& w = qkv.weight();
+      RANK_CHECK((w.sharding.value == ParamPlacements{R, shard::shard_code(2)}));
+      RANK_CHECK((w.sharding.grad == ParamPlacements{P, shard::shard_code(2)}));
+      RANK_CHECK((w.sharded_shape == std::vector<index_t>{8, 3, 12}));
+      RANK_CHECK((w.shard_offsets == std::vector<index_t>{0, 0, r == 0 ? 0 : 8}));
+      RANK_CHECK((w.shard_shape == std::vector<index_t>{8, 3, r == 0 ? 8 : 4}));
+      RANK_CHECK(qkv.bias().shard_offsets == std::vector<index_t>({0, r == 0 ? 0 : 8}));
+      // row-parallel: input rows in units of 4; the bias whole, its gradient too (full dy on every rank)
+      RowParallelLinear<Comm> proj("c_proj", LinearConfig{12, 8, true, 4}, tp);
+      RANK_CHECK((proj.weight().shard_offsets == std::vector<index_t>{r == 0 ? 0 : 8, 0}));
+      RANK_CHECK((proj.weight().shard_shape == std::vector<index_t>{r == 0 ? 8 : 4, 8}));
+      RANK_CHECK((proj.bias().sharding.grad == ParamPlacements{P, R}));
+      RANK_CHECK((proj.bias().replicated() && !proj.bias().tp_partial_grad()));
+      // LayerNorm: whole; under sp each rank's gradient is a term of the sum over tp
+      LayerNorm<Comm> ln("ln_1", 8, tp);
+      RANK_CHECK(ln.weight().replicated());
+      RANK_CHECK((ln.weight().sharding.grad == ParamPlacements{P, sp ? P : R}));
+      RANK_CHECK(ln.bias().tp_partial_grad() == sp);
+      // vocab-parallel embedding: rows of wte over tp (10 over 2: 5 and 5), wpe whole
+      VocabParallelEmbedding<Comm> emb(10, 4, 8, tp);
+      RANK_CHECK((emb.wte().sharding.value == ParamPlacements{R, shard::shard_code(0)}));
+      RANK_CHECK((emb.wte().shard_offsets == std::vector<index_t>{r * 5, 0}));
+      RANK_CHECK((emb.vocab_range() == shard::Chunk{r * 5, 5}));
+    }
+  });
+}
+
+TEST_CASE("LayerNorm under sp leaves Partial(sum) gradients over tp; one reduction gives tp=1's", "[nn][placement]") {
+  constexpr index_t kDim = 16;
+  const TokenShape shape{2, 4};  // 8 rows; sp: 4 per rank
+  auto input = [&](index_t row, index_t col) { return global_value("x", row * kDim + col, 0.8f); };
+  auto dout = [&](index_t row, index_t col) { return global_value("r", row * kDim + col, 1.0f); };
+  // Gradients (weight then bias) per rank, and the tp collectives issued per rank.
+  auto run = [&](int tp_size, bool sp, bool reduce, bool pack, std::vector<std::vector<float>>& grads,
+                 std::vector<std::map<std::string, int>>& calls) {
+    grads.assign(static_cast<std::size_t>(tp_size), {});
+    calls.assign(static_cast<std::size_t>(tp_size), {});
+    nn_test::run_ranks(tp_size, [&](Comm& inner) {
+      std::vector<std::string> log;
+      LoggingComm comm(inner, log);
+      TensorParallel<LoggingComm> tp{&comm, sp, 1};
+      LayerNorm<LoggingComm> ln("ln", kDim, tp);
+      ln.for_each_parameter([](Parameter& p) { nn_test::randomize(p, 0.3f); });
+      std::vector<Parameter*> ps{&ln.weight(), &ln.bias()};
+      ParameterBuffer<backend::Host<float>> packed;
+      if (pack) packed = ParameterBuffer<backend::Host<float>>(std::span<Parameter* const>(ps));
+      const index_t rows = tp.local_rows(shape), first = sp ? comm.rank() * rows : 0;
+      std::vector<float> x(rows * kDim), y(rows * kDim), dy(rows * kDim), dx(rows * kDim);
+      for (index_t i = 0; i < rows; ++i)
+        for (index_t j = 0; j < kDim; ++j) x[i * kDim + j] = input(first + i, j), dy[i * kDim + j] = dout(first + i, j);
+      ln.forward(0, shape, x.data(), y.data());
+      ln.backward_input(0, shape, dy.data(), dx.data());
+      ln.backward_weight(0);
+      if (reduce) reduce_tp_partial_grads(comm, ps);
+      std::vector<float> g(ln.weight().grad.begin(), ln.weight().grad.end());
+      g.insert(g.end(), ln.bias().grad.begin(), ln.bias().grad.end());
+      grads[static_cast<std::size_t>(comm.rank())] = g;
+      calls[static_cast<std::size_t>(comm.rank())] = tally(log);
+    });
+  };
+  std::vector<std::vector<float>> serial, partial, reduced, reduced_packed;
+  std::vector<std::map<std::string, int>> c0, c1, c2, c3;
+  run(1, false, true, false, serial, c0);
+  run(2, true, false, false, partial, c1);
+  run(2, true, true, false, reduced, c2);
+  run(2, true, true, true, reduced_packed, c3);
+  const std::vector<float>& want = serial[0];
+  std::vector<float> sum(want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) sum[i] = partial[0][i] + partial[1][i];
+  CHECK(rel_error(sum, want) <= 1e-6);        // the terms add up to the whole gradient
+  CHECK(rel_error(partial[0], want) > 1e-2);   // and each alone is not it
+  for (const auto& g : reduced) CHECK(rel_error(g, want) <= 1e-6);
+  for (const auto& g : reduced_packed) CHECK(rel_error(g, want) <= 1e-6);
+  // The layer itself communicates nothing; the reduction is one all-reduce per gradient, or one
+  // for both when they are packed next to each other.
+  for (int r = 0; r < 2; ++r) {
+    CHECK(c1[r].empty());
+    CHECK(c2[r] == std::map<std::string, int>{{"all_reduce_async", 2}});
+    CHECK(c3[r] == std::map<std::string, int>{{"all_reduce_async", 1}});
+  }
 }

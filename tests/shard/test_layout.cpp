@@ -37,6 +37,17 @@ TEST_CASE("balanced remainders: sizes written out by hand", "[shard][layout]") {
   STATIC_REQUIRE(!chunks_even(7, 4));
 }
 
+TEST_CASE("dim_range in whole units: attention heads over tp", "[shard][layout]") {
+  // 5 heads of 8 columns over 2 ranks: 3 heads (24 columns) and 2 heads (16), never a split head.
+  constexpr std::array<PlacementCode, 2> codes{replicate_code(), shard_code(1)};
+  STATIC_REQUIRE(dim_range(40, 1, codes, std::array<int, 2>{2, 2}, std::array<int, 2>{1, 0}, -1, 8) == Chunk{0, 24});
+  STATIC_REQUIRE(dim_range(40, 1, codes, std::array<int, 2>{2, 2}, std::array<int, 2>{1, 1}, -1, 8) == Chunk{24, 16});
+  // a dimension no axis shards is whole, whatever the unit
+  STATIC_REQUIRE(dim_range(40, 0, codes, std::array<int, 2>{2, 2}, std::array<int, 2>{0, 1}, -1, 8) == Chunk{0, 40});
+  // unit 1 is the element rule: 40 over 3 -> 14 13 13
+  STATIC_REQUIRE(dim_range(40, 1, codes, std::array<int, 2>{1, 3}, std::array<int, 2>{0, 2}) == Chunk{27, 13});
+}
+
 TEST_CASE("balanced remainders tile every extent", "[shard][layout]") {
   for (index_t extent = 0; extent <= 40; ++extent) {
     for (int parts = 1; parts <= 9; ++parts) {

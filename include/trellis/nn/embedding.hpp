@@ -33,8 +33,8 @@ class VocabParallelEmbedding {
     tp_.check();
     TRELLIS_CHECK(vocab >= tp_.size() && positions > 0 && width > 0, "VocabParallelEmbedding: vocab ", vocab,
                   " positions ", positions, " width ", width, " with tp ", tp_.size());
-    rows_ = shard::chunk(vocab, tp_.size(), tp_.rank());
-    wte_ = make_parameter("wte.weight", {vocab, width}, {}, 0, rows_.offset, rows_.size);
+    wte_ = make_parameter("wte.weight", {vocab, width}, {}, ParamSharding::tp_sharded(0), tp_.size(), tp_.rank());
+    rows_ = {wte_.shard_offsets[0], wte_.shard_shape[0]};
     wpe_ = make_parameter("wpe.weight", {positions, width});
   }
 

@@ -126,15 +126,16 @@ class GptModel {
       if (embedding_) {
         wte = &embedding_->wte();
       } else if (tied_wte) {
-        TRELLIS_CHECK(tied_wte->name == "wte.weight" && tied_wte->numel() == vocab_rows.size * cfg.width,
+        TRELLIS_CHECK(tied_wte->name == "wte.weight" && tied_wte->sharding == ParamSharding::tp_sharded(0) &&
+                          tied_wte->shard_offsets[0] == vocab_rows.offset && tied_wte->numel() == vocab_rows.size * cfg.width,
                       "GptModel: the tied wte given to a head stage is not this rank's wte shard");
         wte = shared_wte_ = tied_wte;
       } else {
         head_wte_ = std::make_unique<Parameter>(
-            make_parameter("wte.weight", {cfg.vocab, cfg.width}, {}, 0, vocab_rows.offset, vocab_rows.size));
+            make_parameter("wte.weight", {cfg.vocab, cfg.width}, {}, ParamSharding::tp_sharded(0), tp_.size(), tp_.rank()));
         wte = head_wte_.get();
       }
-      head_ = std::make_unique<VocabParallelLMHeadLoss<C, B>>(wte, vocab_rows.offset, cfg.width, tp_, be_);
+      head_ = std::make_unique<VocabParallelLMHeadLoss<C, B>>(wte, wte->shard_offsets[0], cfg.width, tp_, be_);
     }
     init_parameters();
     // Packed in backward order (the reverse of parameters()): the gradients that become final
@@ -174,6 +175,10 @@ class GptModel {
   // True when wte's gradient must be summed with another stage's (first != last stage).
   bool wte_grad_needs_stage_reduction() const { return stage_.embedding != stage_.head; }
   void zero_grad() { buffer_.zero_grads(); }
+  // Sums over tp the gradients backward leaves Partial over tp (LayerNorm's under sequence
+  // parallelism; nn/parameter.hpp), after the last backward of a step. The Trainer does it per
+  // weight unit instead (weight_unit_parameters), as soon as a unit's last W is done.
+  void reduce_tp_partial_grads() { nn::reduce_tp_partial_grads(*tp_.comm, parameters()); }
   // This stage's parameters as two flat buffers (values, gradients), in backward order.
   ParameterBuffer<B>& parameter_buffer() { return buffer_; }
 

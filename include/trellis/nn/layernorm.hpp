@@ -1,8 +1,10 @@
 // LayerNorm over the feature dimension, weights replicated over tp (fp32 weights and statistics on
 // every backend; activations B::act_t).
 // It runs on the norm-region rows: all rows, or with sequence parallelism this rank's sequence
-// shard, in which case backward_weight sums the weight gradients over tp (each rank saw only its
-// rows); without sp every tp rank computes the same full gradient.
+// shard. Without sp every tp rank computes the same full gradient (placement Replicate); with sp
+// each rank's gradient covers its rows only, so the parameters say their gradient is Partial(sum)
+// over tp, and whoever owns the step sums it once (nn::reduce_tp_partial_grads), not once per
+// microbatch here.
 #pragma once
 
 #include <string>
@@ -25,8 +27,9 @@ class LayerNorm {
       : dim_(dim), eps_(eps), tp_(tp), be_(std::move(be)) {
     tp_.check();
     TRELLIS_CHECK(dim > 0, name, ": LayerNorm width must be positive");
-    weight_ = make_parameter(name + ".weight", {dim});
-    bias_ = make_parameter(name + ".bias", {dim});
+    const auto sharding = ParamSharding::replicated(/*tp_partial_grad=*/tp_.sequence_parallel);
+    weight_ = make_parameter(name + ".weight", {dim}, {}, sharding, tp_.size(), tp_.rank());
+    bias_ = make_parameter(name + ".bias", {dim}, {}, sharding, tp_.size(), tp_.rank());
     init_constant(weight_, 1.0f);
   }
 
@@ -69,8 +72,6 @@ class LayerNorm {
   void backward_weight(int mb) {
     Saved& s = store_.at(mb, "LayerNorm::backward_weight");
     TRELLIS_CHECK(!s.dwb.empty(), "LayerNorm::backward_weight before backward_input (microbatch ", mb, ")");
-    if (tp_.sequence_parallel && tp_.size() > 1)
-      tp_.comm->all_reduce(s.dwb.data(), s.dwb.data(), s.dwb.size(), comm::ReduceOp::sum);
     be_.add(dim_, weight_.grad.data(), s.dwb.data(), weight_.grad.data());
     be_.add(dim_, bias_.grad.data(), s.dwb.data() + dim_, bias_.grad.data());
     store_.erase(mb);

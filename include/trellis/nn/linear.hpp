@@ -55,20 +55,19 @@ class ColumnParallelLinear {
     TRELLIS_CHECK(cfg.out % (cfg.groups * cfg.unit) == 0, name, ": out ", cfg.out, " is not a multiple of groups ",
                   cfg.groups, " x unit ", cfg.unit);
     TRELLIS_CHECK(cfg.activation == Activation::none || cfg.bias, name, ": fused GELU needs a bias");
+    // Output columns over tp in whole units; with groups (fused q/k/v) the columns are viewed as
+    // (groups, group width) and each group's width is split, so a rank's heads are one box.
     const index_t group_width = cfg.out / cfg.groups;
-    const auto units = shard::chunk(group_width / cfg.unit, tp_.size(), tp_.rank());
-    group_local_ = units.size * cfg.unit;
+    const bool grouped = cfg.groups > 1;
+    const std::vector<index_t> w_view = grouped ? std::vector<index_t>{cfg.in, cfg.groups, group_width} : std::vector<index_t>{};
+    const std::vector<index_t> b_view = grouped ? std::vector<index_t>{cfg.groups, group_width} : std::vector<index_t>{};
+    weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, w_view, ParamSharding::tp_sharded(grouped ? 2 : 1, cfg.unit),
+                             tp_.size(), tp_.rank());
+    if (cfg.bias)
+      bias_ = make_parameter(name + ".bias", {cfg.out}, b_view, ParamSharding::tp_sharded(grouped ? 1 : 0, cfg.unit),
+                             tp_.size(), tp_.rank());
+    group_local_ = weight_.shard_shape.back();
     out_local_ = group_local_ * cfg.groups;
-    if (cfg.groups == 1) {
-      weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {}, 1, units.offset * cfg.unit, group_local_);
-      if (cfg.bias) bias_ = make_parameter(name + ".bias", {cfg.out}, {}, 0, units.offset * cfg.unit, group_local_);
-    } else {
-      weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {cfg.in, cfg.groups, group_width}, 2,
-                               units.offset * cfg.unit, group_local_);
-      if (cfg.bias)
-        bias_ = make_parameter(name + ".bias", {cfg.out}, {cfg.groups, group_width}, 1, units.offset * cfg.unit,
-                               group_local_);
-    }
   }
 
   index_t in_features() const { return cfg_.in; }
@@ -219,9 +218,11 @@ class RowParallelLinear {
                   ": bad linear sizes in=", cfg.in, " out=", cfg.out, " unit=", cfg.unit);
     TRELLIS_CHECK(cfg.groups == 1 && cfg.activation == Activation::none, name,
                   ": row-parallel layers have one group and no activation");
-    const auto units = shard::chunk(cfg.in / cfg.unit, tp_.size(), tp_.rank());
-    in_local_ = units.size * cfg.unit;
-    weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {}, 0, units.offset * cfg.unit, in_local_);
+    // Input rows over tp in whole units; the bias is whole, and so is its gradient (every tp rank
+    // sums the full output gradient).
+    weight_ = make_parameter(name + ".weight", {cfg.in, cfg.out}, {}, ParamSharding::tp_sharded(0, cfg.unit), tp_.size(),
+                             tp_.rank());
+    in_local_ = weight_.shard_shape[0];
     if (cfg.bias) bias_ = make_parameter(name + ".bias", {cfg.out});
   }
 

@@ -1,6 +1,18 @@
 // Parameters of the parallel layers: this rank's shard of one named tensor, its gradient, and
 // where the shard sits in the global tensor (for checkpoints, ZeRO and tests).
 //
+// Sharding is said once, as placements over the mesh axes (dp, tp) (shard/placement.hpp): a layer
+// gives each parameter a ParamSharding when it makes it, and everything else reads it. The box a
+// rank holds is shard::dim_range of the value placement; the Trainer's gradient reductions are
+// the planner's steps from the gradient placement (what backward leaves) to the value placement;
+// the global norm counts a gradient once per axis where it ends replicated; a checkpoint box is
+// written by coordinate 0 of every axis where the value is replicated. Over dp a value is always
+// replicated here (ZeRO-1 shards optimizer state, not parameters: train/trainer.hpp), and a
+// gradient starts as Partial(sum) (each dp rank's rows). Over tp, a sharded layer's value and
+// gradient are Shard(d) in whole units (heads); a replicated parameter's gradient is Replicate
+// when every tp rank computes it from all rows, and Partial(sum) when each computes it from its
+// own rows (LayerNorm under sequence parallelism, reduced once per step, as Megatron-Core does).
+//
 // A shard is always a box of the parameter's `sharded_shape`, a row-major reshape of its GPT-2
 // `global_shape` (same elements, same order). For most parameters the two are equal; the fused
 // q/k/v projection c_attn.weight (C, 3C) is viewed as (C, 3, C) so that "the heads of this rank"
@@ -16,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -28,8 +41,43 @@
 #include "trellis/core/error.hpp"
 #include "trellis/core/hash.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/shard/flat.hpp"
+#include "trellis/shard/layout.hpp"
+#include "trellis/shard/placement.hpp"
 
 namespace trellis::nn {
+
+// The mesh axes a parameter is described over, in this order.
+inline constexpr int dp_axis = 0;
+inline constexpr int tp_axis = 1;
+using ParamPlacements = std::array<shard::PlacementCode, 2>;
+
+// A parameter's sharding: placements of its value and of the gradient backward leaves in `grad`,
+// over (dp, tp), and the unit a sharded dimension splits in.
+struct ParamSharding {
+  ParamPlacements value{shard::replicate_code(), shard::replicate_code()};
+  ParamPlacements grad{shard::partial_code(comm::ReduceOp::sum), shard::replicate_code()};
+  index_t unit = 1;
+
+  // Whole on every tp rank; `tp_partial_grad`: each tp rank's gradient is a term of the sum.
+  static ParamSharding replicated(bool tp_partial_grad = false) {
+    ParamSharding s;
+    if (tp_partial_grad) s.grad[tp_axis] = shard::partial_code(comm::ReduceOp::sum);
+    return s;
+  }
+  // Dimension `dim` (of the sharded view) split over tp in whole units of `unit` elements.
+  static ParamSharding tp_sharded(int dim, index_t unit = 1) {
+    ParamSharding s;
+    s.value[tp_axis] = s.grad[tp_axis] = shard::shard_code(dim);
+    s.unit = unit;
+    return s;
+  }
+  bool operator==(const ParamSharding&) const = default;
+};
+
+inline std::string sharding_string(const ParamPlacements& p) {
+  return "(dp " + shard::placement_string(p[dp_axis]) + ", tp " + shard::placement_string(p[tp_axis]) + ")";
+}
 
 // The fp32 elements of a parameter's value or gradient: an owned, zeroed host array, or a view
 // into a flat buffer after ParameterBuffer packed it, possibly in device memory. Move-only;
@@ -118,7 +166,7 @@ struct Parameter {
   std::vector<index_t> sharded_shape;      // row-major reshape of global_shape the shard is a box of
   std::vector<index_t> shard_offsets;      // this rank's box in sharded_shape: start ...
   std::vector<index_t> shard_shape;        // ... and extent (product == value.size())
-  int shard_dim = -1;                      // dimension of sharded_shape split over tp (-1: replicated)
+  ParamSharding sharding;                  // placements of value and gradient over (dp, tp)
   ParamArray value;                        // this rank's elements, row-major over shard_shape
   ParamArray grad;                         // same shape; backward_weight adds into it
 
@@ -128,7 +176,10 @@ struct Parameter {
     for (index_t s : global_shape) n *= s;
     return n;
   }
-  bool replicated() const { return shard_dim < 0; }
+  // Whether every tp rank holds the whole tensor.
+  bool replicated() const { return sharding.value[tp_axis].is_replicate(); }
+  // Whether backward leaves a term of a sum over tp in `grad` (to be all-reduced over tp).
+  bool tp_partial_grad() const { return sharding.grad[tp_axis].is_partial(); }
   void zero_grad() { grad.fill(0.0f); }
 
   // This rank's shard as boxes of the global tensor: one box, or for a grouped view (the last
@@ -172,35 +223,89 @@ struct Parameter {
   }
 };
 
-// Builds a parameter of `global_shape`, viewed as `sharded_shape` ({} = same), whose dimension
-// `shard_dim` (-1: none) holds [offset, offset + size).
-inline Parameter make_parameter(std::string name, std::vector<index_t> global_shape,
-                                std::vector<index_t> sharded_shape = {}, int shard_dim = -1,
-                                index_t offset = 0, index_t size = 0) {
+// Builds this tp rank's parameter of `global_shape`, viewed as `sharded_shape` ({} = same), laid
+// out by `sharding` over a tp group of `tp_size` ranks: its box is shard::dim_range of each
+// dimension under the value placement (tp_rank's part, in whole units).
+inline Parameter make_parameter(std::string name, std::vector<index_t> global_shape, std::vector<index_t> sharded_shape,
+                                const ParamSharding& sharding, int tp_size, int tp_rank) {
   Parameter p;
   p.name = std::move(name);
   p.global_shape = std::move(global_shape);
   p.sharded_shape = sharded_shape.empty() ? p.global_shape : std::move(sharded_shape);
+  p.sharding = sharding;
   index_t g = 1, s = 1;
   for (index_t e : p.global_shape) g *= e;
   for (index_t e : p.sharded_shape) s *= e;
   TRELLIS_CHECK(g == s, "parameter ", p.name, ": sharded shape is not a reshape of the global shape");
-  p.shard_offsets.assign(p.sharded_shape.size(), 0);
-  p.shard_shape = p.sharded_shape;
-  p.shard_dim = shard_dim;
-  if (shard_dim >= 0) {
-    TRELLIS_CHECK(shard_dim < static_cast<int>(p.sharded_shape.size()), "parameter ", p.name,
-                  ": shard dimension ", shard_dim, " out of range");
-    TRELLIS_CHECK(offset >= 0 && size >= 0 && offset + size <= p.sharded_shape[shard_dim], "parameter ",
-                  p.name, ": shard [", offset, ", ", offset + size, ") outside 0..", p.sharded_shape[shard_dim]);
-    p.shard_offsets[shard_dim] = offset;
-    p.shard_shape[shard_dim] = size;
+  TRELLIS_CHECK(tp_size >= 1 && tp_rank >= 0 && tp_rank < tp_size, "parameter ", p.name, ": tp rank ", tp_rank,
+                " of ", tp_size);
+  const ParamPlacements& v = sharding.value;
+  TRELLIS_CHECK(v[dp_axis].is_replicate() && !v[tp_axis].is_partial() && sharding.unit >= 1, "parameter ", p.name,
+                ": value placement ", sharding_string(v), " (values are replicated over dp and not partial)");
+  TRELLIS_CHECK(!sharding.grad[dp_axis].is_shard() && (!sharding.grad[tp_axis].is_shard() || sharding.grad[tp_axis] == v[tp_axis]),
+                "parameter ", p.name, ": gradient placement ", sharding_string(sharding.grad),
+                " does not fit value placement ", sharding_string(v));
+  const int rank = static_cast<int>(p.sharded_shape.size());
+  if (v[tp_axis].is_shard())
+    TRELLIS_CHECK(v[tp_axis].dim < rank && p.sharded_shape[v[tp_axis].dim] % sharding.unit == 0, "parameter ",
+                  p.name, ": tp shard of dimension ", v[tp_axis].dim, " in units of ", sharding.unit,
+                  " does not fit its sharded shape");
+  const std::array<int, 2> sizes{1, tp_size}, coords{0, tp_rank};
+  p.shard_offsets.resize(static_cast<std::size_t>(rank));
+  p.shard_shape.resize(static_cast<std::size_t>(rank));
+  for (int d = 0; d < rank; ++d) {
+    const shard::Chunk c = shard::dim_range(p.sharded_shape[d], d, v, sizes, coords, -1,
+                                            v[tp_axis].is_shard(d) ? sharding.unit : 1);
+    p.shard_offsets[d] = c.offset;
+    p.shard_shape[d] = c.size;
   }
   index_t n = 1;
   for (index_t e : p.shard_shape) n *= e;
   p.value = ParamArray(static_cast<std::size_t>(n));
   p.grad = ParamArray(static_cast<std::size_t>(n));
   return p;
+}
+
+// A parameter whole on every rank (tests, and layers without tensor parallelism).
+inline Parameter make_parameter(std::string name, std::vector<index_t> global_shape) {
+  return make_parameter(std::move(name), std::move(global_shape), {}, ParamSharding::replicated(), 1, 0);
+}
+
+// Takes every gradient of `params` that backward left Partial over tp to its value placement
+// (Replicate): the planner's step, an all-reduce over `tp`, in place. Gradients that follow each
+// other in `params` and in memory with no gap (a LayerNorm's weight and bias, packed) go as one
+// range; all are started, then all waited for. The Trainer calls it per weight unit once the
+// unit's last W is done; code that drives a GptModel directly calls
+// GptModel::reduce_tp_partial_grads after its backward.
+template <comm::Communicator C>
+void reduce_tp_partial_grads(C& tp, const std::vector<Parameter*>& params) {
+  if (tp.size() == 1) return;
+  struct Run {
+    const Parameter* first;
+    float* begin;
+    std::size_t size;
+  };
+  std::vector<Run> runs;
+  const Parameter* last = nullptr;  // the previous entry of `params`
+  for (Parameter* p : params) {
+    if (p->tp_partial_grad() && p->numel() > 0) {
+      const bool joins = last != nullptr && !runs.empty() && last->grad.data() + last->grad.size() == p->grad.data() &&
+                         runs.back().begin + runs.back().size == p->grad.data() &&
+                         p->sharding.grad == runs.back().first->sharding.grad &&
+                         p->sharding.value == runs.back().first->sharding.value;
+      if (joins) runs.back().size += p->grad.size();
+      else runs.push_back({p, p->grad.data(), p->grad.size()});
+      last = p;
+    } else {
+      last = nullptr;
+    }
+  }
+  std::vector<typename C::request_type> started;
+  for (const Run& r : runs)
+    if (auto req = shard::start_flat_redistribute(tp, r.first->sharding.grad[tp_axis], r.first->sharding.value[tp_axis],
+                                                  r.begin, r.begin, r.size))
+      started.push_back(std::move(*req));
+  for (auto& r : started) r.wait();
 }
 
 // A standard normal sample that depends only on (seed, name, global index): tp-independent init.

@@ -51,11 +51,14 @@ TRELLIS_HD constexpr bool chunks_even(index_t extent, int parts) { return extent
 // The range of dimension `dim` held by a rank: nested chunking over the mesh axes that shard
 // `dim`, outermost first (increasing nesting_key: Shard's level, then mesh axis). With
 // `stop_axis` >= 0, only the axes outside that one are applied: the piece it splits.
-// `sizes`/`coords` are the mesh's per-axis sizes and this rank's coordinates.
+// `sizes`/`coords` are the mesh's per-axis sizes and this rank's coordinates. With `unit` > 1
+// the dimension splits in whole units of that many elements (attention heads: the head size), so
+// the rule above applies to global_extent / unit units (the caller checks divisibility).
 template <std::size_t N>
 constexpr Chunk dim_range(index_t global_extent, int dim, const std::array<PlacementCode, N>& codes,
-                          const std::array<int, N>& sizes, const std::array<int, N>& coords, int stop_axis = -1) {
-  Chunk range{0, global_extent};
+                          const std::array<int, N>& sizes, const std::array<int, N>& coords, int stop_axis = -1,
+                          index_t unit = 1) {
+  Chunk range{0, global_extent / unit};
   long last = -1;
   for (std::size_t step = 0; step < N; ++step) {
     int next = -1;  // the axis with the smallest key above `last`
@@ -69,7 +72,7 @@ constexpr Chunk dim_range(index_t global_extent, int dim, const std::array<Place
     const Chunk part = chunk(range.size, sizes[next], coords[next]);
     range = {range.offset + part.offset, part.size};
   }
-  return range;
+  return {range.offset * unit, range.size * unit};
 }
 
 // Per-dimension ranges of a rank's local shard.

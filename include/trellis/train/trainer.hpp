@@ -81,6 +81,7 @@
 #include "trellis/pipe/generators.hpp"
 #include "trellis/pipe/simulate.hpp"
 #include "trellis/pipe/verify.hpp"
+#include "trellis/shard/flat.hpp"
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
@@ -180,10 +181,12 @@ class Trainer {
       }
     holds_embedding_ = false;
     for (auto& m : models_) holds_embedding_ = holds_embedding_ || m->stage().embedding;
-    const bool tp0 = mesh_.template coord<trellis::tp>() == 0;
+    // The norm (summed over pp and tp) counts each element once: a parameter on tp coordinate 0
+    // when its value (and, after the reductions, its gradient) is replicated over tp
+    // (nn/parameter.hpp), and wte on the embedding's rank.
     for (nn::Parameter* p : params_) {
       const bool dup_wte = p->name == "wte.weight" && !holds_embedding_;
-      norm_weight_.push_back((p->replicated() && !tp0) || dup_wte ? 0.0f : 1.0f);
+      norm_weight_.push_back(first_copy(*p, /*over_dp=*/false) && !dup_wte ? 1.0f : 0.0f);
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
     if (cfg_.dp > 1 || cfg_.zero1) setup_buckets();
@@ -250,6 +253,10 @@ class Trainer {
     } else {
       run_local_loop();
     }
+    for (std::size_t c = 0; c < models_.size(); ++c)  // every unit's reductions ran (on_weight_unit)
+      for (int done : unit_done_[c])
+        TRELLIS_CHECK(done == cfg_.microbatches, "Trainer (rank ", mesh_.rank(), "): a weight unit of chunk ", c,
+                      " saw ", done, " W of ", cfg_.microbatches, " microbatches");
     // the tied wte: sum of the copies' gradients over the chunks and pipeline ranks holding one
     stage_->all_reduce_tied_wte_grad(*pp_comm_);
     StepResult r;
@@ -312,10 +319,9 @@ class Trainer {
     std::vector<std::vector<float>> values;  // host copies of the parameters this rank writes
     for (nn::Parameter* p : params_)
       values.push_back(backend::download_vector(be_, p->value.data(), p->value.size()));
-    const bool writer = mesh_.template coord<trellis::dp>() == 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
-      if (!writer || norm_weight_[i] == 0.0f) continue;  // each box once
+      if (norm_weight_[i] == 0.0f || !first_copy(*p, /*over_dp=*/true)) continue;  // each box once
       for (const auto& pc : p->pieces()) {
         const Box box{pc.offsets, pc.shape};
         keep.push_back(gather_piece(pc, values[i]));
@@ -559,20 +565,29 @@ class Trainer {
     buckets_.push_back(std::move(b));
   }
 
-  // dp: all-reduce in place. ZeRO-1: reduce-scatter, this rank's shard into zgrads_.
-  void start_bucket(Bucket& b) {
-    if (cfg_.zero1)
-      b.request.emplace(dp_comm_->reduce_scatter_async(b.grads.data(), zgrads_.data() + b.shard_begin,
-                                                       b.grads.size() / static_cast<std::size_t>(cfg_.dp),
-                                                       comm::ReduceOp::sum));
-    else
-      b.request.emplace(
-          dp_comm_->all_reduce_async(b.grads.data(), b.grads.data(), b.grads.size(), comm::ReduceOp::sum));
+  // A bucket's gradients leave backward Partial(sum) over dp and go to the optimizer's placement
+  // of the bucket: Replicate (dp: an all-reduce in place) or, under ZeRO-1, Shard(0) (a
+  // reduce-scatter, this rank's shard into zgrads_). The collective is the planner's step.
+  shard::PlacementCode optimizer_placement() const {
+    return cfg_.zero1 ? shard::shard_code(0) : shard::replicate_code();
   }
-  // Unit u of chunk c finished one microbatch's W; after the last, its buckets start.
+  void start_bucket(Bucket& b) {
+    b.request = shard::start_flat_redistribute(*dp_comm_, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
+                                               b.grads.data(), zgrads_.data() + b.shard_begin, b.grads.size());
+  }
+  // Whether this rank holds the first copy of parameter p: coordinate 0 of tp, and of dp when
+  // `over_dp`, where p's value is replicated over that axis. The norm counts first copies over tp
+  // (it is summed over pp and tp; dp replicas are equal); a checkpoint writes them over both.
+  bool first_copy(const nn::Parameter& p, bool over_dp) const {
+    return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || mesh_.template coord<trellis::dp>() == 0) &&
+           (!p.sharding.value[nn::tp_axis].is_replicate() || mesh_.template coord<trellis::tp>() == 0);
+  }
+  // Unit u of chunk c finished one microbatch's W; after the last, its gradients are final on
+  // this rank: those Partial over tp are summed over tp (nn/parameter.hpp), then its buckets start.
   void on_weight_unit(int c, int u) {
     auto& done = unit_done_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
     if (++done != cfg_.microbatches) return;
+    nn::reduce_tp_partial_grads(*tp_comm_, models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u));
     if ((cfg_.dp == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
     int w_total = 1;  // the W running now
     for (int w : w_done_) w_total += w;
@@ -731,12 +746,20 @@ class Trainer {
       }
       state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
     });
-    // all-gather of the updated shards, in place: this rank's shard is already at r L/dp
+    // The updated values go from the optimizer's placement, Shard(0) over dp, back to the
+    // parameters' (Replicate): an all-gather per bucket, in place (this rank's shard is already at
+    // r L/dp), all started, then all waited for.
     const auto r_dp = static_cast<std::size_t>(mesh_.template coord<trellis::dp>());
     for (auto& b : buckets_) {
       const auto n = b.values.size() / static_cast<std::size_t>(cfg_.dp);
-      dp_comm_->all_gather(b.values.data() + r_dp * n, b.values.data(), n);
+      b.request = shard::start_flat_redistribute(*dp_comm_, optimizer_placement(), shard::replicate_code(),
+                                                 b.values.data(), b.values.data() + r_dp * n, b.values.size());
     }
+    for (auto& b : buckets_)
+      if (b.request) {
+        b.request->wait();
+        b.request.reset();
+      }
   }
 
   // AdamW moments shaped like each parameter's local shard (ZeRO-1: gathered over dp).
