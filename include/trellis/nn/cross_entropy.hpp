@@ -122,10 +122,8 @@ class VocabParallelLMHeadLoss {
       detail::produce_then_reduce_scatter(tp_, be_, tp_.local_rows(shape), width_, dh, produce);
       regather.wait();
       s.h_local = {};
-    } else if (tp_.sequence_parallel) {
-      detail::produce_then_reduce_scatter(tp_, be_, tp_.local_rows(shape), width_, dh, produce);
     } else {
-      detail::produce_then_all_reduce(tp_, rows, width_, dh, produce);
+      detail::produce_then_leave_region(tp_, be_, shape, width_, dh, produce);
     }
   }
 

@@ -87,9 +87,8 @@ class VocabParallelEmbedding {
       be_.embedding_forward(token_args(n), s.row_tokens.data() + row0, wte_.value.data(),
                             static_cast<const float*>(nullptr), dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, be_, local, width_, y, produce);
-    else detail::produce_then_all_reduce(tp_, Bt * T, width_, y, produce);
-    const index_t first = tp_.sequence_parallel ? tp_.rank() * local : 0;
+    detail::produce_then_leave_region(tp_, be_, shape, width_, y, produce);
+    const index_t first = tp_.first_local_row(shape);
     const auto positions = upload(position_ids(first, local, Bt));
     auto pos = be_.template scratch<act_t>(static_cast<std::size_t>(local * width_));
     be_.embedding_forward(position_args(local), positions.data(), wpe_.value.data(),

@@ -154,10 +154,8 @@ class ColumnParallelLinear {
       detail::produce_then_reduce_scatter(tp_, be_, local, in, dx, produce);
       regather.wait();
       s.x_local = {};
-    } else if (tp_.sequence_parallel) {
-      detail::produce_then_reduce_scatter(tp_, be_, local, in, dx, produce);
     } else {
-      detail::produce_then_all_reduce(tp_, rows, in, dx, produce);
+      detail::produce_then_leave_region(tp_, be_, shape, in, dx, produce);
     }
   }
 
@@ -251,7 +249,7 @@ class RowParallelLinear {
   // x: (rows, local_in) -> y: (local_rows, out), reduced over tp, plus bias.
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
     Saved& s = store_.create(mb);
-    const index_t rows = tp_.full_rows(shape), local = tp_.local_rows(shape), out = cfg_.out;
+    const index_t rows = tp_.full_rows(shape), out = cfg_.out;
     s.rows = rows;
     s.x = saved_.template take<act_t>(be_, mb, rows * in_local_, "RowParallelLinear input");
     be_.copy(s.x.data(), x, s.x.size());
@@ -263,8 +261,7 @@ class RowParallelLinear {
       if (b) detail::matmul(be_, n, out, in_local_, xr, w, dst, kernels::epilogue::Bias<act_t>{b});
       else detail::matmul(be_, n, out, in_local_, xr, w, dst);
     };
-    if (tp_.sequence_parallel) detail::produce_then_reduce_scatter(tp_, be_, local, out, y, produce);
-    else detail::produce_then_all_reduce(tp_, rows, out, y, produce);
+    detail::produce_then_leave_region(tp_, be_, shape, out, y, produce);
   }
 
   // dy: (local_rows, out) -> dx: (rows, local_in).

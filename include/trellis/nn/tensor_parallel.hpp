@@ -6,7 +6,11 @@
 // [s, b, h]), columns are features. With sequence parallelism (sp) the norm/residual regions hold
 // only this rank's contiguous range of positions t (seq / tp of them, all batch entries), so a
 // row shard is a sequence shard; column-parallel layers all-gather it first and row-parallel
-// layers reduce-scatter back into it instead of all-reducing.
+// layers reduce-scatter back into it instead of all-reducing. Said as placements over tp
+// (shard/placement.hpp): the norm region is S(0) of the rows under sp and R without it
+// (region_placement); a tp region's partial sums are P(sum); leaving the region is the planner's
+// step P(sum) -> region (shard/flat.hpp: a reduce-scatter, or an all-reduce), entering it the
+// step region -> R (an all-gather, or nothing).
 //
 // Overlap (Oases-style, `overlap_chunks` > 1): a layer splits its rows into chunks and starts the
 // collective of one chunk asynchronously while the GEMM of the next one runs.
@@ -22,6 +26,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
 #include "trellis/backend/host.hpp"
+#include "trellis/shard/flat.hpp"
 #include "trellis/shard/layout.hpp"
 
 namespace trellis::nn {
@@ -54,6 +59,11 @@ struct TensorParallel {
     TRELLIS_CHECK(s.seq % size() == 0, "sequence parallelism: sequence length ", s.seq,
                   " is not divisible by the tensor-parallel size ", size());
     return s.rows() / size();
+  }
+  // Where the norm/residual region's rows live over tp: this rank's sequence shard (S(0)) under
+  // sp, all of them (R) otherwise.
+  shard::PlacementCode region_placement() const {
+    return sequence_parallel ? shard::shard_code(0) : shard::replicate_code();
   }
   // Global row index of this rank's first norm-region row.
   index_t first_local_row(const TokenShape& s) const { return sequence_parallel ? rank() * local_rows(s) : 0; }
@@ -212,6 +222,26 @@ void produce_then_all_reduce(TensorParallel<C>& tp, index_t rows, index_t width,
     inflight.push_back(tp.comm->all_reduce_async(dst, dst, static_cast<std::size_t>(c.size * width), comm::ReduceOp::sum));
   }
   for (auto& req : inflight) req.wait();
+}
+
+// Leaves a tensor-parallel region: produce(row0, rows, dst) writes this rank's partial sums
+// (P(sum) over tp) of full rows, which become the norm region's placement in `out` (local rows x
+// width): the planner's step, a reduce-scatter into this rank's sequence shard under sp, an
+// all-reduce of all rows otherwise (each chunked and overlapped as above).
+template <class C, class B, class T, class F>
+void produce_then_leave_region(TensorParallel<C>& tp, const B& be, const TokenShape& shape, index_t width, T* out,
+                               F&& produce) {
+  const shard::Plan<1> plan = shard::flat_plan(shard::partial_code(comm::ReduceOp::sum), tp.region_placement());
+  switch (plan.steps[0].kind) {
+    case shard::StepKind::reduce_scatter:
+      produce_then_reduce_scatter(tp, be, tp.local_rows(shape), width, out, produce);
+      return;
+    case shard::StepKind::all_reduce:
+      produce_then_all_reduce(tp, tp.full_rows(shape), width, out, produce);
+      return;
+    default: break;
+  }
+  TRELLIS_THROW("tensor-parallel region: no collective from P(sum) to ", shard::placement_string(tp.region_placement()));
 }
 
 }  // namespace detail
