@@ -41,7 +41,7 @@ function(trellis_add_component name found_var)
     find_package(CBLAS QUIET)
     if(NOT CBLAS_FOUND)
       set(TRELLIS_COMPONENT_MESSAGE
-          "trellis component 'blas' needs a CBLAS library (cblas.h + libopenblas): install libopenblas-dev, or set CBLAS_ROOT to its prefix" PARENT_SCOPE)
+          "trellis component 'blas' needs a CBLAS library (TRELLIS_BLAS=${TRELLIS_BLAS}): install libopenblas-dev (or libblis-dev with TRELLIS_BLAS=blis), or set CBLAS_ROOT to its prefix" PARENT_SCOPE)
       return()
     endif()
     add_library(trellis::blas INTERFACE IMPORTED GLOBAL)
