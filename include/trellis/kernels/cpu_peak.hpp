@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -75,8 +76,15 @@ inline const char* bf16_peak_unit(const CpuFeatures& f) {
 
 namespace detail {
 
-inline double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+// The calling thread's CPU time (Linux: CLOCK_THREAD_CPUTIME_ID, ns resolution), so that time the
+// thread spent preempted by other work on a shared machine does not count against the rates;
+// wall time where there is no such clock.
+inline double thread_seconds() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) return static_cast<double>(ts.tv_sec) + 1e-9 * ts.tv_nsec;
+#endif
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // `iters` x 100 dependent register-register adds: latency-bound at one add per cycle on x86 cores,
@@ -141,24 +149,25 @@ __attribute__((target("avx2,fma"))) inline float fma_loop_avx2(std::int64_t iter
 #undef TRELLIS_FMA12
 #endif
 
-// The best rate (work units per second) of `reps` timed windows of about `window_s` each, after
-// one untimed window (frequency ramp, AVX-512 licence). `run(iters)` does `iters` x `per_iter` units.
+// The best rate (work units per CPU second of this thread) of `reps` timed windows of about
+// `window_s` each, after one untimed window (frequency ramp, AVX-512 licence). `run(iters)` does
+// `iters` x `per_iter` units.
 template <class F>
 double best_rate(F&& run, double per_iter, double window_s, int reps, volatile float* sink) {
   std::int64_t iters = 256;
   for (;;) {  // calibrate: grow until one call takes a quarter window
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = thread_seconds();
     *sink = *sink + static_cast<float>(run(iters));
-    if (seconds_since(t0) > window_s / 4 || iters > (std::int64_t{1} << 40)) break;
+    if (thread_seconds() - t0 > window_s / 4 || iters > (std::int64_t{1} << 40)) break;
     iters *= 2;
   }
   iters *= 4;
   *sink = *sink + static_cast<float>(run(iters));  // untimed warm-up window
   double best = 0;
   for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = thread_seconds();
     *sink = *sink + static_cast<float>(run(iters));
-    const double dt = seconds_since(t0);
+    const double dt = thread_seconds() - t0;
     if (dt > 0) best = std::max(best, static_cast<double>(iters) * per_iter / dt);
   }
   return best;
@@ -192,9 +201,10 @@ struct CpuPeak {
 };
 
 // Runs the clock chain and the FMA loop on `threads` threads at once (they start together; each
-// takes the best of `reps` windows of `window_s`: ~10 ms in all at the defaults), then computes the
-// theoretical peak of `threads` cores. On a loaded machine both figures drop (best-of windows
-// damp it); the theoretical one less, as the clock chain is short.
+// takes the best of `reps` windows of `window_s` of its own CPU time: ~10-20 ms in all at the
+// defaults), then computes the theoretical peak of `threads` cores. Rates are per CPU second, so
+// other work preempting the threads on a shared machine does not lower them (measured: a build at
+// the same nice level beside it took the wall-clock version's clock from 2.7 to 1.9 GHz).
 inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps = 3) {
   CpuPeak p;
   p.features = cpu_features();
