@@ -91,8 +91,9 @@ inline double thread_seconds() {
 // so cycles = 100 x iters whatever the ports. Not `add $imm`: Golden Cove's renamer folds chains of
 // immediate adds (measured here: 12 "GHz"). Returns the adds' sum (kept live).
 inline std::uint64_t add_chain(std::int64_t iters) {
-  std::uint64_t x = 0, one = 1;
+  std::uint64_t x = 0;
 #if defined(TRELLIS_CPU_PEAK_X86)
+  std::uint64_t one = 1;
   __asm__ volatile("" : "+r"(one));  // not a known constant
   for (std::int64_t i = 0; i < iters; ++i) __asm__ volatile(".rept 100\n\taddq %1, %0\n\t.endr" : "+r"(x) : "r"(one));
 #else
