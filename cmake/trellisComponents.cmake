@@ -45,7 +45,7 @@ function(trellis_add_component name found_var)
       return()
     endif()
     add_library(trellis::blas INTERFACE IMPORTED GLOBAL)
-    target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS)
+    target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS ${CMAKE_DL_LIBS})  # dlsym: blas_core.hpp
     target_compile_definitions(trellis::blas INTERFACE TRELLIS_HAS_CBLAS=1)
 
   elseif(name STREQUAL "dnnl")
