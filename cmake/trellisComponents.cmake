@@ -41,11 +41,11 @@ function(trellis_add_component name found_var)
     find_package(CBLAS QUIET)
     if(NOT CBLAS_FOUND)
       set(TRELLIS_COMPONENT_MESSAGE
-          "trellis component 'blas' needs a CBLAS library (cblas.h + libopenblas): install libopenblas-dev, or set CBLAS_ROOT to its prefix" PARENT_SCOPE)
+          "trellis component 'blas' needs a CBLAS library (TRELLIS_BLAS=${TRELLIS_BLAS}): install libopenblas-dev (or libblis-dev with TRELLIS_BLAS=blis), or set CBLAS_ROOT to its prefix" PARENT_SCOPE)
       return()
     endif()
     add_library(trellis::blas INTERFACE IMPORTED GLOBAL)
-    target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS)
+    target_link_libraries(trellis::blas INTERFACE trellis::trellis CBLAS::CBLAS ${CMAKE_DL_LIBS})  # dlsym: blas_core.hpp
     target_compile_definitions(trellis::blas INTERFACE TRELLIS_HAS_CBLAS=1)
 
   elseif(name STREQUAL "dnnl")

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "support/report.hpp"
+#include "trellis/kernels/cpu_peak.hpp"
 #include "trellis/kernels/gemm_host.hpp"
 
 using namespace trellis;
@@ -98,12 +99,16 @@ int main(int argc, char** argv) {
   products.push_back({"lm_head", Pass::dx, gemm_args(R, C, V), "none", 2});
   products.push_back({"lm_head", Pass::dw, gemm_args(V, C, R, Op::transpose, Op::none, 1.0f, 1.0f), "none", 2});
 
+  // The machine's peaks (kernels/cpu_peak.hpp): the sums below as fractions of them.
+  const host::CpuPeak machine = host::measure_cpu_peak(host::kernel_thread_count());
+  std::printf("machine peak: %s\n", machine.describe().c_str());
   const std::string impl = host::dnnl_bf16_native() ? host::dnnl_bf16_implementation() : "not used (fp32 path)";
   std::printf("host GEMM GFLOP/s, GPT-2 124M products at %lld token rows, %d threads; bf16 via oneDNN: %s\n",
               (long long)R, host::kernel_thread_count(), impl.c_str());
   std::printf("%-12s %-4s %6s %6s %6s %-9s | %9s %9s | %9s %9s | %9s %9s | %7s %7s\n", "layer", "pass", "m", "n", "k",
               "epilogue", "fp32_max", "fp32_med", "conv_max", "conv_med", "dnnl_max", "dnnl_med", "dnnl/32", "dnnl/cv");
   tb::JsonReport report("gemm_bf16_bench");
+  double total_gflop = 0;
   double total_fp32 = 0, total_conv = 0, total_dnnl = 0;  // sums of min times over the products
   const char* pass_names[] = {"fwd", "dx", "dw"};
   for (const Product& p : products) {
@@ -140,6 +145,7 @@ int main(int argc, char** argv) {
     auto [d_min, d_med] = mm(tdn);
     total_fp32 += f_min, total_conv += c_min, total_dnnl += d_min;
     const double flop = 2.0 * p.args.m * p.args.n * p.args.k * 1e-9;
+    total_gflop += flop;
     std::printf("%-12s %-4s %6lld %6lld %6lld %-9s | %9.1f %9.1f | %9.1f %9.1f | %9.1f %9.1f | %7.2f %7.2f\n", p.layer,
                 pass_names[int(p.pass)], (long long)p.args.m, (long long)p.args.n, (long long)p.args.k, p.epilogue,
                 flop / f_min, flop / f_med, flop / c_min, flop / c_med, flop / d_min, flop / d_med, f_min / d_min,
@@ -156,6 +162,11 @@ int main(int argc, char** argv) {
   std::printf("sum of min times over the products (one layer's three products each + LM head): fp32 %.4f s, "
               "convert %.4f s, dnnl %.4f s; fp32/dnnl %.2f, convert/dnnl %.2f\n",
               total_fp32, total_conv, total_dnnl, total_fp32 / total_dnnl, total_conv / total_dnnl);
+  std::printf("against the machine peaks: fp32 %.1f GFLOP/s = %.1f%% of the fp32 peak; dnnl %.1f GFLOP/s = %.1f%% of "
+              "the bf16 peak (%s), %.1f%% of the fp32 peak\n",
+              total_gflop / total_fp32, 100.0 * total_gflop * 1e9 / total_fp32 / machine.theoretical.fp32,
+              total_gflop / total_dnnl, 100.0 * total_gflop * 1e9 / total_dnnl / machine.theoretical.bf16,
+              host::bf16_peak_unit(machine.features), 100.0 * total_gflop * 1e9 / total_dnnl / machine.theoretical.fp32);
   report.write(tb::json_path(argc, argv));
   return 0;
 }

@@ -41,9 +41,11 @@
 #include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/kernels/cpu_peak.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 #include "trellis/pipe/simulate.hpp"
 #include "trellis/train/flat_trainer.hpp"
+#include "trellis/train/metrics.hpp"
 #include "trellis/train/trainer.hpp"
 
 using namespace trellis;
@@ -325,6 +327,9 @@ int main(int argc, char** argv) {
   // The four C++ sides run round robin (floor, Trainer fp32, FlatTrainer, Trainer bf16, then
   // again), so load changes on the shared machine touch each alike; PyTorch runs after them.
   const train::Batch b = make_batch(c.batch, c.seq, c.model.vocab);
+  // The machine's peaks (kernels/cpu_peak.hpp) on the kernel pool's thread count: each row's step
+  // time is also given as MFU against the fp32 and the bf16 peak.
+  const kernels::host::CpuPeak machine = kernels::host::measure_cpu_peak(kernels::host::kernel_thread_count());
   double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, f_min = 0, f_med = 0, h_min = 0, h_med = 0;
   double mem_s = 0, mem_med = 0, parameters = 0;
   comm::ThreadWorld world(1);
@@ -360,21 +365,33 @@ int main(int argc, char** argv) {
   std::printf(
       "# floor (same run): the step's GEMMs as bare cblas_sgemm: %.1f ms = %.1f GFLOP/s over %.1f GFLOP\n",
       floor_s * 1e3, gf / floor_s / 1e9, gf / 1e9);
-  std::printf("%-30s %12s %12s %12s %10s %12s\n", "implementation", "ms min", "ms median", "tokens/s", "x floor",
-              "x floor med");
-  auto line = [&](const char* name, double mn, double md) {
-    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f\n", name, mn * 1e3, md * 1e3, tokens / mn, mn / floor_s,
+  // Model FLOPs of the step (6N + 12 L C T per token, as train_gpt's MFU) over the step time, as a
+  // fraction of the machine's fp32 and bf16 peaks.
+  const double model_flop =
+      tokens * train::gpt_flops_per_token(parameters, static_cast<int>(c.model.layers),
+                                          static_cast<int>(c.model.width), static_cast<int>(c.seq));
+  std::printf("# machine peak: %s\n", machine.describe().c_str());
+  std::printf("# MFU columns: %.1f model GFLOP per step / ms / peak; at peak a step takes %.1f ms (fp32), %.2f ms (bf16)\n",
+              model_flop / 1e9, model_flop / machine.theoretical.fp32 * 1e3, model_flop / machine.theoretical.bf16 * 1e3);
+  std::printf("%-30s %12s %12s %12s %10s %12s %10s %10s\n", "implementation", "ms min", "ms median", "tokens/s",
+              "x floor", "x floor med", "MFU fp32", "MFU bf16");
+  auto mfu = [&](double sec, bool bf16) { return 100.0 * model_flop / sec / machine.peak(bf16); };
+  auto line = [&](const char* name, double mn, double md, bool whole_step = true) {  // floors: no MFU
+    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f", name, mn * 1e3, md * 1e3, tokens / mn, mn / floor_s,
                 md / floor_med);
+    if (whole_step) std::printf(" %9.2f%% %9.2f%%\n", mfu(mn, false), mfu(mn, true));
+    else std::printf(" %10s %10s\n", "-", "-");
   };
-  line("cblas_sgemm floor", floor_s, floor_med);
-  line("optimizer memory floor", mem_s, mem_med);
-  line("sgemm + memory floor", floor_s + mem_s, floor_med + mem_med);
+  line("cblas_sgemm floor", floor_s, floor_med, false);
+  line("optimizer memory floor", mem_s, mem_med, false);
+  line("sgemm + memory floor", floor_s + mem_s, floor_med + mem_med, false);
   line("trellis Trainer fp32", t_min, t_med);
   line("trellis FlatTrainer (host)", f_min, f_med);
   line("trellis Trainer bf16 compute", h_min, h_med);
   if (torch.ok)
-    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f   (%s)\n", "PyTorch CPU", torch.ms_min, torch.ms_median,
-                tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s, torch.ms_median / 1e3 / floor_med,
+    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f %9.2f%% %9.2f%%   (%s)\n", "PyTorch CPU", torch.ms_min,
+                torch.ms_median, tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s,
+                torch.ms_median / 1e3 / floor_med, mfu(torch.ms_min / 1e3, false), mfu(torch.ms_min / 1e3, true),
                 torch.note.c_str());
   else
     std::printf("%-30s %s\n", "PyTorch CPU", torch.note.c_str());
@@ -404,7 +421,12 @@ int main(int argc, char** argv) {
       .add("bf16_ms_median", h_med * 1e3)
       .add("bf16_over_floor", h_min / floor_s)
       .add("memory_floor_ms", mem_s * 1e3)
-      .add("trellis_over_sgemm_and_memory_floor", t_min / (floor_s + mem_s));
+      .add("trellis_over_sgemm_and_memory_floor", t_min / (floor_s + mem_s))
+      .add("peak_fp32_gflops", machine.theoretical.fp32 / 1e9)
+      .add("peak_bf16_gflops", machine.theoretical.bf16 / 1e9)
+      .add("fma_loop_gflops", machine.fma_flops / 1e9)
+      .add("trellis_mfu_fp32_peak", mfu(t_min, false) / 100, "%.4f")
+      .add("bf16_mfu_bf16_peak", mfu(h_min, true) / 100, "%.4f");
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
   report.add(row);
   report.write(bench::json_path(argc, argv));

@@ -104,7 +104,7 @@ output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --export-hf DIR (at the end: DIR/config.json + DIR/model.safetensors of the final
            checkpoint, loadable by transformers' GPT2LMHeadModel.from_pretrained(DIR))
            --eval-every N (20) --sample-tokens N (200) --temperature X (0.8, 0: greedy)
-           --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: measured sgemm speed)
+           --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: the machine peak of --dtype)
            --help
 )";
 }

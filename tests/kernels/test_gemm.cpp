@@ -310,6 +310,28 @@ TEST_CASE("a BLAS on kernels narrower than the CPU is reported, with the core ty
   CHECK(blas_core_warning("SkylakeX", hsw).empty());
   CHECK(blas_core_warning("Prescott", old).empty());
   CHECK(blas_core_warning("NeoverseV2", amx).empty());
+  // BLIS (TRELLIS_BLAS=blis): BLIS 0.9.0 on a Sapphire Rapids Xeon picks "haswell"; the id to set
+  // is looked up in the running library (0 for "skx" in 0.9), or the message says to look it up.
+  using trellis::kernels::host::blis_arch_warning;
+  using trellis::kernels::host::recommended_blis_arch;
+  CHECK(recommended_blis_arch(amx) == "skx");
+  CHECK(recommended_blis_arch(hsw) == "haswell");
+  CHECK(recommended_blis_arch(old).empty());
+  const std::string b = blis_arch_warning("haswell", amx, 0);
+  CHECK_THAT(b, Catch::Contains("BLIS runs its haswell kernels on a CPU with AVX-512"));
+  CHECK_THAT(b, Catch::Contains("BLIS_ARCH_TYPE=0 (this BLIS' id of \"skx\")"));
+  CHECK_THAT(blis_arch_warning("sandybridge", hsw, 3), Catch::Contains("BLIS_ARCH_TYPE=3 (this BLIS' id of \"haswell\")"));
+  CHECK_THAT(blis_arch_warning("generic", skx, -1), Catch::Contains("BLIS_ARCH_TYPE to this BLIS' id of \"skx\""));
+  CHECK(blis_arch_warning("skx", amx, 0).empty());
+  CHECK(blis_arch_warning("zen3", hsw, 3).empty());
+  CHECK(blis_arch_warning("penryn", old, -1).empty());
+  CHECK(blis_arch_warning("firestorm", amx, 0).empty());
+  if (const auto& blis = trellis::kernels::host::blis_arch_api(); blis.name != nullptr) {
+    // linked against BLIS: the lookup finds the ids of the names it reports
+    CHECK(trellis::kernels::host::blis_arch_id(blis.name(0)) == 0);
+    CHECK(trellis::kernels::host::blis_arch_id(blis.name(blis.query_id())) == blis.query_id());
+    CHECK(trellis::kernels::host::blis_arch_id("no such arch") == -1);
+  }
   // the live check runs (prints at most once) and this machine's features are self-consistent
   trellis::kernels::host::warn_if_generic_blas();
   const CpuFeatures here = trellis::kernels::host::cpu_features();

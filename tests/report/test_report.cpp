@@ -76,6 +76,10 @@ TEST_CASE("progress text: durations, rates, bar and plain lines", "[progress]") 
   REQUIRE(progress_bar_line(p) == "[####----------------] 120/500  loss 2.3456  12.3k tok/s  MFU 31.2%  ETA 38s");
   REQUIRE(progress_plain_line(p) ==
           "step 120/500 | loss 2.3456 | 12.3k tok/s | MFU 31.2% | elapsed 12s | ETA 38s");
+  ProgressInfo with_blas = p;  // train_gpt's second figure: model FLOP/s over the measured sgemm rate
+  with_blas.mfu_blas = 0.2456;
+  REQUIRE(progress_plain_line(with_blas) ==
+          "step 120/500 | loss 2.3456 | 12.3k tok/s | MFU 31.2% (24.6% of sgemm) | elapsed 12s | ETA 38s");
   ProgressInfo resumed = p;
   resumed.first_step = 100;  // 20 steps in 12 s since the resume
   REQUIRE(eta_seconds(resumed) == Approx(228.0));

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "temp_dir.hpp"
@@ -148,4 +149,46 @@ TEST_CASE("train_gpt: data that is empty or too small is refused naming the file
   o.data = small;
   CHECK_THROWS_WITH(train_gpt::load_data(o), Catch::Contains("--data " + small) && Catch::Contains("--val-fraction 0.1") &&
                                                  Catch::Contains("2 windows") && Catch::Contains("--batch 4"));
+}
+
+TEST_CASE("train_gpt: without --peak-gflops, MFU is against the machine peak of --dtype, sgemm beside it",
+          "[train][train_gpt][mfu]") {
+  using namespace trellis::kernels::host;
+  // The reference: the dtype's peak worked out from the measured clock and FMA units (bf16: AMX's
+  // 1024 FLOP per cycle per core, or 2x / 1x the fp32 FMAs' lanes x units x 2).
+  const train_gpt::HostPeak fp32 = train_gpt::host_mfu_reference("fp32");
+  const train_gpt::HostPeak bf16 = train_gpt::host_mfu_reference("bf16");
+  const CpuFeatures f = cpu_features();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  INFO(fp32.note << " | " << bf16.note);
+  CHECK(fp32.note.starts_with("fp32 machine peak; "));
+  CHECK(bf16.note.starts_with("bf16 machine peak; "));
+  CHECK(fp32.cpu.threads == cores);
+  CHECK(fp32.peak == Approx(cores * fp32.cpu.clock_hz * 2.0 * fp32_lanes(f) * fp32.cpu.fma_units));
+  const double bf16_per_cycle = f.amx_bf16 ? 1024.0 : (f.avx512_bf16 ? 2.0 : 1.0) * 2.0 * fp32_lanes(f) * bf16.cpu.fma_units;
+  CHECK(bf16.peak == Approx(cores * bf16.cpu.clock_hz * bf16_per_cycle));
+  CHECK(fp32.peak > 1e9);
+#if defined(TRELLIS_HAS_CBLAS)
+  CHECK(fp32.blas > 0);
+  CHECK(fp32.blas < 1.2 * fp32.peak);  // a BLAS above the machine's peak would mean a wrong peak
+#endif
+
+  // A run without --peak-gflops logs MFU against that peak and, with a BLAS, mfu_sgemm beside it:
+  // the same model FLOP/s over the two rates, so mfu_sgemm / mfu = peak / sgemm > 1.
+  TempDir dir("train-gpt-mfu");
+  auto o = tiny(dir);
+  o.peak_gflops = 0;
+  o.steps = 2;
+  run(o);
+  const auto metrics = trellis::train::read_metrics(o.log);
+  REQUIRE(metrics.size() == 2);
+  for (const auto& row : metrics) {
+    const double mfu = row.find("mfu")->as_double();
+    CHECK(mfu > 0);
+    CHECK(mfu < 1);
+#if defined(TRELLIS_HAS_CBLAS)
+    REQUIRE(row.find("mfu_sgemm") != nullptr);
+    CHECK(row.find("mfu_sgemm")->as_double() > mfu);
+#endif
+  }
 }

@@ -40,6 +40,9 @@ extern "C" void sgemm_(char* transa, char* transb, int* m, int* n, int* k, float
 // single-threaded, e.g. MKL_NUM_THREADS=1).
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 extern "C" int openblas_get_num_threads() __attribute__((weak));
+// BLIS' (TRELLIS_BLAS=blis; dim_t is 64-bit): it threads when BLIS_NUM_THREADS or OMP_NUM_THREADS say so.
+extern "C" void bli_thread_set_num_threads(std::int64_t) __attribute__((weak));
+extern "C" std::int64_t bli_thread_get_num_threads() __attribute__((weak));
 #endif
 
 namespace trellis::kernels::host {
@@ -106,12 +109,15 @@ inline TileShape tile_shape(const GemmArgs& args, const GemmOptions& options) {
 }
 
 // Makes this thread's OpenBLAS calls single-threaded (process-wide for the pthreads build, per
-// calling thread for the OpenMP one): tiles run in parallel on the kernel pool instead.
+// calling thread for the OpenMP one), and BLIS' (process-wide): tiles run in parallel on the
+// kernel pool instead.
 inline void use_single_threaded_blas() {
 #if defined(TRELLIS_HAS_CBLAS)
   warn_if_generic_blas();
   if (openblas_set_num_threads && openblas_get_num_threads && openblas_get_num_threads() != 1)
     openblas_set_num_threads(1);
+  if (bli_thread_set_num_threads && bli_thread_get_num_threads && bli_thread_get_num_threads() != 1)
+    bli_thread_set_num_threads(1);
 #endif
 }
 

@@ -2,6 +2,7 @@
 //   [##########----------]  120/500  loss 2.3456  12.3k tok/s  MFU 31.2%  ETA 1:23
 // Not a terminal (a log file, CI): plain lines, every `plain_every` steps and at the last step
 //   step 120/500 | loss 2.3456 | 12.3k tok/s | MFU 31.2% | elapsed 9.8s | ETA 1:23
+// (with ProgressInfo::mfu_blas set, "MFU 31.2% (45.0% of sgemm)": MFU against a measured GEMM rate too)
 // The line's text is produced by pure functions (tested); only update() writes.
 #pragma once
 
@@ -26,6 +27,7 @@ struct ProgressInfo {
   double loss = 0.0;
   double tokens_per_s = 0.0;
   double mfu = 0.0;        // fraction of peak
+  double mfu_blas = 0.0;   // fraction of a measured GEMM rate (shown as "(x% of sgemm)" when > 0)
   double elapsed_s = 0.0;  // since the run (or the resume) started
   std::int64_t first_step = 0;  // step the timing started from (for the ETA after a resume)
 };
@@ -61,9 +63,11 @@ inline double eta_seconds(const ProgressInfo& p) {
 }
 
 inline std::string progress_fields(const ProgressInfo& p, const char* sep) {
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "loss %.4f%s%s tok/s%sMFU %.1f%%", p.loss, sep, format_rate(p.tokens_per_s).c_str(),
-                sep, 100.0 * p.mfu);
+  char buf[192];
+  int n = std::snprintf(buf, sizeof buf, "loss %.4f%s%s tok/s%sMFU %.1f%%", p.loss, sep,
+                        format_rate(p.tokens_per_s).c_str(), sep, 100.0 * p.mfu);
+  if (p.mfu_blas > 0 && n > 0 && n < static_cast<int>(sizeof buf))
+    std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), " (%.1f%% of sgemm)", 100.0 * p.mfu_blas);
   return buf;
 }
 
