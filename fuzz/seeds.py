@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes the hand-made seed inputs of fuzz/corpus/<target>/seed-* (valid and near-valid inputs).
-Run from anywhere: python3 fuzz/seeds.py. Regression inputs of findings (regress-*) and the
-schedule generator seeds (gen-*, to_text of pipe::make_schedule) are kept by hand, not written here."""
+Run from anywhere: python3 fuzz/seeds.py. Not written here: regression inputs of findings
+(regress-*), and the schedule seeds gen-<name>[-compute], which are to_text(make_schedule(name, 2, 4,
+v)) (v = 2 for interleaved_1f1b, else 1) with and without communication, for every
+pipe::schedule_names()."""
 import json
 import os
 import struct
