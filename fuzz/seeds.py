@@ -164,6 +164,8 @@ for name, words in {
     "missing-value": ["--dp"],
     "unknown": ["--bogus", "--help"],
     "schedule-file": ["--pp", "2", "--schedule-file", "/dev/null", "--schedule", "gpipe", "--overlap", "4"],
+    "checked-values": ["--keep-last", "1", "--weight-decay", "-0.5", "--peak-gflops", "0"],
+    "custom-schedule": ["--pp", "2", "--microbatches", "2", "--layers", "2", "--schedule-file", "mine.txt"],
 }.items():
     write("flags", name, "\n".join(words))
 

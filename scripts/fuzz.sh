@@ -8,6 +8,7 @@
 #
 #   scripts/fuzz.sh TARGET [SECONDS] [extra libFuzzer flags...]   (default 300 seconds)
 #   nice -n 15 scripts/fuzz.sh schedule 300                        (on a shared machine)
+#   scripts/fuzz.sh TARGET coverage   line coverage (llvm-cov) of our headers by both corpora
 #
 # Targets: json checkpoint_index safetensors schedule flags data_shard. CXX overrides clang++.
 # Limits: 10 s per input (-timeout, a hang), 512 MiB per allocation (-malloc_limit_mb: the inputs
@@ -21,12 +22,22 @@ shift $(( $# >= 2 ? 2 : 1 ))
 
 out=build/fuzz
 mkdir -p "$out/$target.corpus" "$out/$target.findings"
+flags=(-std=c++20 -g -fno-omit-frame-pointer -DTRELLIS_FUZZ_LIBFUZZER -Iinclude -Iexamples)
+if [[ "$seconds" == coverage ]]; then
+  "${CXX:-clang++}" "${flags[@]}" -O0 -fsanitize=fuzzer -fprofile-instr-generate -fcoverage-mapping \
+    "fuzz/$target.cpp" -o "$out/$target.cov"
+  rm -f "$out/$target.profraw"
+  LLVM_PROFILE_FILE="$out/$target.profraw" "$out/$target.cov" -runs=0 "$out/$target.corpus" "fuzz/corpus/$target" \
+    2>&1 | grep -E "INITED|DONE" || true
+  llvm-profdata merge -o "$out/$target.profdata" "$out/$target.profraw"
+  exec llvm-cov report "$out/$target.cov" -instr-profile="$out/$target.profdata" \
+    -ignore-filename-regex='^/usr/|/fuzz/[^/]*\.(cpp|hpp)$'
+fi
 bin="$out/$target"
 if [[ ! -x "$bin" || -n "$(find fuzz include examples/train_gpt -newer "$bin" -name '*.?pp' -print -quit)" ]]; then
   echo "fuzz.sh: building $bin" >&2
-  "${CXX:-clang++}" -std=c++20 -O1 -g -fno-omit-frame-pointer \
-    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -DTRELLIS_FUZZ_LIBFUZZER -Iinclude -Iexamples "fuzz/$target.cpp" -o "$bin"
+  "${CXX:-clang++}" "${flags[@]}" -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    "fuzz/$target.cpp" -o "$bin"
 fi
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 exec "$bin" -max_total_time="$seconds" -timeout=10 -malloc_limit_mb=512 -rss_limit_mb=2048 \
