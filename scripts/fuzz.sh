@@ -11,7 +11,7 @@
 #   scripts/fuzz.sh TARGET coverage   line coverage (llvm-cov) of our headers by both corpora
 #
 # Targets: json checkpoint_index safetensors schedule flags data_shard. CXX overrides clang++.
-# Limits: 10 s per input (-timeout, a hang), 512 MiB per allocation (-malloc_limit_mb: the inputs
+# Limits: 10 s per input (-timeout, a hang), 64 MiB per allocation (-malloc_limit_mb: the inputs
 # are small, so a bigger allocation means a size taken from the input without a bound).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +40,5 @@ if [[ ! -x "$bin" || -n "$(find fuzz include examples/train_gpt -newer "$bin" -n
     "fuzz/$target.cpp" -o "$bin"
 fi
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-exec "$bin" -max_total_time="$seconds" -timeout=10 -malloc_limit_mb=512 -rss_limit_mb=2048 \
+exec "$bin" -max_total_time="$seconds" -timeout=10 -malloc_limit_mb=64 -rss_limit_mb=2048 \
   -print_final_stats=1 -artifact_prefix="$out/$target.findings/" "$@" "$out/$target.corpus" "fuzz/corpus/$target"
