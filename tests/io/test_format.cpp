@@ -39,6 +39,12 @@ TEST_CASE("json parses and writes every kind of value", "[json]") {
   REQUIRE(json::dump(json::Value(0.1)) == "0.1");  // shortest round-trip form
   REQUIRE(json::dump(json::Value(std::nan(""))) == "null");
   REQUIRE(json::dump(json::Value("\x01")) == "\"\\u0001\"");
+  // -0.0 keeps its sign through a write and a read ("-0" would read back as the integer 0; found
+  // by fuzz/json.cpp, regression input fuzz/corpus/json/seed-numbers)
+  REQUIRE(json::dump(json::Value(-0.0)) == "-0.0");
+  const auto z = json::parse(json::dump(json::Value(-0.0)));
+  REQUIRE((!z.is_int() && z.as_double() == 0.0 && std::signbit(z.as_double())));
+  REQUIRE(json::dump(json::parse("[-0, 0.0]")) == "[0,0]");
 }
 
 TEST_CASE("json rejects malformed text with the position", "[json]") {

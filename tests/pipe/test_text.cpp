@@ -97,6 +97,12 @@ TEST_CASE("parse errors name the line and column", "[pipe][text]") {
   REQUIRE_THAT(e, Catch::Contains("no rank lines"));
   e = parse_error("F0 B0 W0\n@ name=late\n");
   REQUIRE_THAT(e, Catch::Contains("line 2, column 1: the '@' header must come before the rank lines"));
+  // stages x chunks past the int range of virtual stage numbers: an error, not an overflow (found by
+  // fuzz/schedule.cpp under UBSan; regression input fuzz/corpus/schedule/seed-big-numbers)
+  e = parse_error("@ microbatches=1000000000 chunks=1000000000\nF999999999.999999999\nF0\nF0\n");
+  REQUIRE_THAT(e, Catch::Contains("3 stages x 1000000000 chunks is more than 1073741824 virtual stages"));
+  Schedule wide = parse_schedule("@ chunks=1000000000\nSa0>1\nF0\nF0\n");  // no insertion: parses
+  REQUIRE_THROWS_WITH(verify(wide), Catch::Contains("virtual stages"));
   // a well-formed text with a broken schedule parses, and the verifier names the problem
   Schedule broken = parse_schedule("F0 B1 F1 W1 B0 W0\nF0 B0 W0 F1 B1 W1\n");
   REQUIRE_THROWS_WITH(verify(broken),

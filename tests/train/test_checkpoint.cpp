@@ -389,6 +389,10 @@ TEST_CASE("index.json is checksummed: any flipped bit is an error naming the ind
   REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("not a copy of rank 0's"));
   write_file_atomically(index_path, index);
   REQUIRE(Checkpoint(dir.path).rank_metadata(1).at("who") == "rank 1");
+  // An index without rank_metadata cannot be resealed: a trellis::Error naming the key (it was
+  // std::out_of_range from std::map::at; found by fuzz/checkpoint_index.cpp)
+  write_file_atomically(index_path, "{\"format\": \"trellis-checkpoint\"}");
+  REQUIRE_THROWS_WITH(reseal_checkpoint_index(index_path), Catch::Contains("missing key \"rank_metadata\""));
 }
 
 TEST_CASE("a rank's metadata corrupted in its shard header before the commit: the commit names the file",

@@ -133,6 +133,10 @@ inline void write_number(std::string& out, double d) {
     out += "null";
     return;
   }
+  if (d == 0 && std::signbit(d)) {  // "-0" would read back as the integer 0, losing the sign
+    out += "-0.0";
+    return;
+  }
   char buf[64];
   auto r = std::to_chars(buf, buf + sizeof buf, d);  // shortest form that reads back exactly
   out.append(buf, r.ptr);

@@ -141,6 +141,10 @@ struct Schedule {
   bool full_backward = false;
   std::vector<std::vector<Action>> ranks;  // ranks[r] = rank r's actions, in program order
 
+  // Bound on stages * chunks (check_shape), so that virtual stage numbers and their neighbours
+  // (+-1) fit in an int.
+  static constexpr int max_virtual_stages = 1 << 30;
+
   int virtual_stages() const { return stages * chunks; }
 
   // Virtual stage (0 .. p*v-1, model order) held by `rank`'s chunk `chunk`.
@@ -165,6 +169,9 @@ struct Schedule {
     if (microbatches < 1)
       TRELLIS_THROW("pipe schedule '", name, "': microbatches must be >= 1, got ", microbatches);
     if (chunks < 1) TRELLIS_THROW("pipe schedule '", name, "': chunks must be >= 1, got ", chunks);
+    if (static_cast<std::int64_t>(stages) * chunks > max_virtual_stages)  // virtual_stage() is int arithmetic
+      TRELLIS_THROW("pipe schedule '", name, "': ", stages, " stages x ", chunks, " chunks is more than ",
+                    max_virtual_stages, " virtual stages");
     if (placement == Placement::vee && chunks != 2)
       TRELLIS_THROW("pipe schedule '", name, "': the vee placement needs exactly 2 chunks per rank, got ",
                     chunks);
@@ -335,7 +342,9 @@ inline void pair_for_rendezvous(Schedule& s) {
     }
   }
   auto move_recv = [&](const MessageKey& key, std::size_t to) {
-    auto& [q, slot] = recv_at[key];
+    auto& where = recv_at[key];  // (rank, slot); not a structured binding: clang 14 cannot capture one
+    const int q = where.first;
+    std::size_t& slot = where.second;
     auto& from = slots[q][slot];
     auto it = std::find_if(from.begin(), from.end(), [&](const Action& a) {
       return a.kind == ActionKind::recv && message_of(s, q, a) == key;

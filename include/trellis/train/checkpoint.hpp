@@ -422,7 +422,9 @@ inline void reseal_checkpoint_index(const std::filesystem::path& index_path) {
   io::json::Object index = io::json::parse(io::read_whole_file(index_path), what).as_object(what);
   if (auto it = index.find(detail::index_crc_member); it != index.end()) index.erase(it);
   io::json::Array crcs;
-  for (const auto& m : index.at("rank_metadata").as_array(what + " rank_metadata"))
+  const auto ranks = index.find("rank_metadata");
+  TRELLIS_CHECK(ranks != index.end(), what, ": missing key \"rank_metadata\"");
+  for (const auto& m : ranks->second.as_array(what + " rank_metadata"))
     crcs.emplace_back(detail::json_crc(m));
   index[std::string(detail::rank_metadata_crc_member)] = io::json::Value(std::move(crcs));
   const std::string crc = detail::json_crc(io::json::Value(index));
