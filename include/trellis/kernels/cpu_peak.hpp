@@ -202,11 +202,14 @@ struct CpuPeak {
 };
 
 // Runs the clock chain and the FMA loop on `threads` threads at once (they start together; each
-// takes the best of `reps` windows of `window_s` of its own CPU time: ~10-20 ms in all at the
+// takes the best of `reps` windows of `window_s` of its own CPU time: ~0.1 s in all at the
 // defaults), then computes the theoretical peak of `threads` cores. Rates are per CPU second, so
 // other work preempting the threads on a shared machine does not lower them (measured: a build at
-// the same nice level beside it took the wall-clock version's clock from 2.7 to 1.9 GHz).
-inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps = 3) {
+// the same nice level beside it took the wall-clock version's clock from 2.7 to 1.9 GHz). A
+// virtual CPU the hypervisor takes away still counts as the thread's CPU time, so a window can
+// read low: the best of many short windows (20, not 3: with 3, one bench_trainer run on this
+// shared 2-vCPU machine read a fp32 peak of about half the usual and printed an MFU above 100 %).
+inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps = 20) {
   CpuPeak p;
   p.features = cpu_features();
   p.threads = std::max(threads, 1);
