@@ -66,6 +66,32 @@ TEST_CASE("adamw with bfloat16 gradients equals fp32 gradients of the same value
   REQUIRE(v1 == v2);
 }
 
+TEST_CASE("adamw: an element's update does not depend on where its tensor starts", "[kernels][adamw]") {
+  // ZeRO-1 updates pieces of the packed buffer that start anywhere; the replicated update runs the
+  // whole tensors. Both must give the same bits (vector body, padded tail, bf16 gradients alike).
+  const std::size_t n = 70003;  // chunks of 2^15 plus a tail shorter than any vector width
+  auto g = random_vector<float>(n, 21, -2.0f, 2.0f);
+  auto p_whole = random_vector<float>(n, 22);
+  auto p_pieces = p_whole;
+  std::vector<float> m_whole(n), v_whole(n), m_pieces(n), v_pieces(n);
+  kernels::AdamWConfig cfg;
+  cfg.weight_decay = 0.1f;
+  const std::size_t cuts[] = {0, 5, 4099, 37000, n};
+  for (int step = 1; step <= 3; ++step) {
+    host::adamw_step(std::vector<kernels::AdamWTensor<float>>{{p_whole, g, m_whole, v_whole}}, cfg, step, 0.75f);
+    std::vector<kernels::AdamWTensor<float>> pieces;
+    for (int c = 0; c + 1 < 5; ++c) {
+      const std::size_t b = cuts[c], len = cuts[c + 1] - cuts[c];
+      pieces.push_back({std::span(p_pieces).subspan(b, len), std::span<const float>(g).subspan(b, len),
+                        std::span(m_pieces).subspan(b, len), std::span(v_pieces).subspan(b, len)});
+    }
+    host::adamw_step(pieces, cfg, step, 0.75f);
+  }
+  REQUIRE(p_whole == p_pieces);
+  REQUIRE(m_whole == m_pieces);
+  REQUIRE(v_whole == v_pieces);
+}
+
 TEST_CASE("adamw rejects mismatched tensors and step 0", "[kernels][adamw]") {
   std::vector<float> p(4), g(3), m(4), v(4);
   REQUIRE_THROWS_AS(host::adamw_step(std::vector<kernels::AdamWTensor<float>>{{p, g, m, v}}, {}, 1), Error);

@@ -128,6 +128,21 @@ TRELLIS_FORCEINLINE void streaming_fence() {
 #endif
 }
 
+// Correctly rounded square root of every lane (IEEE, as std::sqrt; no errno, so no scalar path).
+TRELLIS_FORCEINLINE vfloat sqrt(vfloat x) {
+#if defined(__AVX512F__)
+  // The zero-masked form: _mm512_sqrt_ps starts from an "undefined" register that g++ 12 warns of.
+  return _mm512_maskz_sqrt_ps(static_cast<__mmask16>(0xFFFF), x);
+#elif defined(__AVX__)
+  return _mm256_sqrt_ps(x);
+#elif defined(__SSE__)
+  return _mm_sqrt_ps(x);
+#else
+  for (int l = 0; l < width; ++l) x[l] = std::sqrt(x[l]);
+  return x;
+#endif
+}
+
 // x must lie in [-87, 87.4] (no clamping here; the caller clamps).
 TRELLIS_FORCEINLINE vfloat exp_in_range(vfloat x) {
   constexpr float log2e = 1.44269504088896341f;
