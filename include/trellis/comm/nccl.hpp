@@ -21,6 +21,8 @@
 //    calls. A rank that never arrives makes that exchange time out; NCCL gives no partial view,
 //    so the missing rank is not named.
 //  - on a timeout the communicator is aborted (ncclCommAbort) and unusable from then on.
+//  - each operation's enqueue is an NVTX range, "nccl all_reduce 4718592 B (tp)" (kind, bytes,
+//    label), so Nsight Systems shows which layer issued which collective next to its kernels.
 //  - overlap mode (set_compute_stream(compute)), how a trainer overlaps communication with compute
 //    on a GPU: operations run on the communicator's own high-priority stream, each ordered after
 //    what `compute` holds when it is issued (an event); a blocking call makes `compute` wait for
@@ -37,6 +39,7 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <array>
@@ -447,6 +450,7 @@ class NcclComm {
     auto call = begin(OpKind::barrier, DType::u8, 0, -1, ReduceOp::sum, where, false);
     detail::NcclDeviceScope scope(state_->device);
     state_->synchronize(call);
+    nvtxRangePop();
     state_->recorder.completed(call.seq);
   }
 
@@ -565,6 +569,7 @@ class NcclComm {
     auto* word = static_cast<std::int32_t*>(state_->scratch_memory());
     TRELLIS_CHECK_NCCL(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm(), stream()));
     state_->synchronize(call);
+    nvtxRangePop();
     state_->recorder.completed(call.seq);
   }
 
@@ -637,6 +642,7 @@ class NcclComm {
     detail::NcclDeviceScope scope(device());
     ncclComm_t sub = nullptr;
     TRELLIS_CHECK_NCCL(ncclCommSplit(comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
+    nvtxRangePop();
     state_->recorder.completed(call.seq);
     if (color < 0 || sub == nullptr) {
       TRELLIS_CHECK(color < 0, "split_or_none: ncclCommSplit gave no communicator for color ", color);
@@ -676,12 +682,17 @@ class NcclComm {
       }
     }
     if (s.compute) stream_waits(s.stream, s.compute);  // overlap mode: after the data's producers
+    char name[160];
+    std::snprintf(name, sizeof name, "nccl %s %llu B (%s)", op_kind_name(kind),
+                  static_cast<unsigned long long>(n * dtype_size(dtype)), s.recorder.label().c_str());
+    nvtxRangePushA(name);  // popped once the call is enqueued or done (an error on the way leaves it open)
     return call;
   }
 
   // Stream-ordered calls are "completed" for the recorder once enqueued; in overlap mode the
   // compute stream waits for a blocking call's work.
   void enqueued(const OpFingerprint& call) {
+    nvtxRangePop();
     if (state_->compute) stream_waits(state_->compute, state_->stream);
     state_->recorder.completed(call.seq);
   }
@@ -698,6 +709,7 @@ class NcclComm {
   }
 
   NcclRequest make_request(const OpFingerprint& call) {
+    nvtxRangePop();
     detail::NcclDeviceScope scope(state_->device);
     cudaEvent_t event = nullptr;
     TRELLIS_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
