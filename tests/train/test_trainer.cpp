@@ -174,7 +174,8 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
 
 // The tolerances tests/gpu/test_trainer_cuda.cu gives backend::Cuda (two steps: losses within 5e-3
 // relative, every trained tensor within 2e-2 norm-relative) hold for bf16 rounding alone, here
-// against host fp32 rather than host bf16.
+// against host fp32 rather than host bf16. Measured: losses 1.2e-5, weights at most 1.8 % (the
+// zero-initialised biases; h.0.mlp.c_fc.bias), as FlatTrainer's 1.9 % with the same rounding.
 TEST_CASE("host bf16: two steps within the GPU test's tolerances of fp32", "[train][trainer][bf16]") {
   const TrainerConfig cfg = tiny_config();
   RunResult fp32, bf16;
