@@ -5,16 +5,15 @@
 //      and the tied LM head, each forward product with its two backward products) as bare
 //      cblas_sgemm calls of the same shapes; attention's T x T products (0.3 % of the FLOPs at
 //      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
-//  (b) train::FlatTrainer (the one-device GPT of the CUDA path) on the host, fp32, same step;
-//  (c) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
+//  (b) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
 //      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so;
-//  (d) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
+//  (c) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
 //      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32);
-//  (e) the optimizer's memory floor: the 36 bytes per parameter an fp32 AdamW step moves (zero the
+//  (d) the optimizer's memory floor: the 36 bytes per parameter an fp32 AdamW step moves (zero the
 //      gradients, read them for the norm, AdamW's reads and writes) as plain parallel memcpy. At
 //      256 tokens a step's GEMMs are only ~1.5 kFLOP per parameter, so this traffic is a large
 //      share of any step: "sgemm + memory floor" is what no implementation can beat.
-// (a), (b), Trainer, (d) and (e) run round robin, one step each in turn, so a change of load on a shared
+// (a), Trainer, (c) and (d) run round robin, one step each in turn, so a change of load on a shared
 // machine touches them alike; each side's minimum and median are reported.
 //   bench_trainer [--quick] [--iters N] [--json FILE]   (--quick: 4 layers, vocab 8192)
 //
@@ -44,7 +43,6 @@
 #include "trellis/kernels/cpu_peak.hpp"
 #include "trellis/kernels/thread_pool.hpp"
 #include "trellis/pipe/simulate.hpp"
-#include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/metrics.hpp"
 #include "trellis/train/trainer.hpp"
 
@@ -324,34 +322,30 @@ int main(int argc, char** argv) {
   const int warmup = 1, iters = quick ? 2 : std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
   const double tokens = static_cast<double>(c.batch * c.seq);
 
-  // The four C++ sides run round robin (floor, Trainer fp32, FlatTrainer, Trainer bf16, then
+  // The C++ sides run round robin (floor, Trainer fp32, Trainer bf16, memory floor, then
   // again), so load changes on the shared machine touch each alike; PyTorch runs after them.
   const train::Batch b = make_batch(c.batch, c.seq, c.model.vocab);
   // The machine's peaks (kernels/cpu_peak.hpp) on the kernel pool's thread count: each row's step
   // time is also given as MFU against the fp32 and the bf16 peak.
   const kernels::host::CpuPeak machine = kernels::host::measure_cpu_peak(kernels::host::kernel_thread_count());
-  double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, f_min = 0, f_med = 0, h_min = 0, h_med = 0;
+  double floor_s = 0, floor_med = 0, t_min = 0, t_med = 0, h_min = 0, h_med = 0;
   double mem_s = 0, mem_med = 0, parameters = 0;
   comm::ThreadWorld world(1);
   world.run([&](comm::ThreadComm& comm) {
     bench::GptSgemmFloor floor(c.model, static_cast<int>(tokens));
     train::Trainer<comm::ThreadComm> trainer(comm, c);
-    // The one-device GPT (the CUDA path's model, docs/flat_gpt.md) on the host, fp32: same step.
-    train::FlatTrainer<backend::Host<float>> flat(c);
     // Trainer with bf16 compute (fp32 master weights, gradients and AdamW): same step. (Spelled
     // trellis::bfloat16: OpenBLAS' cblas.h declares a global bfloat16 typedef.)
     train::Trainer<comm::ThreadComm, backend::Host<trellis::bfloat16>> bf16(comm, c);
     parameters = trainer.global_parameter_count();
     OptimizerMemoryFloor memory(parameters);
-    std::vector<std::function<void()>> sides = {[&] { floor.run(); },     [&] { trainer.step(b); },
-                                                [&] { flat.step(b); },    [&] { bf16.step(b); },
-                                                [&] { memory.run(); }};
+    std::vector<std::function<void()>> sides = {[&] { floor.run(); }, [&] { trainer.step(b); },
+                                                [&] { bf16.step(b); }, [&] { memory.run(); }};
     const auto t = bench::time_round_robin(sides, warmup, iters);
     std::tie(floor_s, floor_med) = t[0];
     std::tie(t_min, t_med) = t[1];
-    std::tie(f_min, f_med) = t[2];
-    std::tie(h_min, h_med) = t[3];
-    std::tie(mem_s, mem_med) = t[4];
+    std::tie(h_min, h_med) = t[2];
+    std::tie(mem_s, mem_med) = t[3];
   });
   const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
 
@@ -386,7 +380,6 @@ int main(int argc, char** argv) {
   line("optimizer memory floor", mem_s, mem_med, false);
   line("sgemm + memory floor", floor_s + mem_s, floor_med + mem_med, false);
   line("trellis Trainer fp32", t_min, t_med);
-  line("trellis FlatTrainer (host)", f_min, f_med);
   line("trellis Trainer bf16 compute", h_min, h_med);
   if (torch.ok)
     std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f %9.2f%% %9.2f%%   (%s)\n", "PyTorch CPU", torch.ms_min,
@@ -397,13 +390,12 @@ int main(int argc, char** argv) {
     std::printf("%-30s %s\n", "PyTorch CPU", torch.note.c_str());
   std::printf("# optimizer memory floor: 36 bytes per parameter (%.1f M parameters) as parallel memcpy: %.1f GB/s\n",
               parameters / 1e6, 36.0 * parameters / mem_s / 1e9);
-  std::printf("# Trainer fp32 / FlatTrainer: %.2f (min), %.2f (median); Trainer bf16 / fp32: %.2f (min)\n",
-              t_min / f_min, t_med / f_med, h_min / t_min);
+  std::printf("# Trainer bf16 / fp32: %.2f (min), %.2f (median)\n", h_min / t_min, h_med / t_med);
   std::printf("# Trainer fp32 / (sgemm + memory floor): %.2f (min), %.2f (median)\n", t_min / (floor_s + mem_s),
               t_med / (floor_med + mem_med));
   if (torch.ok)
-    std::printf("# trellis / PyTorch: Trainer %.2f, FlatTrainer %.2f\n", t_min * 1e3 / torch.ms_min,
-                f_min * 1e3 / torch.ms_min);
+    std::printf("# trellis / PyTorch: Trainer fp32 %.2f, Trainer bf16 %.2f\n", t_min * 1e3 / torch.ms_min,
+                h_min * 1e3 / torch.ms_min);
 
   bench::JsonReport report("bench_trainer");
   bench::Row row;
@@ -413,10 +405,6 @@ int main(int argc, char** argv) {
       .add("trellis_ms_min", t_min * 1e3)
       .add("trellis_ms_median", t_med * 1e3)
       .add("trellis_over_floor", t_min / floor_s)
-      .add("flat_ms_min", f_min * 1e3)
-      .add("flat_ms_median", f_med * 1e3)
-      .add("flat_over_floor", f_min / floor_s)
-      .add("trellis_over_flat", t_min / f_min)
       .add("bf16_ms_min", h_min * 1e3)
       .add("bf16_ms_median", h_med * 1e3)
       .add("bf16_over_floor", h_min / floor_s)

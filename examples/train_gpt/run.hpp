@@ -126,7 +126,7 @@ struct Outcome {
 };
 
 // The training loop of one rank, for any trainer with Trainer's step / evaluate / save / load /
-// step_count (train::Trainer on thread or MPI ranks, train::FlatTrainer on a GPU). `lead`: the rank
+// step_count (train::Trainer over thread, MPI or NCCL ranks, any backend). `lead`: the rank
 // that prints and logs; `dp_rank`: which rows of the global batch this rank reads; `n_params`: the
 // whole model's parameter count (for MFU); `peak`: FLOP/s of everything the run uses; `blas`: a
 // measured GEMM rate for MFU's second figure (0: none), `peak_note`: how `peak` was found.

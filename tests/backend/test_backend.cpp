@@ -1,7 +1,7 @@
 // backend::Host<float | bfloat16> and the Backend / CompatibleWith concepts.
 //  - compile time: both host backends model Backend; a host backend agrees with ThreadComm and
 //    refuses a communicator whose buffers live in CUDA memory;
-//  - the head permutes against the index formula written out here (both row orders), and their
+//  - the head permutes against the index formula written out here (sequence-major rows), and their
 //    round trip;
 //  - Host<bfloat16>::convert rounds like bfloat16's own conversion (round to nearest even);
 //  - workspace: queries answer 0 on the host, reserve_workspace only grows;
@@ -35,40 +35,33 @@ static_assert(backend::CompatibleWith<backend::Host<bfloat16>, comm::ThreadComm>
 static_assert(!backend::CompatibleWith<backend::Host<float>, CudaSpaceComm>);
 static_assert(!backend::Backend<int>);
 
-// Row of token (b, t) as the layers and FlatGpt lay them out.
-std::int64_t expected_row(kernels::RowOrder order, std::int64_t B, std::int64_t T, std::int64_t b, std::int64_t t) {
-  return order == kernels::RowOrder::sequence_major ? t * B + b : b * T + t;
-}
-
 }  // namespace
 
-TEST_CASE("head permutes follow the [batch, heads, seq, head_dim] formula in both row orders", "[backend]") {
+TEST_CASE("head permutes follow the [batch, heads, seq, head_dim] formula", "[backend]") {
   const std::int64_t B = 3, T = 5, H = 2, D = 4, ld = 3 * H * D + 2;  // a q/k/v-packed row with padding
   backend::Host<float> be;
-  for (auto order : {kernels::RowOrder::sequence_major, kernels::RowOrder::batch_major}) {
-    const kernels::HeadsLayout l{B, T, H, D, order};
-    std::vector<float> rows(static_cast<std::size_t>(B * T * ld));
-    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) + 0.5f;
-    const std::int64_t col0 = H * D;  // the k columns of the packed row
-    std::vector<float> heads(static_cast<std::size_t>(l.elements()), -1.0f);
-    be.rows_to_heads(l, rows.data() + col0, ld, heads.data());
-    for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t t = 0; t < T; ++t)
-          for (std::int64_t d = 0; d < D; ++d) {
-            const std::int64_t i = ((b * H + h) * T + t) * D + d;
-            const std::int64_t r = expected_row(order, B, T, b, t);
-            REQUIRE(heads[static_cast<std::size_t>(i)] == rows[static_cast<std::size_t>(r * ld + col0 + h * D + d)]);
-            // the device kernels use HeadsLayout::row_offset: it must be the same map
-            REQUIRE(l.row_offset(i, ld) == r * ld + h * D + d);
-          }
-    std::vector<float> back(rows.size(), 0.0f);
-    be.heads_to_rows(l, heads.data(), back.data() + col0, ld);
-    for (std::int64_t r = 0; r < B * T; ++r)
-      for (std::int64_t c = 0; c < H * D; ++c)
-        REQUIRE(back[static_cast<std::size_t>(r * ld + col0 + c)] == rows[static_cast<std::size_t>(r * ld + col0 + c)]);
-    REQUIRE(back[0] == 0.0f);  // columns outside the heads are not written
-  }
+  const kernels::HeadsLayout l{B, T, H, D};
+  std::vector<float> rows(static_cast<std::size_t>(B * T * ld));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) + 0.5f;
+  const std::int64_t col0 = H * D;  // the k columns of the packed row
+  std::vector<float> heads(static_cast<std::size_t>(l.elements()), -1.0f);
+  be.rows_to_heads(l, rows.data() + col0, ld, heads.data());
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t d = 0; d < D; ++d) {
+          const std::int64_t i = ((b * H + h) * T + t) * D + d;
+          const std::int64_t r = t * B + b;  // the layers' sequence-major rows
+          REQUIRE(heads[static_cast<std::size_t>(i)] == rows[static_cast<std::size_t>(r * ld + col0 + h * D + d)]);
+          // the device kernels use HeadsLayout::row_offset: it must be the same map
+          REQUIRE(l.row_offset(i, ld) == r * ld + h * D + d);
+        }
+  std::vector<float> back(rows.size(), 0.0f);
+  be.heads_to_rows(l, heads.data(), back.data() + col0, ld);
+  for (std::int64_t r = 0; r < B * T; ++r)
+    for (std::int64_t c = 0; c < H * D; ++c)
+      REQUIRE(back[static_cast<std::size_t>(r * ld + col0 + c)] == rows[static_cast<std::size_t>(r * ld + col0 + c)]);
+  REQUIRE(back[0] == 0.0f);  // columns outside the heads are not written
 }
 
 TEST_CASE("Host<bfloat16>::convert rounds to nearest even like bfloat16", "[backend]") {

@@ -2,7 +2,8 @@
 // and pipe executor the host tests run, with bf16 CUDA kernels, fp32 master weights and NCCL).
 //  - one GPU: three steps against the host bf16 Trainer (backend::Host<bfloat16>, the CUDA
 //    rounding points on the host) on the same batches: losses within 5e-3 relative, every trained
-//    tensor within 2e-2 norm-relative (the tolerances the CUDA FlatTrainer meets against the host);
+//    tensor within 2e-2 norm-relative (tolerances that bf16 rounding alone meets against host fp32:
+//    tests/train/test_trainer.cpp "[bf16]");
 //  - two or more GPUs (one thread per GPU, NcclComm::init_all): dp2, dp2 ZeRO-1, tp2+sp and pp2
 //    (1f1b, grouped sends) against the one-GPU run, within the host bf16 layout tolerances of
 //    tests/train/test_trainer.cpp (split along tp: 5e-4 loss, 1e-2 norm, 0.1 weights; else 1e-4,

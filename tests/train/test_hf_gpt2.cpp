@@ -9,7 +9,7 @@
 //  - the export of a tp2 x pp2 and of a dp2 x tp2 ZeRO-1 checkpoint of the same model state is
 //    byte-identical to the one-rank export;
 //  - init_from_hf of an export: the first step's loss equals the exporting trainer's evaluate()
-//    on that batch (exactly on one rank, 1e-5 under tp2 x pp2 and FlatTrainer), step count 0;
+//    on that batch (exactly on one rank, 1e-5 under tp2 x pp2), step count 0;
 //  - Hugging Face's own layout (bare names, attn.bias buffers) loads; a missing tensor, a wrong
 //    shape and a tensor of a bigger model are refused naming the tensor.
 //  - Generator (train/generate.hpp) on a checkpoint: greedy text and every step's logits equal the
@@ -32,9 +32,7 @@
 #include "test_trainer_support.hpp"
 #include "trellis/io/json.hpp"
 #include "trellis/io/safetensors.hpp"
-#include "trellis/nn/flat_gpt.hpp"
 #include "trellis/train/checkpoint.hpp"
-#include "trellis/train/flat_trainer.hpp"
 #include "trellis/train/generate.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 
@@ -335,13 +333,6 @@ TEST_CASE("init_from_hf of an export starts from the exported model, optimizer f
   // Without init_from_hf the same batch gives another loss (the comparison can fail).
   auto [eval_fresh, unused] = losses_from_hf(Layout{}, {}, 3);
   CHECK(std::fabs(eval_fresh - reference) > 1e-3);
-
-  trellis::train::FlatTrainer<trellis::backend::Host<float>> flat(cfg);
-  flat.init_from_hf(hf);
-  CHECK(flat.step_count() == 0);
-  trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
-  for (int i = 0; i < 3; ++i) loader.next();
-  CHECK(std::fabs(flat.evaluate(loader.next()) - reference) <= 1e-5 * reference);
 }
 
 TEST_CASE("init_from_hf reads Hugging Face's bare names and refuses bad files naming the tensor",

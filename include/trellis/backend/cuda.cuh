@@ -212,15 +212,6 @@ class Cuda {
   void heads_to_rows(const kernels::HeadsLayout& l, const act_t* heads, act_t* rows, index_t ld) const {
     permute<false>(l, heads, rows, ld);
   }
-  void xent_forward_backward(index_t rows, index_t vocab, index_t ld, act_t* logits, const std::int32_t* targets,
-                             float* loss, float grad_scale) const {
-    kernels::cuda::softmax_xent_forward_backward(rows, vocab, ld, logits, targets, loss, grad_scale, logits, ld,
-                                                 stream_);
-  }
-  void xent_forward(index_t rows, index_t vocab, index_t ld, const act_t* logits, const std::int32_t* targets,
-                    float* loss) const {
-    kernels::cuda::softmax_xent_forward(rows, vocab, ld, logits, targets, loss, static_cast<float*>(nullptr), stream_);
-  }
   void xent_partial_max(index_t rows, index_t vocab_local, index_t ld, const act_t* logits, float* row_max) const {
     kernels::cuda::xent_partial_max(rows, vocab_local, ld, logits, row_max, stream_);
   }

@@ -263,16 +263,6 @@ class DeviceChecked {
     device("heads_to_rows", "heads, rows", heads, rows);
     inner_.heads_to_rows(l, heads, rows, ld);
   }
-  void xent_forward_backward(index_t rows, index_t vocab, index_t ld, act_t* logits, const std::int32_t* targets,
-                             float* loss, float grad_scale) const {
-    device("xent_forward_backward", "logits, targets, loss", logits, targets, loss);
-    inner_.xent_forward_backward(rows, vocab, ld, logits, targets, loss, grad_scale);
-  }
-  void xent_forward(index_t rows, index_t vocab, index_t ld, const act_t* logits, const std::int32_t* targets,
-                    float* loss) const {
-    device("xent_forward", "logits, targets, loss", logits, targets, loss);
-    inner_.xent_forward(rows, vocab, ld, logits, targets, loss);
-  }
   void xent_partial_max(index_t rows, index_t vl, index_t ld, const act_t* logits, float* row_max) const {
     device("xent_partial_max", "logits, row_max", logits, row_max);
     inner_.xent_partial_max(rows, vl, ld, logits, row_max);

@@ -101,15 +101,6 @@ class Host {
       std::copy_n(heads + i, l.head_dim, rows + r * ld + col);
     });
   }
-  // Fused softmax cross-entropy over a whole vocabulary; d logits (scaled) overwrite the logits.
-  void xent_forward_backward(index_t rows, index_t vocab, index_t ld, Act* logits, const std::int32_t* targets,
-                             float* loss, float grad_scale) const {
-    kernels::host::softmax_xent_forward_backward(rows, vocab, ld, logits, targets, loss, grad_scale, logits, ld);
-  }
-  void xent_forward(index_t rows, index_t vocab, index_t ld, const Act* logits, const std::int32_t* targets,
-                    float* loss) const {
-    kernels::host::softmax_xent_forward(rows, vocab, ld, logits, targets, loss, static_cast<float*>(nullptr));
-  }
   // Vocab-parallel cross-entropy statistics (kernels/xent_host.hpp has the protocol).
   void xent_partial_max(index_t rows, index_t vocab_local, index_t ld, const Act* logits, float* row_max) const {
     kernels::host::xent_partial_max(rows, vocab_local, ld, logits, row_max);

@@ -3,9 +3,8 @@
 // The index map is one TRELLIS_HD function, so the host loop and the CUDA kernel cannot disagree
 // and the map is tested on the host.
 //
-// Row order: the layers of nn/ keep tokens sequence-major (row = t * batch + b, Megatron's
-// [s, b, h]) so that a sequence-parallel shard is a contiguous row range; batch-major
-// (row = b * seq + t, llm.c's [B, T, C]) is what the one-device FlatGpt uses until it is retired.
+// Rows are sequence-major (row = t * batch + b, Megatron's [s, b, h]), as the layers of nn/ keep
+// them, so that a sequence-parallel shard is a contiguous row range.
 #pragma once
 
 #include <cstdint>
@@ -14,20 +13,15 @@
 
 namespace trellis::kernels {
 
-enum class RowOrder : std::uint8_t { sequence_major, batch_major };
-
 struct HeadsLayout {
   std::int64_t batch = 1;
   std::int64_t seq = 0;
   std::int64_t heads = 0;
   std::int64_t head_dim = 0;
-  RowOrder order = RowOrder::sequence_major;
 
   TRELLIS_HD std::int64_t elements() const { return batch * heads * seq * head_dim; }
   // Row of token (b, t).
-  TRELLIS_HD std::int64_t row(std::int64_t b, std::int64_t t) const {
-    return order == RowOrder::sequence_major ? t * batch + b : b * seq + t;
-  }
+  TRELLIS_HD std::int64_t row(std::int64_t b, std::int64_t t) const { return t * batch + b; }
   // Element i of the [batch, heads, seq, head_dim] side -> its offset on the row side.
   TRELLIS_HD std::int64_t row_offset(std::int64_t i, std::int64_t ld) const {
     const std::int64_t d = i % head_dim, t = (i / head_dim) % seq, h = (i / (head_dim * seq)) % heads;

@@ -58,7 +58,7 @@ class CausalSelfAttention {
     c_attn_.infer(rows, x, qkv.data());
     // k and v columns of the new rows -> cache rows start * batch..: a column block of qkv is one
     // "head" of cl columns to the permute.
-    const kernels::HeadsLayout block{1, rows, 1, cl, kernels::RowOrder::sequence_major};
+    const kernels::HeadsLayout block{1, rows, 1, cl};
     be_.rows_to_heads(block, qkv.data() + cl, 3 * cl, cache.k.data() + step.start * Bt * cl);
     be_.rows_to_heads(block, qkv.data() + 2 * cl, 3 * cl, cache.v.data() + step.start * Bt * cl);
     kernels::AttentionArgs args = attention_args({Bt, step.count});
@@ -163,7 +163,7 @@ class CausalSelfAttention {
     return a;
   }
   kernels::HeadsLayout heads_layout(const TokenShape& shape) const {
-    return {shape.batch, shape.seq, local_heads_, head_dim_, kernels::RowOrder::sequence_major};
+    return {shape.batch, shape.seq, local_heads_, head_dim_};
   }
 
   index_t width_, heads_, head_dim_, local_heads_ = 0;

@@ -4,7 +4,7 @@
 //   HfGpt2File f(path, model)        a GPT-2 safetensors file with Hugging Face names, checked against
 //                                    the model config; f.read(name, box, out) reads any box of a
 //                                    tensor, so every rank of any layout reads only its own pieces
-//                                    (Trainer::init_from_hf, FlatTrainer::init_from_hf)
+//                                    (Trainer::init_from_hf)
 // Names: ours are GPT-2's without a prefix ("h.0.attn.c_attn.weight", docs/checkpoint.md);
 // GPT2LMHeadModel's state dict prefixes them with "transformer." and adds "lm_head.weight" (tied
 // to wte). Hugging Face's own "gpt2" model.safetensors uses the bare names; both are read.
