@@ -123,7 +123,9 @@ TEST_CASE("8 ranks on 2 cores stay fast (no starving spin)", "[comm][threads]") 
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   INFO("2000 small all_reduce on 8 ranks: " << seconds << " s (" << seconds / rounds * 1e6 << " us each)");
   CHECK_FALSE(wrong.load());
-  CHECK(seconds < 10.0);  // a spinning implementation takes minutes here
+  // Idle: 0.03 s. A spinning implementation takes many minutes; 60 s leaves room for a machine
+  // that other jobs load (measured 23.6 s while two nvcc compiles held both cores).
+  CHECK(seconds < 60.0);
 }
 
 TEST_CASE("collectives on split communicators run concurrently and independently", "[comm][threads]") {
