@@ -101,8 +101,7 @@ class Cuda {
   template <class T> using buffer = Buffer<T, trellis::Cuda>;
   static constexpr bool host_readable = false;
 
-  explicit Cuda(cudaStream_t s = nullptr)
-      : stream_(s), state_(std::make_shared<Shared>()) {}
+  explicit Cuda(cudaStream_t s = nullptr) : stream_(s), state_(std::make_shared<Shared>()) { keep_pool_memory(); }
 
   stream_type stream() const { return stream_; }
   event_type record_event() const { return CudaEvent(stream_); }
@@ -112,6 +111,22 @@ class Cuda {
   NvtxRange range(const char* name) const { return NvtxRange(name); }
 
   // ---- memory ---------------------------------------------------------------------------------
+  // Buffers come from the current device's default stream-ordered pool (cudaMallocAsync). Its
+  // release threshold is 0 by default: at every stream synchronisation (each upload, download and
+  // loss read does one) the pool hands its free memory back to the driver, and the next step's
+  // temporaries map it again. Keeping it (threshold: unlimited), as PyTorch's caching allocator
+  // does, makes a steady-state step allocate nothing from the driver. Best effort: without a
+  // device the calls fail and nothing changes.
+  static void keep_pool_memory() {
+    int device = 0;
+    cudaMemPool_t pool = nullptr;
+    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    std::uint64_t keep_all = UINT64_MAX;
+    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all) != cudaSuccess) (void)cudaGetLastError();
+  }
   template <class T> buffer<T> allocate(std::size_t n) const { return buffer<T>(n, stream_, true); }
   template <class T> buffer<T> scratch(std::size_t n) const { return buffer<T>(n, stream_, false); }  // no memset
   // Host -> device; returns when `src` may be reused.
