@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "trellis/nn/gpt.hpp"
+#include "trellis/shard/flat.hpp"
 
 namespace trellis::nn {
 
@@ -105,9 +106,16 @@ class GptPipelineStage {
       if (Parameter* w = m->tied_wte(); w && std::find(copies.begin(), copies.end(), w) == copies.end())
         copies.push_back(w);
     if (pp_comm.size() == 1 && copies.size() <= 1) return;
+    // Over pp the gradient is Partial(sum) (the holders' contributions, zeros elsewhere) and leaves
+    // as Replicate: the planner's step, an all-reduce (shard/flat.hpp).
+    auto to_replicate = [&](float* grad, std::size_t n) {
+      if (auto r = shard::start_flat_redistribute(pp_comm, shard::partial_code(comm::ReduceOp::sum),
+                                                  shard::replicate_code(), grad, grad, n))
+        r->wait();
+    };
     if (copies.size() == 1) {  // in place
       Parameter* w = copies.front();
-      pp_comm.all_reduce(w->grad.data(), w->grad.data(), w->grad.size(), comm::ReduceOp::sum);
+      to_replicate(w->grad.data(), w->grad.size());
       return;
     }
     const B& be = backend();
@@ -119,7 +127,7 @@ class GptPipelineStage {
       TRELLIS_CHECK(w->grad.size() == n, "GptPipelineStage: wte copies of ", n, " and ", w->grad.size(), " elements");
       be.add(static_cast<index_t>(n), sum.data(), w->grad.data(), sum.data());
     }
-    pp_comm.all_reduce(sum.data(), sum.data(), n, comm::ReduceOp::sum);
+    to_replicate(sum.data(), n);
     for (Parameter* w : copies) be.copy(w->grad.data(), sum.data(), n);
   }
 
