@@ -40,6 +40,44 @@ inline void check_attention_args(const AttentionArgs& a) {
   TRELLIS_CHECK(a.head_dim > 0 && a.head_dim % 8 == 0, "attention: head_dim must be a positive multiple of 8, got ",
                 a.head_dim);
   TRELLIS_CHECK(std::isfinite(a.scale), "attention: scale is not finite");
+  TRELLIS_CHECK((a.q_segments == nullptr) == (a.kv_segments == nullptr),
+                "attention: q_segments and kv_segments must be given together");
+  if (!a.segmented()) return;
+  auto check_rows = [&](const std::int32_t* seg, std::int64_t len, const char* which) {
+    for (std::int64_t b = 0; b < a.batch; ++b)
+      for (std::int64_t t = 1; t < len; ++t)
+        TRELLIS_CHECK(seg[b * len + t - 1] <= seg[b * len + t], "attention: ", which, " of sequence ", b,
+                      " decrease at position ", t, " (", seg[b * len + t - 1], " then ", seg[b * len + t],
+                      "): packed documents must be contiguous, ids non-decreasing");
+  };
+  check_rows(a.q_segments, a.q_len, "q_segments");
+  check_rows(a.kv_segments, a.kv_len, "kv_segments");
+}
+
+// The keys [begin, end) that any of query rows [i0, i1) of batch b can see: the causal bound of
+// the last row, and with segments the keys whose ids lie between the rows' ids (binary search:
+// ids are non-decreasing). Empty when begin >= end.
+struct IndexRange {
+  std::int64_t begin = 0, end = 0;
+};
+inline IndexRange visible_keys(const AttentionArgs& a, std::int64_t b, std::int64_t i0, std::int64_t i1) {
+  IndexRange r{0, a.last_visible_key(i1 - 1) + 1};
+  if (a.segmented()) {
+    const std::int32_t* ks = a.kv_segments + b * a.kv_len;
+    r.begin = std::lower_bound(ks, ks + a.kv_len, a.q_segments[b * a.q_len + i0]) - ks;
+    r.end = std::min(r.end, std::upper_bound(ks, ks + a.kv_len, a.q_segments[b * a.q_len + i1 - 1]) - ks);
+  }
+  return r;
+}
+// The query rows [begin, end) of batch b that can see any of keys [j0, j1).
+inline IndexRange seeing_rows(const AttentionArgs& a, std::int64_t b, std::int64_t j0, std::int64_t j1) {
+  IndexRange r{a.causal ? std::max<std::int64_t>(0, j0 - a.offset()) : 0, a.q_len};
+  if (a.segmented()) {
+    const std::int32_t* qs = a.q_segments + b * a.q_len;
+    r.begin = std::max(r.begin, std::lower_bound(qs, qs + a.q_len, a.kv_segments[b * a.kv_len + j0]) - qs);
+    r.end = std::upper_bound(qs, qs + a.q_len, a.kv_segments[b * a.kv_len + j1 - 1]) - qs;
+  }
+  return r;
 }
 
 // Max and sum of N values with 16 independent lanes: vectorisable without -ffast-math, fixed order.
@@ -161,19 +199,25 @@ void attention_forward(const AttentionArgs& args, const T* q, const T* k, const 
     std::fill(mrow, mrow + Br, ninf);
     std::fill(lrow, lrow + Br, 0.0f);
 
-    const std::int64_t last_key = args.last_visible_key(i0 + rows - 1);  // of the tile's last row
-    for (std::int64_t j0 = 0; j0 <= last_key; j0 += Bc) {
+    const detail::IndexRange keys = detail::visible_keys(args, b, i0, i0 + rows);
+    const std::int32_t* qseg = args.segmented() ? args.q_segments + b * tq + i0 : nullptr;
+    const std::int32_t* kseg = args.segmented() ? args.kv_segments + b * tk : nullptr;
+    for (std::int64_t j0 = keys.begin / Bc * Bc; j0 < keys.end; j0 += Bc) {
       const std::int64_t cols = std::min(Bc, tk - j0);
       detail::load_transposed(kp + j0 * d, cols, d, kt, Bc);
       detail::load_rows(vp + j0 * d, cols, d, vf);
       const std::int64_t rows4 = (rows + 3) / 4 * 4;
       detail::tile_gemm<false>(rows4, Bc, d, qf, d, kt, Bc, s, Bc);
-      const bool needs_mask = args.last_visible_key(i0) < j0 + Bc - 1 || cols < Bc;
+      const bool one_segment = !qseg || (qseg[0] == qseg[rows - 1] && kseg[j0] == qseg[0] && kseg[j0 + cols - 1] == qseg[0]);
+      const bool needs_mask = args.last_visible_key(i0) < j0 + Bc - 1 || cols < Bc || !one_segment;
       for (std::int64_t r = 0; r < rows; ++r) {
         float* srow = s + r * Bc;
         if (needs_mask) {
           const std::int64_t last = args.last_visible_key(i0 + r) - j0;  // last visible column
           for (std::int64_t c = std::max<std::int64_t>(last + 1, 0); c < Bc; ++c) srow[c] = ninf;
+          if (!one_segment)
+            for (std::int64_t c = 0; c < cols; ++c)
+              if (kseg[j0 + c] != qseg[r]) srow[c] = ninf;
         }
         const float tile_max = detail::lane_max<Bc>(srow);
         const float m_new = std::max(mrow[r], tile_max);
@@ -276,11 +320,11 @@ void attention_backward(const AttentionArgs& args, const T* q, const T* k, const
       detail::load_transposed(vp + j0 * d, cols, d, vt, Bc);
       std::fill(dk_acc, dk_acc + Bc * d, 0.0f);
       std::fill(dv_acc, dv_acc + Bc * d, 0.0f);
-      // First query row that sees key j0: i + (tk - tq) >= j0.
-      const std::int64_t first_row = args.causal ? std::max<std::int64_t>(0, j0 - (tk - tq)) : 0;
+      const detail::IndexRange seeing = detail::seeing_rows(args, b, j0, j0 + cols);
+      const std::int32_t* kseg = args.segmented() ? args.kv_segments + b * tk + j0 : nullptr;
       for (std::int64_t hq = kvh * group; hq < (kvh + 1) * group; ++hq) {
         const std::int64_t bh = b * args.q_heads + hq;
-        for (std::int64_t i0 = first_row / Br * Br; i0 < tq; i0 += Br) {
+        for (std::int64_t i0 = seeing.begin / Br * Br; i0 < seeing.end; i0 += Br) {
           const std::int64_t rows = std::min(Br, tq - i0);
           const std::int64_t row_base = bh * tq + i0;
           const std::int64_t rows4 = (rows + 3) / 4 * 4;  // the micro-kernel's row blocking
@@ -305,6 +349,11 @@ void attention_backward(const AttentionArgs& args, const T* q, const T* k, const
             for (std::int64_t c = 0; c < Bc; ++c) prow[c] = fast_exp(prow[c] * scale - l);
             for (std::int64_t c = std::max<std::int64_t>(std::min(last, cols - 1) + 1, 0); c < Bc; ++c)
               prow[c] = 0.0f;
+            if (kseg) {
+              const std::int32_t qs = args.q_segments[b * tq + i0 + r];
+              for (std::int64_t c = 0; c < cols; ++c)
+                if (kseg[c] != qs) prow[c] = 0.0f;
+            }
           }
           // dv += p^T do
           detail::transpose_tile(pt, rows4, Bc, pt_t);
