@@ -1,7 +1,9 @@
 // Host flash attention against softmax(scale q k^T) v written out in double (forward, lse and
 // backward), against finite differences of that double reference, and partial merges against the
 // full result. Shapes cover causal and not, q_len != kv_len (bottom-right causal alignment, rows
-// with nothing visible), GQA and MQA, head_dim 8 / 64 / 128 and lengths that are not tile multiples.
+// with nothing visible), packed documents (segment ids) against each document run alone,
+// ring-chunk causal offsets, GQA and MQA, head_dim 8 / 64 / 128 and lengths that are not tile
+// multiples.
 // Tolerances: fp32 inputs 2e-5 abs + 2e-4 rel (fp32 online softmax vs double); 16-bit inputs are
 // compared with a reference computed from the same rounded inputs, with the output rounding
 // (bf16: 2^-8, half: 2^-11 relative) added.
@@ -44,11 +46,16 @@ Reference naive_attention(const AttentionArgs& a, const std::vector<T>& q, const
   for (std::int64_t b = 0; b < a.batch; ++b)
     for (std::int64_t h = 0; h < a.q_heads; ++h) {
       const std::int64_t qb = (b * a.q_heads + h) * tq, kb = (b * a.kv_heads + h / (a.q_heads / a.kv_heads)) * tk;
+      // Written out from the definition (kernels/attention.hpp), not through AttentionArgs' helpers.
+      const std::int64_t off = a.causal_offset == AttentionArgs::bottom_right ? tk - tq : a.causal_offset;
+      auto hidden = [&](std::int64_t i, std::int64_t j) {
+        return (a.causal && j > i + off) || (a.q_segments && a.q_segments[b * tq + i] != a.kv_segments[b * tk + j]);
+      };
       for (std::int64_t i = 0; i < tq; ++i) {
         std::vector<double> p(tk, 0.0);
         double mx = -std::numeric_limits<double>::infinity();
         for (std::int64_t j = 0; j < tk; ++j) {
-          if (a.causal && j > i + (tk - tq)) continue;
+          if (hidden(i, j)) continue;
           double s = 0;
           for (std::int64_t x = 0; x < d; ++x) s += f(q[(qb + i) * d + x]) * f(k[(kb + j) * d + x]);
           p[j] = s * scale;
@@ -57,7 +64,7 @@ Reference naive_attention(const AttentionArgs& a, const std::vector<T>& q, const
         if (mx == -std::numeric_limits<double>::infinity()) continue;
         double sum = 0;
         for (std::int64_t j = 0; j < tk; ++j) {
-          const bool vis = !(a.causal && j > i + (tk - tq));
+          const bool vis = !hidden(i, j);
           p[j] = vis ? std::exp(p[j] - mx) : 0.0;
           sum += p[j];
         }
@@ -237,6 +244,183 @@ TEST_CASE("merging partial attention over kv parts equals full attention (ring a
   }
 }
 
+namespace {
+
+// Segment ids of packed documents: row b holds documents of the given lengths, one after another.
+std::vector<std::int32_t> segment_ids(const std::vector<std::vector<std::int64_t>>& docs) {
+  std::vector<std::int32_t> ids;
+  for (const auto& row : docs) {
+    std::int32_t id = 0;
+    for (std::int64_t len : row) {
+      ids.insert(ids.end(), static_cast<std::size_t>(len), id);
+      ++id;
+    }
+  }
+  return ids;
+}
+
+// Rows [t0, t0 + len) of every head of sequence b of x [batch, heads, t, d], as [heads, len, d].
+std::vector<float> slice_rows(const std::vector<float>& x, std::int64_t b, std::int64_t heads, std::int64_t t,
+                              std::int64_t d, std::int64_t t0, std::int64_t len) {
+  std::vector<float> out;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const float* src = x.data() + ((b * heads + h) * t + t0) * d;
+    out.insert(out.end(), src, src + len * d);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("packed documents: segmented attention equals every document run alone", "[kernels][attention][varlen]") {
+  // Row 0 packs four documents (one of length 1, boundaries inside and on 64-row tiles), row 1 one.
+  const std::vector<std::vector<std::int64_t>> docs = {{37, 64, 1, 48}, {150}};
+  const std::int64_t t = 150, d = 32, hq = 4, hkv = 2;
+  const auto ids = segment_ids(docs);
+  for (bool causal : {true, false}) {
+    INFO("causal " << causal);
+    auto a = make_args(2, hq, hkv, t, t, d, causal);
+    a.q_segments = a.kv_segments = ids.data();
+    auto q = random_vector<float>(a.q_elements(), 61), k = random_vector<float>(a.kv_elements(), 62),
+         v = random_vector<float>(a.kv_elements(), 63), d_o = random_vector<float>(a.q_elements(), 64);
+    std::vector<float> o(q.size()), lse(a.lse_elements()), dq(q.size()), dk(k.size()), dv(v.size());
+    host::attention_forward(a, q.data(), k.data(), v.data(), o.data(), lse.data());
+    host::attention_backward(a, q.data(), k.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(), dk.data(),
+                             dv.data());
+    for (std::int64_t b = 0; b < 2; ++b) {
+      std::int64_t t0 = 0;
+      for (std::int64_t len : docs[static_cast<std::size_t>(b)]) {
+        INFO("sequence " << b << " document at " << t0 << " of length " << len);
+        const auto alone = make_args(1, hq, hkv, len, len, d, causal);
+        auto q1 = slice_rows(q, b, hq, t, d, t0, len), k1 = slice_rows(k, b, hkv, t, d, t0, len),
+             v1 = slice_rows(v, b, hkv, t, d, t0, len), do1 = slice_rows(d_o, b, hq, t, d, t0, len);
+        std::vector<float> o1(q1.size()), l1(static_cast<std::size_t>(hq * len)), gq(q1.size()), gk(k1.size()),
+            gv(v1.size());
+        host::attention_forward(alone, q1.data(), k1.data(), v1.data(), o1.data(), l1.data());
+        host::attention_backward(alone, q1.data(), k1.data(), v1.data(), o1.data(), do1.data(), l1.data(), gq.data(),
+                                 gk.data(), gv.data());
+        require_close(slice_rows(o, b, hq, t, d, t0, len), o1, 1e-6, 1e-5, "o");
+        std::vector<float> lse_doc;
+        for (std::int64_t h = 0; h < hq; ++h)
+          for (std::int64_t i = 0; i < len; ++i)
+            lse_doc.push_back(lse[static_cast<std::size_t>((b * hq + h) * t + t0 + i)]);
+        require_close(lse_doc, l1, 1e-6, 1e-6, "lse");
+        require_close(slice_rows(dq, b, hq, t, d, t0, len), gq, 1e-6, 1e-5, "dq");
+        require_close(slice_rows(dk, b, hkv, t, d, t0, len), gk, 1e-6, 1e-5, "dk");
+        require_close(slice_rows(dv, b, hkv, t, d, t0, len), gv, 1e-6, 1e-5, "dv");
+        t0 += len;
+      }
+    }
+  }
+}
+
+TEST_CASE("segments and causal offsets against the double reference, and finite differences",
+          "[kernels][attention][varlen]") {
+  SECTION("q_len != kv_len with segments; offsets that hide whole rows or show everything") {
+    // Queries are positions [40, 100) of a 100-token packed row; keys are all 100.
+    const auto kv_ids = segment_ids({{30, 25, 45}});
+    const std::vector<std::int32_t> q_ids(kv_ids.begin() + 40, kv_ids.end());
+    for (std::int64_t offset : {AttentionArgs::bottom_right, std::int64_t{40}, std::int64_t{-20}, std::int64_t{500}}) {
+      INFO("offset " << offset);
+      auto a = make_args(1, 2, 1, 60, 100, 16, true);
+      a.causal_offset = offset;
+      a.q_segments = q_ids.data();
+      a.kv_segments = kv_ids.data();
+      check_forward_backward<float>(a, 2e-5, 2e-4);
+    }
+  }
+  SECTION("bf16 with segments") {
+    const auto ids = segment_ids({{5, 70, 20}});
+    auto a = make_args(1, 2, 2, 95, 95, 64, true);
+    a.q_segments = a.kv_segments = ids.data();
+    check_forward_backward<bfloat16>(a, 8e-3, 8e-3);
+  }
+  SECTION("finite differences through a segmented causal mask") {
+    const auto ids = segment_ids({{4, 1, 6}});
+    auto a = make_args(1, 2, 1, 11, 11, 8, true);
+    a.q_segments = a.kv_segments = ids.data();
+    auto q = random_vector<double>(a.q_elements(), 71), k = random_vector<double>(a.kv_elements(), 72),
+         v = random_vector<double>(a.kv_elements(), 73), w = random_vector<double>(a.q_elements(), 74);
+    auto loss = [&]() {
+      const Reference r = naive_attention(a, q, k, v);
+      double s = 0;
+      for (std::size_t i = 0; i < r.o.size(); ++i) s += r.o[i] * w[i];
+      return s;
+    };
+    auto tof = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
+    auto qf = tof(q), kf = tof(k), vf = tof(v), wf = tof(w);
+    std::vector<float> o(qf.size()), lse(a.lse_elements()), dq(qf.size()), dk(kf.size()), dv(vf.size());
+    host::attention_forward(a, qf.data(), kf.data(), vf.data(), o.data(), lse.data());
+    host::attention_backward(a, qf.data(), kf.data(), vf.data(), o.data(), wf.data(), lse.data(), dq.data(), dk.data(),
+                             dv.data());
+    const double h = 1e-5;
+    auto fd = [&](std::vector<double>& x, std::size_t i) {
+      const double keep = x[i];
+      x[i] = keep + h;
+      const double up = loss();
+      x[i] = keep - h;
+      const double down = loss();
+      x[i] = keep;
+      return (up - down) / (2 * h);
+    };
+    for (std::size_t i = 0; i < q.size(); ++i) REQUIRE(std::fabs(dq[i] - fd(q, i)) <= 2e-5);
+    for (std::size_t i = 0; i < k.size(); ++i) REQUIRE(std::fabs(dk[i] - fd(k, i)) <= 2e-5);
+    for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(std::fabs(dv[i] - fd(v, i)) <= 2e-5);
+  }
+}
+
+TEST_CASE("ring chunks: causal offsets and segments merged over kv chunks equal the whole packed sequence",
+          "[kernels][attention][varlen]") {
+  // A 256-token packed row cut into 4 chunks of 64; query chunk c attends to key chunks 0..c with
+  // causal_offset = 64 (c - kc), partials merged by their lse (forward), then the backward of each
+  // part with the merged o and lse, accumulated (what a ring attention does per step).
+  const std::int64_t t = 256, L = 64, d = 16, chunks = 4;
+  const auto ids = segment_ids({{50, 100, 3, 103}});
+  auto full = make_args(1, 2, 2, t, t, d, true);
+  full.q_segments = full.kv_segments = ids.data();
+  auto q = random_vector<float>(full.q_elements(), 81), k = random_vector<float>(full.kv_elements(), 82),
+       v = random_vector<float>(full.kv_elements(), 83), d_o = random_vector<float>(full.q_elements(), 84);
+  std::vector<float> o(q.size()), lse(full.lse_elements()), dq(q.size()), dk(k.size()), dv(v.size());
+  host::attention_forward(full, q.data(), k.data(), v.data(), o.data(), lse.data());
+  host::attention_backward(full, q.data(), k.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(), dk.data(),
+                           dv.data());
+  std::vector<float> cdk(k.size(), 0.0f), cdv(v.size(), 0.0f);
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    INFO("query chunk " << c);
+    auto qc = slice_rows(q, 0, 2, t, d, c * L, L), doc = slice_rows(d_o, 0, 2, t, d, c * L, L);
+    std::vector<float> acc(qc.size(), 0.0f), acc_lse(static_cast<std::size_t>(2 * L), -std::numeric_limits<float>::infinity());
+    auto part_args = [&](std::int64_t kc) {
+      auto a = make_args(1, 2, 2, L, L, d, true);
+      a.causal_offset = (c - kc) * L;
+      a.q_segments = ids.data() + c * L;
+      a.kv_segments = ids.data() + kc * L;
+      return a;
+    };
+    for (std::int64_t kc = 0; kc <= c; ++kc) {
+      auto kk = slice_rows(k, 0, 2, t, d, kc * L, L), vv = slice_rows(v, 0, 2, t, d, kc * L, L);
+      std::vector<float> po(qc.size()), pl(static_cast<std::size_t>(2 * L));
+      host::attention_forward(part_args(kc), qc.data(), kk.data(), vv.data(), po.data(), pl.data());
+      host::merge_attention_partials(2 * L, d, acc.data(), acc_lse.data(), po.data(), pl.data());
+    }
+    require_close(acc, slice_rows(o, 0, 2, t, d, c * L, L), 1e-6, 1e-5, "merged o");
+    std::vector<float> gq(qc.size(), 0.0f);
+    for (std::int64_t kc = 0; kc <= c; ++kc) {
+      auto kk = slice_rows(k, 0, 2, t, d, kc * L, L), vv = slice_rows(v, 0, 2, t, d, kc * L, L);
+      std::vector<float> gk(kk.size()), gv(vv.size());
+      host::attention_backward(part_args(kc), qc.data(), kk.data(), vv.data(), acc.data(), doc.data(), acc_lse.data(),
+                               gq.data(), gk.data(), gv.data(), true);  // gk, gv start at zero
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t e = 0; e < L * d; ++e) {
+          cdk[static_cast<std::size_t>((h * t + kc * L) * d + e)] += gk[static_cast<std::size_t>(h * L * d + e)];
+          cdv[static_cast<std::size_t>((h * t + kc * L) * d + e)] += gv[static_cast<std::size_t>(h * L * d + e)];
+        }
+    }
+    require_close(gq, slice_rows(dq, 0, 2, t, d, c * L, L), 1e-5, 1e-4, "dq over chunks");
+  }
+  require_close(cdk, dk, 1e-5, 1e-4, "dk over chunks");
+  require_close(cdv, dv, 1e-5, 1e-4, "dv over chunks");
+}
+
 TEST_CASE("attention results are reproducible bit for bit, and bad shapes are rejected", "[kernels][attention]") {
   const auto a = make_args(2, 4, 1, 200, 200, 64, true);
   auto q = random_vector<float>(a.q_elements(), 51), k = random_vector<float>(a.kv_elements(), 52),
@@ -257,5 +441,15 @@ TEST_CASE("attention results are reproducible bit for bit, and bad shapes are re
   REQUIRE_THROWS_AS(host::attention_forward(bad, q.data(), k.data(), v.data(), o.data(), lse.data()), Error);
   bad = a;
   bad.q_heads = 4, bad.kv_heads = 3;
+  REQUIRE_THROWS_AS(host::attention_forward(bad, q.data(), k.data(), v.data(), o.data(), lse.data()), Error);
+  // Segment ids that decrease (documents not contiguous), or only one side of them.
+  std::vector<std::int32_t> ids(2 * 200, 0);
+  ids[300] = 1;  // sequence 1: ..., 0, 1, 0, ...
+  bad = a;
+  bad.q_segments = bad.kv_segments = ids.data();
+  REQUIRE_THROWS_WITH(host::attention_forward(bad, q.data(), k.data(), v.data(), o.data(), lse.data()),
+                      Catch::Contains("sequence 1") && Catch::Contains("position 101"));
+  bad = a;
+  bad.q_segments = ids.data();
   REQUIRE_THROWS_AS(host::attention_forward(bad, q.data(), k.data(), v.data(), o.data(), lse.data()), Error);
 }
