@@ -1,9 +1,10 @@
 // Data: bytes-as-tokens, llm.c shards, split, unigram baselines vs hand formulas, and the loader
 // (window contents, determinism, epochs are permutations, dp shards == single-rank batch,
-// exact resume).
+// exact resume); packed mode (documents split and packed, every input once per epoch).
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <vector>
@@ -216,4 +217,89 @@ TEST_CASE("a FIFO or directory as a data file is refused at once, not read or wa
   const auto file = dir.path / "text.txt";
   std::ofstream(file) << "abc";
   REQUIRE(load_text_as_bytes(file).tokens == std::vector<token_t>{'a', 'b', 'c'});
+}
+
+namespace {
+// Documents of 2..40 tokens, each starting with the separator 0; any other token is its stream
+// index + 1, so a token says where it came from.
+constexpr std::int64_t kSeparator = 0;
+std::vector<token_t> document_stream(std::size_t n) {
+  std::vector<token_t> t(n);
+  std::uint64_t x = 5;
+  std::size_t next_doc = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i == next_doc) {
+      t[i] = static_cast<token_t>(kSeparator);
+      x = splitmix64(x);
+      next_doc = i + 2 + x % 39;
+    } else {
+      t[i] = static_cast<token_t>(i + 1);
+    }
+  }
+  return t;
+}
+}  // namespace
+
+TEST_CASE("packed rows hold whole documents once each, positions and targets inside them", "[data][loader][packed]") {
+  const auto stream = document_stream(3001);
+  const index_t T = 32;
+  const auto pieces = split_documents(std::span<const token_t>(stream), kSeparator, T);
+  index_t covered = 0, previous = 0;
+  for (const auto& p : pieces) {
+    REQUIRE(p.start == covered);  // in stream order, no gap, no overlap
+    REQUIRE((p.length >= 1 && p.length <= T));
+    // A piece starts a document (its separator) or continues one cut after T tokens.
+    REQUIRE((stream[static_cast<std::size_t>(p.start)] == kSeparator || previous == T));
+    for (index_t i = 1; i < p.length; ++i) REQUIRE(stream[static_cast<std::size_t>(p.start + i)] != kSeparator);
+    covered += p.length;
+    previous = p.length;
+  }
+  REQUIRE(covered == 3000);  // the last token is a target only
+
+  const PackedRows packed = pack_best_fit(pieces, T);
+  index_t total = 0;
+  for (const auto& row : packed.rows) {
+    index_t used = 0;
+    for (const auto& p : row) used += p.length;
+    REQUIRE(used <= T);
+    total += used;
+  }
+  REQUIRE(total == 3000);
+  CHECK(packed.efficiency() == Approx(3000.0 / (static_cast<double>(packed.rows.size()) * T)));
+  // Best-fit decreasing uses at most 11/9 OPT + 1 rows, and OPT >= ceil(tokens / T).
+  const auto lower = static_cast<double>((3000 + T - 1) / T);
+  CHECK(static_cast<double>(packed.rows.size()) <= 11.0 / 9.0 * lower + 1.0);
+  WARN("packing efficiency " << packed.efficiency() << " in " << packed.rows.size() << " rows (lower bound "
+                             << lower << ")");
+
+  // The loader over one epoch (batch of 1 row: every row visited): each input index once.
+  DataLoader loader(stream, {.batch_rows = 1, .seq_len = T, .seed = 3, .shuffle = true, .pack_separator = kSeparator});
+  REQUIRE(loader.packed());
+  REQUIRE(loader.windows() == static_cast<index_t>(packed.rows.size()));
+  CHECK(loader.packing_efficiency() == packed.efficiency());
+  std::vector<index_t> seen;
+  for (index_t r = 0; r < loader.batches_per_epoch(); ++r) {
+    const Batch b = loader.next();
+    REQUIRE(b.packed());
+    REQUIRE(b.segments.size() == static_cast<std::size_t>(T));
+    for (index_t t = 0; t < T; ++t) {
+      const bool pad = b.targets[t] < 0;
+      if (t > 0) {
+        REQUIRE(b.segments[t] >= b.segments[t - 1]);
+        if (b.segments[t] == b.segments[t - 1] && !pad) REQUIRE(b.targets[t - 1] == b.inputs[t]);  // the stream, shifted
+      }
+      if (pad) {
+        REQUIRE(b.inputs[t] == kSeparator);
+        REQUIRE((t == T - 1 || b.targets[t + 1] < 0));  // padding only at the end
+        continue;
+      }
+      // The token's stream index: its value - 1, or (a separator) its target's index - 1.
+      const index_t index = b.inputs[t] != kSeparator ? b.inputs[t] - 1 : b.targets[t] - 2;
+      REQUIRE(b.targets[t] == static_cast<std::int32_t>(stream[static_cast<std::size_t>(index + 1)]));
+      seen.push_back(index);
+    }
+  }
+  std::sort(seen.begin(), seen.end());
+  REQUIRE(seen.size() == 3000);
+  for (std::size_t i = 0; i < seen.size(); ++i) REQUIRE(seen[i] == static_cast<index_t>(i));
 }

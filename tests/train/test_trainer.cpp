@@ -12,6 +12,8 @@
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there;
 // two bf16 steps within the GPU test's tolerances of fp32.
 // DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
+// Packed documents (the loader's packed mode): dp2 m2, tp2+sp with recompute, pp2 zb_h1 and
+// dp2.tp2+sp.pp2 ZeRO-1 interleaved equal the one-rank packed run.
 // Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
 // generator bitwise, a hand-written all-F-then-B-then-W one equals one rank; a bad one is refused.
 #include <catch2/catch.hpp>
@@ -36,24 +38,31 @@ constexpr float kDropout = 0.1f;
 struct Reference {
   nn_test::Collector weights;
   RunResult run;
-  explicit Reference(float dropout) { train(with_layout(tiny_config(), {.dropout = dropout}), kSteps, run, weights); }
+  Reference(float dropout, bool packed) {
+    train(with_layout(tiny_config(), {.dropout = dropout}), kSteps, run, weights, {}, {}, packed);
+  }
 };
 Reference& reference() {
-  static Reference r(0.0f);
+  static Reference r(0.0f, false);
   return r;
 }
 Reference& dropout_reference() {
-  static Reference r(kDropout);
+  static Reference r(kDropout, false);
+  return r;
+}
+Reference& packed_reference() {
+  static Reference r(0.0f, true);
   return r;
 }
 
 void check_against_reference(const Layout& l, const char* label) {
-  INFO("layout " << label << " dropout " << l.dropout);
-  auto& ref = l.dropout > 0 ? dropout_reference() : reference();
+  INFO("layout " << label << " dropout " << l.dropout << " packed " << l.packed);
+  REQUIRE(!(l.packed && l.dropout > 0));
+  auto& ref = l.packed ? packed_reference() : l.dropout > 0 ? dropout_reference() : reference();
   REQUIRE(l.dropout == (l.dropout > 0 ? kDropout : 0.0f));
   nn_test::Collector weights;
   RunResult got;
-  train(with_layout(tiny_config(), l), kSteps, got, weights);
+  train(with_layout(tiny_config(), l), kSteps, got, weights, {}, {}, l.packed);
   REQUIRE(got.losses.size() == ref.run.losses.size());
   for (std::size_t s = 0; s < got.losses.size(); ++s) {
     INFO("step " << s << " loss " << got.losses[s] << " reference " << ref.run.losses[s]);
@@ -105,6 +114,20 @@ TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]
   check_against_reference(
       {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
       "dp2.tp2+sp.pp2 zero1 zb_v");
+}
+
+TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {
+  // The packed run learns, and differs from the unpacked one (the documents reach the model).
+  auto& ref = packed_reference();
+  CHECK(ref.run.losses.back() < ref.run.losses.front() - 0.1);
+  CHECK(std::fabs(ref.run.losses.front() - reference().run.losses.front()) > 1e-3);
+  check_against_reference({.dp = 2, .microbatches = 2, .packed = true}, "dp2 m2 packed");
+  check_against_reference({.tp = 2, .sp = true, .recompute = true, .packed = true}, "tp2+sp recompute packed");
+  check_against_reference({.pp = 2, .schedule = "zb_h1", .microbatches = 4, .packed = true}, "pp2 zb_h1 packed");
+  check_against_reference(
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "interleaved_1f1b", .microbatches = 2,
+       .packed = true},
+      "dp2.tp2+sp.pp2 zero1 interleaved packed");
 }
 
 // bf16 runs: losses and grad norms per step, final weights per tensor (max |w - ref| / max |ref|).

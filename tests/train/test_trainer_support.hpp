@@ -59,6 +59,26 @@ inline const std::vector<trellis::train::token_t>& tokens() {
   return t;
 }
 
+// tokens() cut into short documents (2..12 tokens, mean ~6): the separator 0 starts each one,
+// for the loader's packed mode (train/packing.hpp).
+inline constexpr std::int64_t kPackSeparator = 0;
+inline const std::vector<trellis::train::token_t>& document_tokens() {
+  static const std::vector<trellis::train::token_t> t = [] {
+    std::vector<trellis::train::token_t> v = tokens();
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (i == next) {
+        v[i] = static_cast<trellis::train::token_t>(kPackSeparator);
+        next = i + 2 + trellis::splitmix64(i) % 11;
+      } else if (v[i] == kPackSeparator) {
+        v[i] = 1;
+      }
+    }
+    return v;
+  }();
+  return t;
+}
+
 struct RunResult {
   std::vector<double> losses;
   std::vector<double> norms;
@@ -76,6 +96,7 @@ struct Layout {
   bool recompute = false;
   std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
   bool batch_p2p = false;  // the pipe executor's sends/receives as one group (as on NCCL)
+  bool packed = false;     // document_tokens() packed into rows (the loader's packed mode)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -99,7 +120,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
 // backend::DeviceChecked<...> for the discipline of device memory).
 template <class B = trellis::backend::Host<float>>
 void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
-                  const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {}) {
+                  const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {},
+                  bool packed = false) {
   const int ranks = cfg.pp * cfg.dp * cfg.tp;
   std::mutex mutex;
   std::vector<double> losses, norms;
@@ -108,7 +130,8 @@ void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collect
     comm.set_timeout(std::chrono::milliseconds(30000));
     Trainer<ThreadComm, B> t(comm, cfg);
     const int dp_rank = t.mesh().template coord<trellis::dp>();
-    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp});
+    trellis::train::DataLoader loader(packed ? document_tokens() : tokens(),
+                                      {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp, packed ? kPackSeparator : -1});
     if (!load_from.empty()) loader.restore(t.load(load_from).data);
     std::vector<double> my_losses, my_norms;
     for (int s = 0; s < steps; ++s) {

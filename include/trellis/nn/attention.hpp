@@ -2,6 +2,7 @@
 // heads (q, k and v columns of this rank's heads), the core runs the backend's flash attention
 // on the local heads only, c_proj is row-parallel. GPT-2 math: scale 1/sqrt(head_dim), causal.
 // Token rows are sequence-major (row = t * batch + b); the core works in [batch, heads, seq, dim].
+// Packed documents (TokenShape::segments): the ids go to the kernel, which masks across documents.
 #pragma once
 
 #include <string>
@@ -82,7 +83,9 @@ class CausalSelfAttention {
     const index_t rows = shape.rows(), cl = local_heads_ * head_dim_;
     auto qkv = allocate<act_t>(rows * 3 * cl);
     c_attn_.forward(mb, shape, x, qkv.data());
-    const auto args = attention_args(shape);
+    s.segments = saved_.template take<std::int32_t>(be_, mb, shape.rows(), "attention document ids");
+    if (shape.packed()) be_.upload(s.segments.data(), shape.segments, static_cast<std::size_t>(shape.rows()));
+    const auto args = attention_args(shape, s);
     const auto heads = heads_layout(shape);
     const index_t n = args.q_elements();
     s.q = saved_.template take<act_t>(be_, mb, n, "attention q");
@@ -103,7 +106,7 @@ class CausalSelfAttention {
     const index_t rows = shape.rows(), cl = local_heads_ * head_dim_;
     auto da = allocate<act_t>(rows * cl);
     c_proj_.backward_input(mb, shape, dy, da.data());
-    const auto args = attention_args(shape);
+    const auto args = attention_args(shape, s);
     const auto heads = heads_layout(shape);
     const index_t n = args.q_elements();
     auto d_o = allocate<act_t>(n), dq = allocate<act_t>(n), dk = allocate<act_t>(n), dv = allocate<act_t>(n);
@@ -138,14 +141,16 @@ class CausalSelfAttention {
   }
   std::size_t saved_bytes(const TokenShape& shape) const {
     const auto args = attention_args(shape);
+    // The document ids are counted whether or not a microbatch is packed: the arena is sized once.
     return 4 * saved_size<act_t>(args.q_elements()) + saved_size<float>(args.lse_elements()) +
-           c_attn_.saved_bytes(shape) + c_proj_.saved_bytes(shape);
+           saved_size<std::int32_t>(shape.rows()) + c_attn_.saved_bytes(shape) + c_proj_.saved_bytes(shape);
   }
 
  private:
   struct Saved {
     SavedTensor<B, act_t> q, k, v, o;  // (batch, local_heads, seq, head_dim)
     SavedTensor<B, float> lse;         // (batch, local_heads, seq)
+    SavedTensor<B, std::int32_t> segments;  // (batch, seq) packed documents' ids (read when packed)
   };
 
   // Temporaries of one call, written in full before they are read: not zeroed.
@@ -160,6 +165,12 @@ class CausalSelfAttention {
     a.q_len = a.kv_len = shape.seq;
     a.head_dim = head_dim_;
     a.causal = true;
+    return a;
+  }
+  // With packed documents the mask also keeps each token inside its document.
+  kernels::AttentionArgs attention_args(const TokenShape& shape, Saved& s) const {
+    auto a = attention_args(shape);
+    if (shape.packed()) a.q_segments = a.kv_segments = s.segments.data();
     return a;
   }
   kernels::HeadsLayout heads_layout(const TokenShape& shape) const {

@@ -7,7 +7,8 @@
 // added. Backward: the full output gradient (all-gathered under sp) is scatter-added into this
 // rank's wte rows and into wpe, so wpe's gradient is complete on every tp rank.
 // Both lookups go through the backend's embedding kernel (vocab-sharded for wte; for wpe the ids
-// are the rows' positions, t = row / batch in the layers' sequence-major row order).
+// are the rows' positions: t = row / batch in the layers' sequence-major row order, or with packed
+// documents (TokenShape::segments) t minus the start of the token's document).
 #pragma once
 
 #include <cstdint>
@@ -63,7 +64,7 @@ class VocabParallelEmbedding {
       be_.embedding_forward(token_args(n), ids.data() + row0, wte_.value.data(), static_cast<const float*>(nullptr),
                             dst);
     });
-    const auto positions = upload(position_ids(step.start * step.batch, rows, step.batch));
+    const auto positions = upload(decode_position_ids(step.start * step.batch, rows, step.batch));
     auto pos = be_.template scratch<act_t>(static_cast<std::size_t>(rows * width_));
     be_.embedding_forward(position_args(rows), positions.data(), wpe_.value.data(), static_cast<const float*>(nullptr),
                           pos.data());
@@ -89,7 +90,8 @@ class VocabParallelEmbedding {
     };
     detail::produce_then_leave_region(tp_, be_, shape, width_, y, produce);
     const index_t first = tp_.first_local_row(shape);
-    const auto positions = upload(position_ids(first, local, Bt));
+    s.positions = shape.positions();
+    const auto positions = upload(position_ids(first, local, Bt, T, s.positions));
     auto pos = be_.template scratch<act_t>(static_cast<std::size_t>(local * width_));
     be_.embedding_forward(position_args(local), positions.data(), wpe_.value.data(),
                           static_cast<const float*>(nullptr), pos.data());
@@ -113,7 +115,7 @@ class VocabParallelEmbedding {
     const index_t rows = s.batch * s.seq;
     be_.embedding_backward(token_args(rows), s.row_tokens.data(), s.dy.data(), wte_.grad.data(),
                            static_cast<float*>(nullptr));
-    const auto positions = upload(position_ids(0, rows, s.batch));
+    const auto positions = upload(position_ids(0, rows, s.batch, s.seq, s.positions));
     be_.embedding_backward(position_args(rows), positions.data(), s.dy.data(), wpe_.grad.data(),
                            static_cast<float*>(nullptr));
     store_.erase(mb);
@@ -134,8 +136,18 @@ class VocabParallelEmbedding {
     be_.upload(out.data(), host.data(), host.size());
     return out;
   }
-  // Positions of `rows` consecutive sequence-major rows starting at global row `first`.
-  static std::vector<std::int32_t> position_ids(index_t first, index_t rows, index_t batch) {
+  // Positions of `rows` consecutive sequence-major rows starting at global row `first`: row
+  // t * batch + b reads sample_positions (TokenShape::positions, (batch, seq)) at (b, t).
+  static std::vector<std::int32_t> position_ids(index_t first, index_t rows, index_t batch, index_t seq,
+                                                const std::vector<std::int32_t>& sample_positions) {
+    std::vector<std::int32_t> out(static_cast<std::size_t>(rows));
+    for (index_t i = 0; i < rows; ++i) {
+      const index_t r = first + i;
+      out[i] = sample_positions[static_cast<std::size_t>((r % batch) * seq + r / batch)];
+    }
+    return out;
+  }
+  static std::vector<std::int32_t> decode_position_ids(index_t first, index_t rows, index_t batch) {
     std::vector<std::int32_t> out(static_cast<std::size_t>(rows));
     for (index_t i = 0; i < rows; ++i) out[i] = static_cast<std::int32_t>((first + i) / batch);
     return out;
@@ -164,6 +176,7 @@ class VocabParallelEmbedding {
   struct Saved {
     SavedTensor<B, std::int32_t> row_tokens;  // ids in row order (row = t * batch + b)
     index_t batch = 0, seq = 0;
+    std::vector<std::int32_t> positions;  // (batch, seq) host: each token's position in its document
     SavedTensor<B, act_t> dy;  // (rows, width): full output gradient
   };
   index_t vocab_, positions_, width_;

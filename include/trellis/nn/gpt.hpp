@@ -190,6 +190,7 @@ class GptModel {
   // token losses / in.token_count), else writes `output` (local_rows x width, B's memory) and
   // returns 0.
   double forward(int mb, const TokenShape& shape, const Input& in, act_t* output) {
+    shape.check_segments("GptModel::forward");
     const index_t n = tp_.local_rows(shape) * cfg_.width;
     auto x = allocate(n), y = allocate(n);
     if (embedding_) {

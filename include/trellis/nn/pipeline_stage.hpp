@@ -47,11 +47,15 @@ class GptPipelineStage {
   // the embedding / the head); token_count: the loss normaliser for the whole step; dropout: the
   // step's seed and where microbatch 0 sits in the global batch (microbatch mb's samples follow
   // at first_sample + mb * batch), or train = false for evaluation.
+  // segments[mb]: microbatch mb's packed documents' ids (TokenShape::segments); empty: not packed.
   void set_batch(std::vector<const std::int32_t*> tokens, std::vector<const std::int32_t*> targets, double token_count,
-                 const DropoutContext& dropout = {}) {
+                 const DropoutContext& dropout = {}, std::vector<const std::int32_t*> segments = {}) {
+    TRELLIS_CHECK(segments.empty() || segments.size() == tokens.size(), "GptPipelineStage: document ids for ",
+                  segments.size(), " of ", tokens.size(), " microbatches");
     dropout_ = dropout;
     tokens_ = std::move(tokens);
     targets_ = std::move(targets);
+    segments_ = std::move(segments);
     token_count_ = token_count;
     loss_ = 0.0;
   }
@@ -146,6 +150,7 @@ class GptPipelineStage {
     s.seed = dropout_.seed;
     s.first_sample = dropout_.first_sample + static_cast<index_t>(mb) * shape_.batch;
     s.train = dropout_.train;
+    s.segments = segments_.empty() ? nullptr : segments_[static_cast<std::size_t>(mb)];
     return s;
   }
   std::size_t activation_size(model_type& m) const {
@@ -159,7 +164,7 @@ class GptPipelineStage {
 
   std::vector<model_type*> chunks_;
   TokenShape shape_;
-  std::vector<const std::int32_t*> tokens_, targets_;
+  std::vector<const std::int32_t*> tokens_, targets_, segments_;
   double token_count_ = 0;
   DropoutContext dropout_;
   double loss_ = 0;

@@ -35,13 +35,40 @@ namespace trellis::nn {
 // step's seed and the global batch index of the microbatch's sample b = 0, so that a token's mask
 // is the same whatever dp rank or microbatch holds it. `train` = false (evaluation, generation)
 // turns dropout off.
+// Packed documents: `segments` gives the document id of every token ((batch, seq) row-major, host
+// memory, ids non-decreasing along each sample): attention stays inside a document and positions
+// restart at each document's first token. nullptr: every sample is one sequence.
 struct TokenShape {
   index_t batch = 1;
   index_t seq = 1;
   std::uint64_t seed = 0;    // the step's dropout seed; fixed across F/B/recompute
   index_t first_sample = 0;  // global batch index of sample b = 0 (sample b is first_sample + b)
   bool train = true;         // false: no dropout
+  const std::int32_t* segments = nullptr;  // (batch, seq) document ids, or nullptr
   index_t rows() const { return batch * seq; }
+  bool packed() const { return segments != nullptr; }
+
+  // Refuses ids that decrease along a sample (a document split in two), naming where.
+  void check_segments(const char* who) const {
+    if (!segments) return;
+    for (index_t b = 0; b < batch; ++b)
+      for (index_t t = 1; t < seq; ++t)
+        TRELLIS_CHECK(segments[b * seq + t - 1] <= segments[b * seq + t], who, ": document ids of sample ", b,
+                      " decrease at position ", t, " (", segments[b * seq + t - 1], " then ", segments[b * seq + t],
+                      "): a packed document must be contiguous");
+  }
+  // Position of every token within its document, (batch, seq) row-major: t without segments.
+  std::vector<std::int32_t> positions() const {
+    std::vector<std::int32_t> out(static_cast<std::size_t>(batch * seq));
+    for (index_t b = 0; b < batch; ++b) {
+      index_t start = 0;
+      for (index_t t = 0; t < seq; ++t) {
+        if (segments && t > 0 && segments[b * seq + t] != segments[b * seq + t - 1]) start = t;
+        out[static_cast<std::size_t>(b * seq + t)] = static_cast<std::int32_t>(t - start);
+      }
+    }
+    return out;
+  }
 };
 
 template <comm::Communicator C>

@@ -12,6 +12,10 @@
 // epoch are skipped). Data-parallel rank r of n gets the rows shard::chunk(B, n, r) of every
 // global batch, so the union of the ranks' rows is exactly the single-rank batch.
 // The loader's position is one integer (the next global batch), saved with the seed.
+//
+// Packed mode (Options::pack_separator >= 0): the "windows" are rows of T tokens packed from whole
+// documents (train/packing.hpp), each batch carrying the documents' ids (Batch::segments) and -1
+// targets on padding; the same shuffle, dp split and position apply to those rows.
 #pragma once
 
 #include <cmath>
@@ -30,6 +34,7 @@
 #include "trellis/io/atomic_file.hpp"
 #include "trellis/io/number.hpp"
 #include "trellis/shard/layout.hpp"
+#include "trellis/train/packing.hpp"
 #include "trellis/train/rng.hpp"
 
 namespace trellis::train {
@@ -152,12 +157,14 @@ inline double unigram_cross_entropy(std::span<const token_t> train, std::span<co
 // This rank's rows of one global batch: inputs and targets, each (rows, T) row-major.
 struct Batch {
   std::vector<std::int32_t> inputs;   // (rows, T)
-  std::vector<std::int32_t> targets;  // (rows, T)
+  std::vector<std::int32_t> targets;  // (rows, T); < 0: no target (padding), ignored by the loss
+  std::vector<std::int32_t> segments;  // (rows, T) packed documents' ids (nn::TokenShape); empty: not packed
   index_t rows = 0;
   index_t seq_len = 0;
   index_t first_row = 0;  // index of this rank's first row within the global batch
   View<const std::int32_t, 2> input_view() const { return {inputs.data(), dextents<2>(rows, seq_len)}; }
   View<const std::int32_t, 2> target_view() const { return {targets.data(), dextents<2>(rows, seq_len)}; }
+  bool packed() const { return !segments.empty(); }
 };
 
 // The position of a loader: restoring it resumes the exact batch sequence.
@@ -196,6 +203,7 @@ class DataLoader {
     bool shuffle = true;
     int dp_rank = 0;
     int dp_size = 1;
+    std::int64_t pack_separator = -1;  // >= 0: pack documents split before this token; -1: fixed windows
   };
 
   // `tokens` is referenced, not copied: keep it alive while the loader is used.
@@ -203,9 +211,16 @@ class DataLoader {
     TRELLIS_CHECK(o_.batch_rows > 0 && o_.seq_len > 0, "DataLoader: batch ", o_.batch_rows, " x ", o_.seq_len);
     TRELLIS_CHECK(o_.dp_size > 0 && o_.dp_rank >= 0 && o_.dp_rank < o_.dp_size, "DataLoader: dp rank ",
                   o_.dp_rank, " of ", o_.dp_size);
-    windows_ = tokens_.size() > 0 ? (static_cast<index_t>(tokens_.size()) - 1) / o_.seq_len : 0;
-    TRELLIS_CHECK(windows_ >= o_.batch_rows, "DataLoader: ", tokens_.size(), " tokens give ", windows_,
-                  " windows of ", o_.seq_len, " + 1 tokens, fewer than one batch of ", o_.batch_rows, " rows");
+    if (packed()) {
+      packed_ = pack_best_fit(split_documents(tokens_, o_.pack_separator, o_.seq_len), o_.seq_len);
+      windows_ = static_cast<index_t>(packed_.rows.size());
+      TRELLIS_CHECK(windows_ >= o_.batch_rows, "DataLoader: ", tokens_.size(), " tokens pack into ", windows_,
+                    " rows of ", o_.seq_len, ", fewer than one batch of ", o_.batch_rows, " rows");
+    } else {
+      windows_ = tokens_.size() > 0 ? (static_cast<index_t>(tokens_.size()) - 1) / o_.seq_len : 0;
+      TRELLIS_CHECK(windows_ >= o_.batch_rows, "DataLoader: ", tokens_.size(), " tokens give ", windows_,
+                    " windows of ", o_.seq_len, " + 1 tokens, fewer than one batch of ", o_.batch_rows, " rows");
+    }
     const shard::Chunk mine = shard::chunk(o_.batch_rows, o_.dp_size, o_.dp_rank);
     first_row_ = mine.offset;
     local_rows_ = mine.size;
@@ -215,6 +230,9 @@ class DataLoader {
   index_t batches_per_epoch() const { return windows_ / o_.batch_rows; }
   index_t local_rows() const { return local_rows_; }
   const Options& options() const { return o_; }
+  bool packed() const { return o_.pack_separator >= 0; }
+  // Packed mode: real tokens / capacity over all packed rows (1 = no padding).
+  double packing_efficiency() const { return packed() ? packed_.efficiency() : 1.0; }
 
   // The next global batch's rows for this dp rank.
   Batch next() {
@@ -234,8 +252,14 @@ class DataLoader {
     b.first_row = first_row_;
     b.inputs.resize(static_cast<std::size_t>(local_rows_ * T));
     b.targets.resize(static_cast<std::size_t>(local_rows_ * T));
+    b.segments.resize(packed() ? static_cast<std::size_t>(local_rows_ * T) : 0);
     for (index_t r = 0; r < local_rows_; ++r) {
       const index_t window = window_of(epoch, in_epoch * o_.batch_rows + first_row_ + r);
+      if (packed()) {
+        fill_packed_row(tokens_, packed_.rows[static_cast<std::size_t>(window)], T, o_.pack_separator,
+                        b.inputs.data() + r * T, b.targets.data() + r * T, b.segments.data() + r * T);
+        continue;
+      }
       const token_t* src = tokens_.data() + window * T;
       for (index_t t = 0; t < T; ++t) {
         b.inputs[static_cast<std::size_t>(r * T + t)] = src[t];
@@ -279,6 +303,7 @@ class DataLoader {
   std::uint64_t next_batch_ = 0;
   std::vector<index_t> order_;
   std::uint64_t order_epoch_ = 0;
+  PackedRows packed_;  // packed mode: the rows (fixed at construction)
 };
 
 }  // namespace trellis::train

@@ -447,6 +447,8 @@ class Trainer {
     TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == cfg_.batch / cfg_.dp, "Trainer (rank ", mesh_.rank(),
                   "): batch of ", b.rows, " x ", b.seq_len, " rows, expected ", cfg_.batch / cfg_.dp, " x ",
                   cfg_.seq, " (global batch / dp x sequence length)");
+    TRELLIS_CHECK(b.segments.empty() || b.segments.size() == b.inputs.size(), "Trainer (rank ", mesh_.rank(),
+                  "): ", b.segments.size(), " document ids for ", b.inputs.size(), " tokens");
   }
   double global_token_count(const Batch& b) {
     double local = 0;
@@ -456,17 +458,18 @@ class Trainer {
   // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
   // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
   void set_microbatches(const Batch& b, double token_count, bool train) {
-    std::vector<const std::int32_t*> tokens, targets;
+    std::vector<const std::int32_t*> tokens, targets, segments;
     const index_t per = shape_.rows();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       tokens.push_back(b.inputs.data() + mb * per);
       targets.push_back(b.targets.data() + mb * per);
+      if (b.packed()) segments.push_back(b.segments.data() + mb * per);
     }
     nn::DropoutContext dropout;
     dropout.seed = dropout_seed(cfg_.seed, state_.step());
     dropout.first_sample = static_cast<index_t>(mesh_.template coord<trellis::dp>()) * (cfg_.batch / cfg_.dp);
     dropout.train = train;
-    stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout);
+    stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout, std::move(segments));
   }
 
   // One arena pool per chunk: as many slots as the schedule keeps that chunk's microbatches alive

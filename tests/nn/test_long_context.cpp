@@ -1,0 +1,155 @@
+// Long context on the GPT-2 model (tiny config: 2 layers, 4 heads, width 64, vocab 96, T 32).
+// Packed documents (TokenShape::segments): a microbatch packing several documents and padding
+// gives the loss and every gradient of the same documents run alone, one sequence each
+// (positions from 0, nothing seen across documents, padding ignored): the documents' losses
+// summed with the same normaliser, their gradients summed (1e-5 relative: only the summation
+// order of the GEMMs differs). Tensor parallel 2 with sp, and recompute, equal tp 1 packed.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+#include "trellis/nn/gpt.hpp"
+
+using namespace trellis;
+using namespace trellis::nn;
+using nn_test::Collector;
+using nn_test::rel_error;
+using Comm = comm::ThreadComm;
+
+namespace {
+
+constexpr index_t kBatch = 2, kSeq = 32;
+
+// Sample 0: documents of 9, 1 and 14 tokens, then 8 of padding; sample 1: 20 and 12.
+const std::vector<std::vector<index_t>> kDocuments = {{9, 1, 14}, {20, 12}};
+
+struct Packed {
+  std::vector<std::int32_t> tokens, targets, segments;  // (kBatch, kSeq)
+  double token_count = 0;
+};
+
+Packed make_packed(index_t vocab) {
+  Packed p;
+  p.tokens = nn_test::make_ids("tokens", 0, vocab);
+  p.targets = nn_test::make_ids("targets", 0, vocab);
+  p.segments.assign(static_cast<std::size_t>(kBatch * kSeq), 0);
+  for (index_t b = 0; b < kBatch; ++b) {
+    index_t t = 0;
+    std::int32_t id = 0;
+    for (index_t len : kDocuments[static_cast<std::size_t>(b)]) {
+      for (index_t i = 0; i < len; ++i) p.segments[static_cast<std::size_t>(b * kSeq + t++)] = id;
+      ++id;
+    }
+    for (; t < kSeq; ++t) {  // padding: a document of its own, no targets
+      p.segments[static_cast<std::size_t>(b * kSeq + t)] = id;
+      p.targets[static_cast<std::size_t>(b * kSeq + t)] = -1;
+    }
+  }
+  for (auto t : p.targets) p.token_count += t >= 0;
+  return p;
+}
+
+struct Run {
+  int tp = 1;
+  bool sp = false;
+  bool recompute = false;
+  bool alone = false;  // every document as its own one-sample microbatch, without segments
+};
+
+// Loss (sum over the microbatches) and every gradient of the tiny GPT on the packed batch.
+void run(const Run& o, Collector& out) {
+  const GptConfig cfg = nn_test::tiny();
+  const Packed data = make_packed(cfg.vocab);
+  std::mutex mutex;
+  std::vector<double> losses;
+  nn_test::run_ranks(o.tp, [&](Comm& comm) {
+    GptOptions opt;
+    opt.sequence_parallel = o.sp;
+    opt.recompute = o.recompute;
+    GptModel<Comm> model(cfg, comm, opt);
+    for (Parameter* p : model.parameters()) nn_test::randomize(*p, 0.05f);
+    auto pass = [&](int mb, const TokenShape& shape, const std::int32_t* tokens, const std::int32_t* targets) {
+      StageInput in{tokens, nullptr, targets, data.token_count};
+      const double loss = model.forward(mb, shape, in, nullptr);
+      model.backward_input(mb, shape, nullptr, nullptr);
+      model.backward_weight(mb);
+      return loss;
+    };
+    double loss = 0;
+    if (!o.alone) {
+      TokenShape shape{kBatch, kSeq};
+      shape.segments = data.segments.data();
+      loss = pass(0, shape, data.tokens.data(), data.targets.data());
+    } else {
+      int mb = 0;
+      for (index_t b = 0; b < kBatch; ++b) {
+        index_t t0 = 0;
+        for (index_t len : kDocuments[static_cast<std::size_t>(b)]) {
+          const auto first = data.tokens.begin() + b * kSeq + t0;
+          const std::vector<std::int32_t> tokens(first, first + len);
+          const auto tfirst = data.targets.begin() + b * kSeq + t0;
+          const std::vector<std::int32_t> targets(tfirst, tfirst + len);
+          loss += pass(mb++, TokenShape{1, len}, tokens.data(), targets.data());
+          t0 += len;
+        }
+      }
+    }
+    model.reduce_tp_partial_grads();
+    RANK_CHECK(model.saved_microbatches() == 0);
+    for (Parameter* p : model.parameters()) out.put_grad(*p);
+    std::lock_guard<std::mutex> lock(mutex);
+    losses.push_back(loss);
+  });
+  for (double l : losses) CHECK(l == losses.front());
+  out.scalar = losses.front();
+}
+
+void check_equal(const Collector& got, const Collector& ref, double tol) {
+  CHECK(std::fabs(got.scalar - ref.scalar) <= tol * std::fabs(ref.scalar));
+  CHECK(got.replica_diff() <= 1e-6f);
+  for (const std::string& key : ref.keys()) {
+    INFO(key);
+    REQUIRE(got.complete(key));
+    CHECK(rel_error(got.get(key), ref.get(key)) <= tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a packed microbatch equals its documents run alone", "[nn][gpt][packed]") {
+  Collector alone, packed;
+  run({.alone = true}, alone);
+  run({}, packed);
+  check_equal(packed, alone, 1e-5);
+  SECTION("tensor parallel 2 with sp, and recompute, equal tp 1") {
+    Collector tp2;
+    run({.tp = 2, .sp = true}, tp2);
+    check_equal(tp2, packed, 2e-5);
+    Collector rc;
+    run({.recompute = true}, rc);
+    check_equal(rc, packed, 1e-6);
+  }
+}
+
+TEST_CASE("document ids that decrease along a sample are refused", "[nn][gpt][packed][errors]") {
+  const GptConfig cfg = nn_test::tiny();
+  Packed data = make_packed(cfg.vocab);
+  data.segments[static_cast<std::size_t>(kSeq + 25)] = 0;  // sample 1: ..., 1, 0, 1, ...
+  std::string message;
+  nn_test::run_ranks(1, [&](Comm& comm) {
+    GptModel<Comm> model(cfg, comm);
+    TokenShape shape{kBatch, kSeq};
+    shape.segments = data.segments.data();
+    StageInput in{data.tokens.data(), nullptr, data.targets.data(), data.token_count};
+    try {
+      model.forward(0, shape, in, nullptr);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+  });
+  CHECK_THAT(message, Catch::Contains("sample 1") && Catch::Contains("position 25") && Catch::Contains("contiguous"));
+}
