@@ -44,6 +44,7 @@ struct Options {
   // data
   std::string data;  // empty: the shipped corpus; *.bin (comma separated): llm.c token shards
   double val_fraction = 0.1;
+  int pack = -1;  // >= 0: pack documents that start with this token into rows (train/packing.hpp)
   // optimisation
   int steps = 150;
   double lr = 3e-3, min_lr = 3e-4;
@@ -94,6 +95,9 @@ backend:   --backend host|cuda (host; cuda: dp x tp x pp GPUs over NCCL, one thr
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
            --val-fraction F (0.1)
+           --pack TOKEN (pack whole documents into rows of --context tokens, attention and positions
+           per document; a document starts at each TOKEN: 50256 for llm.c shards, e.g. 10 for lines
+           of text; padding is not trained on and the packing efficiency is printed)
 optimiser: --steps N (150) --lr X (3e-3) --min-lr X (3e-4) --warmup N (10) --clip X (1.0, 0: off)
            --weight-decay X (0.1) --seed N (1234)
 output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
@@ -191,6 +195,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.data = value();
     else if (f == "--val-fraction")
       dbl_flag(o.val_fraction);
+    else if (f == "--pack")
+      int_flag(o.pack);
     else if (f == "--steps")
       int_flag(o.steps);
     else if (f == "--lr")
@@ -347,6 +353,9 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.lr <= 0 || o.min_lr < 0 || o.min_lr > o.lr) out.push_back("need 0 <= --min-lr <= --lr and --lr > 0");
   if (o.warmup < 0 || o.warmup >= o.steps) out.push_back("--warmup must be in [0, --steps)");
   if (o.val_fraction <= 0 || o.val_fraction >= 0.5) out.push_back("--val-fraction must be in (0, 0.5)");
+  if (o.pack < -1 || o.pack >= o.vocab)
+    out.push_back("--pack names the token that starts each document: it must be in [0, --vocab), got " +
+                  std::to_string(o.pack));
   if (o.eval_every < 1) out.push_back("--eval-every must be >= 1");
   if (o.ckpt_every < 0) out.push_back("--ckpt-every must be >= 0");
   if (o.resume && o.ckpt_dir.empty()) out.push_back("--resume needs --ckpt-dir (where the checkpoints are)");

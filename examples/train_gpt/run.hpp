@@ -135,8 +135,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                   double peak, const std::string& ranks, Outcome& outcome, double blas = 0,
                   const std::string& peak_note = "") {
   const auto cfg = trainer_config(o);
-  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp});
-  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp});
+  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp, o.pack});
+  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp, o.pack});
   const fs::path ckpt_root = checkpoint_root(o);
   auto save = [&]() {  // collective; then the lead prunes (--keep-last), never the one `latest` names
     trainer.save(ckpt_root, loader.state());
@@ -182,6 +182,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     std::printf("layout: dp %d x tp %d x pp %d%s%s, schedule %s, %d microbatches of %lld rows; %s ranks; %s\n",
                 o.dp, o.tp, o.pp, o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "", schedule.c_str(), o.microbatches,
                 static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
+    if (loader.packed())
+      std::printf("packing: documents start at token %d; %lld rows of %d tokens, %.1f %% of them real tokens "
+                  "(the rest padding, not trained on)\n",
+                  o.pack, static_cast<long long>(loader.windows()), o.context, 100.0 * loader.packing_efficiency());
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);

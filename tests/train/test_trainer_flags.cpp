@@ -126,6 +126,11 @@ TEST_CASE("layer options out of range are refused", "[train][flags][errors]") {
   CHECK(contains(error_of({"--overlap", "2"}),
                  "--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1"));
   CHECK(contains(error_of({"--tp", "2", "--overlap", "0"}), "--overlap must be >= 1"));
+  CHECK(contains(error_of({"--pack", "256"}), "--pack names the token that starts each document"));
+  CHECK(contains(error_of({"--pack", "-2"}), "--pack"));
+  CHECK(error_of({"--pack", "10"}).empty());
+  CHECK(parse_flags({"--pack", "10"}).pack == 10);
+  CHECK(contains(train_gpt::usage(), "--pack"));
 }
 
 TEST_CASE("--schedule-file loads, checks and refuses bad files naming the problem", "[train][flags][pipe]") {
