@@ -79,6 +79,8 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   b.layernorm_backward(i, i, cx, cx, cf, cf, cf, x, f, f, true);
   b.attention_forward(attn, cx, cx, cx, x, f);
   b.attention_backward(attn, cx, cx, cx, cx, cx, cf, x, x, x);
+  b.attention_backward(attn, cx, cx, cx, cx, cx, cf, x, x, x, true);  // accumulate (ring attention)
+  b.merge_attention_partials(i, i, x, f, cx, cf);
   b.rows_to_heads(heads, cx, i, x);
   b.heads_to_rows(heads, cx, x, i);
   b.xent_partial_max(i, i, i, cx, f);

@@ -29,6 +29,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/kernels/adamw_cuda.cuh"
 #include "trellis/kernels/attention_cuda.cuh"
+#include "trellis/kernels/attention_merge_cuda.cuh"
 #include "trellis/kernels/dropout_cuda.cuh"
 #include "trellis/kernels/cuda_common.cuh"
 #include "trellis/kernels/elementwise_cuda.cuh"
@@ -216,10 +217,14 @@ class Cuda {
   }
   void attention_backward(const kernels::AttentionArgs& a, const act_t* q, const act_t* k, const act_t* v,
                           const act_t* o, const act_t* d_o, const float* lse, act_t* dq, act_t* dk,
-                          act_t* dv) const {
+                          act_t* dv, bool accumulate = false) const {
     const std::size_t bytes = attention_backward_workspace(a);
     kernels::cuda::attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv, workspace(bytes, "attention_backward"),
-                                      bytes, stream_);
+                                      bytes, stream_, accumulate);
+  }
+  void merge_attention_partials(index_t rows, index_t head_dim, act_t* o_acc, float* lse_acc, const act_t* o_part,
+                                const float* lse_part) const {
+    kernels::cuda::merge_attention_partials(rows, head_dim, o_acc, lse_acc, o_part, lse_part, stream_);
   }
   void rows_to_heads(const kernels::HeadsLayout& l, const act_t* rows, index_t ld, act_t* heads) const {
     permute<true>(l, rows, heads, ld);

@@ -247,13 +247,21 @@ class DeviceChecked {
   void attention_forward(const kernels::AttentionArgs& a, const act_t* q, const act_t* k, const act_t* v, act_t* o,
                          float* lse) const {
     device("attention_forward", "q, k, v, o, lse", q, k, v, o, lse);
+    if (a.segmented()) device("attention_forward", "q_segments, kv_segments", a.q_segments, a.kv_segments);
     inner_.attention_forward(a, q, k, v, o, lse);
   }
   void attention_backward(const kernels::AttentionArgs& a, const act_t* q, const act_t* k, const act_t* v,
-                          const act_t* o, const act_t* d_o, const float* lse, act_t* dq, act_t* dk, act_t* dv) const {
+                          const act_t* o, const act_t* d_o, const float* lse, act_t* dq, act_t* dk, act_t* dv,
+                          bool accumulate = false) const {
     device("attention_backward", "q, k, v, o, d_o, lse, dq, dk, dv", q, k, v, o, d_o, lse, dq, dk, dv);
+    if (a.segmented()) device("attention_backward", "q_segments, kv_segments", a.q_segments, a.kv_segments);
     workspace("attention_backward", attention_backward_workspace(a));
-    inner_.attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv);
+    inner_.attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv, accumulate);
+  }
+  void merge_attention_partials(index_t rows, index_t head_dim, act_t* o_acc, float* lse_acc, const act_t* o_part,
+                                const float* lse_part) const {
+    device("merge_attention_partials", "o_acc, lse_acc, o_part, lse_part", o_acc, lse_acc, o_part, lse_part);
+    inner_.merge_attention_partials(rows, head_dim, o_acc, lse_acc, o_part, lse_part);
   }
   void rows_to_heads(const kernels::HeadsLayout& l, const act_t* rows, index_t ld, act_t* heads) const {
     device("rows_to_heads", "rows, heads", rows, heads);

@@ -86,9 +86,15 @@ class Host {
                          float* lse) const {
     kernels::host::attention_forward(a, q, k, v, o, lse);
   }
+  // accumulate: add into dq, dk, dv (ring attention over kv blocks, o and lse the merged ones).
   void attention_backward(const kernels::AttentionArgs& a, const Act* q, const Act* k, const Act* v, const Act* o,
-                          const Act* d_o, const float* lse, Act* dq, Act* dk, Act* dv) const {
-    kernels::host::attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv);
+                          const Act* d_o, const float* lse, Act* dq, Act* dk, Act* dv, bool accumulate = false) const {
+    kernels::host::attention_backward(a, q, k, v, o, d_o, lse, dq, dk, dv, accumulate);
+  }
+  // (o_acc, lse_acc) becomes attention over the union of both key sets (kernels/attention.hpp).
+  void merge_attention_partials(index_t rows, index_t head_dim, Act* o_acc, float* lse_acc, const Act* o_part,
+                                const float* lse_part) const {
+    kernels::host::merge_attention_partials(rows, head_dim, o_acc, lse_acc, o_part, lse_part);
   }
   // rows (ld >= heads * head_dim) -> [batch, heads, seq, head_dim], and back.
   void rows_to_heads(const kernels::HeadsLayout& l, const Act* rows, index_t ld, Act* heads) const {

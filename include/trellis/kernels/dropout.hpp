@@ -19,6 +19,7 @@ struct DropoutArgs {
   std::int64_t batch = 1;         // samples per microbatch
   std::int64_t first_sample = 0;  // global index of the microbatch's sample 0
   std::int64_t row0 = 0;          // microbatch row of x's first row
+  std::int64_t t_offset = 0;      // global position of the rows' position 0 (context-parallel chunks)
   std::int64_t rows = 0;
   std::int64_t width = 0;
 };
@@ -36,7 +37,7 @@ TRELLIS_HD inline bool dropout_keep(std::uint64_t row_key, std::int64_t col, flo
 }
 // Row r of x (0 <= r < rows): its key.
 TRELLIS_HD inline std::uint64_t dropout_key_of_row(const DropoutArgs& a, std::int64_t r) {
-  const std::int64_t row = a.row0 + r, t = row / a.batch, b = row % a.batch;
+  const std::int64_t row = a.row0 + r, t = row / a.batch + a.t_offset, b = row % a.batch;
   return dropout_row_key(a.seed, a.site, a.first_sample + b, t);
 }
 

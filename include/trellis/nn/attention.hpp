@@ -3,11 +3,14 @@
 // on the local heads only, c_proj is row-parallel. GPT-2 math: scale 1/sqrt(head_dim), causal.
 // Token rows are sequence-major (row = t * batch + b); the core works in [batch, heads, seq, dim].
 // Packed documents (TokenShape::segments): the ids go to the kernel, which masks across documents.
+// Context parallelism (nn/context_parallel.hpp): the rank's two sequence chunks attend to every
+// rank's keys through a ring (RingAttention); everything else in the layer is per token.
 #pragma once
 
 #include <string>
 
 #include "trellis/kernels/heads.hpp"
+#include "trellis/nn/context_parallel.hpp"
 #include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/linear.hpp"
@@ -21,15 +24,19 @@ class CausalSelfAttention {
   using act_t = typename B::act_t;
 
   // name: e.g. "h.0.attn"; width = n_head * head_dim.
-  CausalSelfAttention(const std::string& name, index_t width, index_t heads, TensorParallel<C> tp, B be = {})
+  CausalSelfAttention(const std::string& name, index_t width, index_t heads, TensorParallel<C> tp, B be = {},
+                      ContextParallel<C> cp = {})
       : width_(width),
         heads_(heads),
         head_dim_(heads > 0 ? width / heads : 0),
         be_(be),
         c_attn_(name + ".c_attn", LinearConfig{width, 3 * width, true, head_dim_, 3}, tp, be),
         c_proj_(name + ".c_proj", LinearConfig{width, width, true, head_dim_, 1}, tp, be),
-        tp_(tp) {
+        tp_(tp),
+        cp_(cp) {
     TRELLIS_CHECK(heads > 0 && width % heads == 0, name, ": width ", width, " is not a multiple of heads ", heads);
+    TRELLIS_CHECK(cp.mode == CpMode::ring || !cp.active(), name, ": context-parallel mode ", to_string(cp.mode),
+                  " is not built yet (ring is)");
     TRELLIS_CHECK(heads >= tp.size(), name, ": ", heads, " heads cannot be split over ", tp.size(), " ranks");
     local_heads_ = shard::chunk(heads, tp.size(), tp.rank()).size;
   }
@@ -79,25 +86,35 @@ class CausalSelfAttention {
 
   // x, y: (local_rows, width).
   void forward(int mb, const TokenShape& shape, const act_t* x, act_t* y) {
+    cp_.check(shape, "CausalSelfAttention");
     Saved& s = store_.create(mb);
     const index_t rows = shape.rows(), cl = local_heads_ * head_dim_;
     auto qkv = allocate<act_t>(rows * 3 * cl);
     c_attn_.forward(mb, shape, x, qkv.data());
-    s.segments = saved_.template take<std::int32_t>(be_, mb, shape.rows(), "attention document ids");
-    if (shape.packed()) be_.upload(s.segments.data(), shape.segments, static_cast<std::size_t>(shape.rows()));
+    const index_t ids = shape.batch * shape.full_seq();
+    s.segments = saved_.template take<std::int32_t>(be_, mb, ids, "attention document ids");
+    if (shape.packed()) {
+      // The kernel reads ids per chunk of the sequence (one chunk without cp).
+      const auto chunked = chunked_segments(shape);
+      be_.upload(s.segments.data(), chunked.data(), chunked.size());
+    }
     const auto args = attention_args(shape, s);
-    const auto heads = heads_layout(shape);
-    const index_t n = args.q_elements();
+    const index_t n = args.q_elements() * chunks(shape);
     s.q = saved_.template take<act_t>(be_, mb, n, "attention q");
     s.k = saved_.template take<act_t>(be_, mb, n, "attention k");
     s.v = saved_.template take<act_t>(be_, mb, n, "attention v");
     s.o = saved_.template take<act_t>(be_, mb, n, "attention output");
-    s.lse = saved_.template take<float>(be_, mb, args.lse_elements(), "attention lse");
+    s.lse = saved_.template take<float>(be_, mb, args.lse_elements() * chunks(shape), "attention lse");
     act_t* parts[3] = {s.q.data(), s.k.data(), s.v.data()};
-    for (int g = 0; g < 3; ++g) be_.rows_to_heads(heads, qkv.data() + g * cl, 3 * cl, parts[g]);
-    be_.attention_forward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
+    for (int g = 0; g < 3; ++g) to_heads(shape, qkv.data() + g * cl, 3 * cl, parts[g]);
+    if (cp_.active()) {
+      RingAttention<C, B>(*cp_.comm, be_, args, shape.packed() ? s.segments.data() : nullptr)
+          .forward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
+    } else {
+      be_.attention_forward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
+    }
     auto a = allocate<act_t>(rows * cl);
-    be_.heads_to_rows(heads, s.o.data(), a.data(), cl);
+    to_rows(shape, s.o.data(), a.data(), cl);
     c_proj_.forward(mb, shape, a.data(), y);
   }
 
@@ -107,15 +124,20 @@ class CausalSelfAttention {
     auto da = allocate<act_t>(rows * cl);
     c_proj_.backward_input(mb, shape, dy, da.data());
     const auto args = attention_args(shape, s);
-    const auto heads = heads_layout(shape);
-    const index_t n = args.q_elements();
+    const index_t n = args.q_elements() * chunks(shape);
     auto d_o = allocate<act_t>(n), dq = allocate<act_t>(n), dk = allocate<act_t>(n), dv = allocate<act_t>(n);
-    be_.rows_to_heads(heads, da.data(), cl, d_o.data());
-    be_.attention_backward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(),
-                           dk.data(), dv.data());
+    to_heads(shape, da.data(), cl, d_o.data());
+    if (cp_.active()) {
+      RingAttention<C, B>(*cp_.comm, be_, args, shape.packed() ? s.segments.data() : nullptr)
+          .backward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(), dk.data(),
+                    dv.data());
+    } else {
+      be_.attention_backward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(),
+                             dk.data(), dv.data());
+    }
     auto dqkv = allocate<act_t>(rows * 3 * cl);
     const act_t* parts[3] = {dq.data(), dk.data(), dv.data()};
-    for (int g = 0; g < 3; ++g) be_.heads_to_rows(heads, parts[g], dqkv.data() + g * cl, 3 * cl);
+    for (int g = 0; g < 3; ++g) to_rows(shape, parts[g], dqkv.data() + g * cl, 3 * cl);
     c_attn_.backward_input(mb, shape, dqkv.data(), dx);
     // The core has no weights: its saved tensors are not needed by backward_weight.
     s = Saved{};
@@ -141,9 +163,12 @@ class CausalSelfAttention {
   }
   std::size_t saved_bytes(const TokenShape& shape) const {
     const auto args = attention_args(shape);
-    // The document ids are counted whether or not a microbatch is packed: the arena is sized once.
-    return 4 * saved_size<act_t>(args.q_elements()) + saved_size<float>(args.lse_elements()) +
-           saved_size<std::int32_t>(shape.rows()) + c_attn_.saved_bytes(shape) + c_proj_.saved_bytes(shape);
+    // The document ids (of the full sequence) are counted whether or not a microbatch is packed:
+    // the arena is sized once.
+    return 4 * saved_size<act_t>(args.q_elements() * chunks(shape)) +
+           saved_size<float>(args.lse_elements() * chunks(shape)) +
+           saved_size<std::int32_t>(shape.batch * shape.full_seq()) + c_attn_.saved_bytes(shape) +
+           c_proj_.saved_bytes(shape);
   }
 
  private:
@@ -158,11 +183,13 @@ class CausalSelfAttention {
   typename B::template buffer<T> allocate(index_t n) const {
     return be_.template scratch<T>(static_cast<std::size_t>(n));
   }
+  // One chunk of the sequence: the whole local sequence, or with cp one of its two chunks (the
+  // heads tensors are then [2][batch, heads, L, head_dim]).
   kernels::AttentionArgs attention_args(const TokenShape& shape) const {
     kernels::AttentionArgs a;
     a.batch = shape.batch;
     a.q_heads = a.kv_heads = local_heads_;
-    a.q_len = a.kv_len = shape.seq;
+    a.q_len = a.kv_len = shape.cp_chunk();
     a.head_dim = head_dim_;
     a.causal = true;
     return a;
@@ -170,11 +197,23 @@ class CausalSelfAttention {
   // With packed documents the mask also keeps each token inside its document.
   kernels::AttentionArgs attention_args(const TokenShape& shape, Saved& s) const {
     auto a = attention_args(shape);
-    if (shape.packed()) a.q_segments = a.kv_segments = s.segments.data();
+    if (shape.packed() && !cp_.active()) a.q_segments = a.kv_segments = s.segments.data();
     return a;
   }
+  static index_t chunks(const TokenShape& shape) { return shape.cp_size > 1 ? 2 : 1; }
   kernels::HeadsLayout heads_layout(const TokenShape& shape) const {
-    return {shape.batch, shape.seq, local_heads_, head_dim_};
+    return {shape.batch, shape.cp_chunk(), local_heads_, head_dim_};
+  }
+  // Token rows (sequence-major) <-> heads tensors, chunk by chunk: a chunk's rows are contiguous.
+  void to_heads(const TokenShape& shape, const act_t* rows, index_t ld, act_t* heads) const {
+    const auto l = heads_layout(shape);
+    const index_t chunk_rows = l.batch * l.seq, chunk_elems = chunk_rows * local_heads_ * head_dim_;
+    for (index_t c = 0; c < chunks(shape); ++c) be_.rows_to_heads(l, rows + c * chunk_rows * ld, ld, heads + c * chunk_elems);
+  }
+  void to_rows(const TokenShape& shape, const act_t* heads, act_t* rows, index_t ld) const {
+    const auto l = heads_layout(shape);
+    const index_t chunk_rows = l.batch * l.seq, chunk_elems = chunk_rows * local_heads_ * head_dim_;
+    for (index_t c = 0; c < chunks(shape); ++c) be_.heads_to_rows(l, heads + c * chunk_elems, rows + c * chunk_rows * ld, ld);
   }
 
   index_t width_, heads_, head_dim_, local_heads_ = 0;
@@ -182,6 +221,7 @@ class CausalSelfAttention {
   ColumnParallelLinear<C, B> c_attn_;
   RowParallelLinear<C, B> c_proj_;
   TensorParallel<C> tp_;
+  ContextParallel<C> cp_;
   SavedMemory<B> saved_;
   MicrobatchStore<Saved> store_;
 };

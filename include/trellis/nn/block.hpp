@@ -37,12 +37,14 @@ class TransformerBlock {
   using act_t = typename B::act_t;
 
   // name: e.g. "h.3".
-  TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp, B be = {})
+  // cp: the context-parallel communicator (attention's ring); default: none.
+  TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp, B be = {},
+                   ContextParallel<C> cp = {})
       : cfg_(cfg),
         tp_(tp),
         be_(be),
         ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps, be),
-        attn_(name + ".attn", cfg.width, cfg.heads, tp, be),
+        attn_(name + ".attn", cfg.width, cfg.heads, tp, be, cp),
         ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps, be),
         mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp, be),
         drop_attn_(cfg.dropout, name + ".attn"),

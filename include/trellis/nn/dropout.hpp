@@ -9,6 +9,7 @@
 // (Dropout of the attention probabilities is not offered: the flash-attention kernel has none.)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 
@@ -48,10 +49,23 @@ class Dropout {
     a.p = p_;
     a.batch = shape.batch;
     a.first_sample = shape.first_sample;
-    a.row0 = row0;
-    a.rows = rows;
     a.width = width;
-    be.dropout(a, x);
+    if (shape.cp_size == 1) {
+      a.row0 = row0;
+      a.rows = rows;
+      be.dropout(a, x);
+      return;
+    }
+    // Under context parallelism the rows are two chunks of the sequence, each with its own offset.
+    const index_t chunk_rows = shape.cp_chunk() * shape.batch;
+    for (int c = 0; c < 2; ++c) {
+      const index_t begin = std::max(row0, c * chunk_rows), end = std::min(row0 + rows, (c + 1) * chunk_rows);
+      if (begin >= end) continue;
+      a.row0 = begin - c * chunk_rows;
+      a.rows = end - begin;
+      a.t_offset = shape.global_chunk(shape.cp_rank, c) * shape.cp_chunk();
+      be.dropout(a, x + (begin - row0) * width);
+    }
   }
 
  private:

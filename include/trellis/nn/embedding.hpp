@@ -73,8 +73,8 @@ class VocabParallelEmbedding {
 
   // tokens: (batch, seq) row-major host ids -> y: (local_rows, width), row = t * batch + b.
   void forward(int mb, const TokenShape& shape, const std::int32_t* tokens, act_t* y) {
-    TRELLIS_CHECK(shape.seq <= positions_, "embedding: sequence length ", shape.seq, " exceeds the ", positions_,
-                  " learned positions");
+    TRELLIS_CHECK(shape.full_seq() <= positions_, "embedding: sequence length ", shape.full_seq(), " exceeds the ",
+                  positions_, " learned positions");
     const index_t Bt = shape.batch, T = shape.seq, local = tp_.local_rows(shape);
     for (index_t i = 0; i < Bt * T; ++i)
       TRELLIS_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "embedding: token id ", tokens[i], " at index ", i,

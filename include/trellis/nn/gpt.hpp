@@ -104,9 +104,11 @@ class GptModel {
   // tp_comm: the tensor-parallel communicator (size 1 for no tp); be: the compute backend.
   // tied_wte: for a head stage without the embedding, the wte of this rank's embedding stage (its
   // LM head then reads and adds into it; the parameter is not this model's); nullptr: own copy.
+  // cp: the context-parallel communicator and mode (nn/context_parallel.hpp); default: none. The
+  // microbatches' TokenShape must then carry this rank's split (cp_rank, cp_size).
   GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {}, B be = {},
-           Parameter* tied_wte = nullptr)
-      : cfg_(cfg), opt_(opt), stage_(stage), be_(std::move(be)) {
+           Parameter* tied_wte = nullptr, ContextParallel<C> cp = {})
+      : cfg_(cfg), opt_(opt), stage_(stage), be_(std::move(be)), cp_(cp) {
     if (stage_.end_layer < 0) stage_.end_layer = static_cast<int>(cfg.layers);
     TRELLIS_CHECK(0 <= stage_.first_layer && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.layers,
                   "GptModel: stage blocks [", stage_.first_layer, ", ", stage_.end_layer, ") outside 0..", cfg.layers);
@@ -119,7 +121,7 @@ class GptModel {
     BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute, opt.dropout};
     drop_embedding_ = Dropout(opt.dropout, "wte+wpe");
     for (int i = stage_.first_layer; i < stage_.end_layer; ++i)
-      blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), bc, tp_, be_));
+      blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), bc, tp_, be_, cp_));
     if (stage_.head) {
       ln_f_ = std::make_unique<LayerNorm<C, B>>("ln_f", cfg.width, tp_, cfg.ln_eps, be_);
       Parameter* wte = nullptr;
@@ -191,6 +193,9 @@ class GptModel {
   // returns 0.
   double forward(int mb, const TokenShape& shape, const Input& in, act_t* output) {
     shape.check_segments("GptModel::forward");
+    cp_.check(shape, "GptModel::forward");
+    TRELLIS_CHECK(shape.full_seq() <= cfg_.positions, "GptModel::forward: sequence length ", shape.full_seq(),
+                  " exceeds the ", cfg_.positions, " learned positions");
     const index_t n = tp_.local_rows(shape) * cfg_.width;
     auto x = allocate(n), y = allocate(n);
     if (embedding_) {
@@ -461,6 +466,7 @@ class GptModel {
   GptStage stage_;
   B be_;
   TensorParallel<C> tp_;
+  ContextParallel<C> cp_;
   std::unique_ptr<VocabParallelEmbedding<C, B>> embedding_;
   Dropout drop_embedding_;
   std::vector<std::unique_ptr<TransformerBlock<C, B>>> blocks_;

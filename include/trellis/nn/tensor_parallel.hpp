@@ -35,37 +35,58 @@ namespace trellis::nn {
 // step's seed and the global batch index of the microbatch's sample b = 0, so that a token's mask
 // is the same whatever dp rank or microbatch holds it. `train` = false (evaluation, generation)
 // turns dropout off.
-// Packed documents: `segments` gives the document id of every token ((batch, seq) row-major, host
-// memory, ids non-decreasing along each sample): attention stays inside a document and positions
-// restart at each document's first token. nullptr: every sample is one sequence.
+// Packed documents: `segments` gives the document id of every token ((batch, full_seq())
+// row-major, host memory, ids non-decreasing along each sample): attention stays inside a document
+// and positions restart at each document's first token. nullptr: every sample is one sequence.
+// Context parallelism (nn/context_parallel.hpp): the full sequence is cut into 2 cp_size chunks and
+// this rank holds chunks cp_rank and 2 cp_size - 1 - cp_rank (zig-zag, so causal attention work is
+// the same on every rank); `seq` is the LOCAL length (full / cp_size), local positions [0, seq/2)
+// the first chunk and [seq/2, seq) the second. Layers see local rows only; global_position()
+// says where a local position sits (embedding positions, dropout masks, the ring's masks).
 struct TokenShape {
   index_t batch = 1;
   index_t seq = 1;
   std::uint64_t seed = 0;    // the step's dropout seed; fixed across F/B/recompute
   index_t first_sample = 0;  // global batch index of sample b = 0 (sample b is first_sample + b)
   bool train = true;         // false: no dropout
-  const std::int32_t* segments = nullptr;  // (batch, seq) document ids, or nullptr
+  const std::int32_t* segments = nullptr;  // (batch, full_seq()) document ids, or nullptr
+  int cp_rank = 0, cp_size = 1;
   index_t rows() const { return batch * seq; }
   bool packed() const { return segments != nullptr; }
+  index_t full_seq() const { return seq * cp_size; }
+  // Length of one zig-zag chunk (the whole local sequence without cp).
+  index_t cp_chunk() const { return cp_size > 1 ? seq / 2 : seq; }
+  // The global chunk index of local chunk c (0 or 1) of cp rank r.
+  index_t global_chunk(int r, int c) const { return c == 0 ? r : 2 * cp_size - 1 - r; }
+  index_t global_position(index_t p) const {
+    if (cp_size == 1) return p;
+    const index_t L = seq / 2;
+    return global_chunk(cp_rank, p < L ? 0 : 1) * L + p % L;
+  }
 
   // Refuses ids that decrease along a sample (a document split in two), naming where.
   void check_segments(const char* who) const {
     if (!segments) return;
+    const index_t n = full_seq();
     for (index_t b = 0; b < batch; ++b)
-      for (index_t t = 1; t < seq; ++t)
-        TRELLIS_CHECK(segments[b * seq + t - 1] <= segments[b * seq + t], who, ": document ids of sample ", b,
-                      " decrease at position ", t, " (", segments[b * seq + t - 1], " then ", segments[b * seq + t],
+      for (index_t t = 1; t < n; ++t)
+        TRELLIS_CHECK(segments[b * n + t - 1] <= segments[b * n + t], who, ": document ids of sample ", b,
+                      " decrease at position ", t, " (", segments[b * n + t - 1], " then ", segments[b * n + t],
                       "): a packed document must be contiguous");
   }
-  // Position of every token within its document, (batch, seq) row-major: t without segments.
+  // Position of every local token within its document, (batch, seq) row-major: the global
+  // position without segments.
   std::vector<std::int32_t> positions() const {
-    std::vector<std::int32_t> out(static_cast<std::size_t>(batch * seq));
+    const index_t n = full_seq();
+    std::vector<std::int32_t> full(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(batch * seq));
     for (index_t b = 0; b < batch; ++b) {
       index_t start = 0;
-      for (index_t t = 0; t < seq; ++t) {
-        if (segments && t > 0 && segments[b * seq + t] != segments[b * seq + t - 1]) start = t;
-        out[static_cast<std::size_t>(b * seq + t)] = static_cast<std::int32_t>(t - start);
+      for (index_t t = 0; t < n; ++t) {
+        if (segments && t > 0 && segments[b * n + t] != segments[b * n + t - 1]) start = t;
+        full[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t - start);
       }
+      for (index_t p = 0; p < seq; ++p)
+        out[static_cast<std::size_t>(b * seq + p)] = full[static_cast<std::size_t>(global_position(p))];
     }
     return out;
   }
