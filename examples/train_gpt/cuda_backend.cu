@@ -64,7 +64,7 @@ void run_gpu_rank(comm::NcclComm& comm, const Options& o, const Data& data, doub
 }  // namespace
 
 Outcome run_cuda(const Options& o, const Data& data) {
-  const int ranks = o.dp * o.tp * o.pp;
+  const int ranks = o.dp * o.tp * o.pp * o.cp;
   const int devices = usable_devices();
   TRELLIS_CHECK(ranks <= devices, "--backend cuda: --dp x --tp x --pp = ", ranks, " GPUs, but ", devices,
                 " are visible (one thread per GPU; or run one process per GPU with mpirun and --mpi)");

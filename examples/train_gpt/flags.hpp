@@ -30,6 +30,8 @@ struct Options {
   // batch and layout
   int batch = 16, microbatches = 2;
   int dp = 1, tp = 1, pp = 1;
+  int cp = 1;                   // context parallel: each sequence split over cp ranks
+  std::string cp_mode = "ring";
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
@@ -76,7 +78,10 @@ usage: train_gpt [flags]            (ranks are threads of this process)
 
 model:     --layers N (4) --heads N (4) --width N (128) --vocab N (256) --context T (64)
 batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
-layout:    --dp N (1) --tp N (1) --pp N (1)  [ranks = dp x tp x pp]
+layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
+           --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
+           --context a multiple of 2N); --cp-mode ring (attention's keys and values passed round
+           the cp ranks while each block computes)
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
@@ -168,6 +173,10 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.tp);
     else if (f == "--pp")
       int_flag(o.pp);
+    else if (f == "--cp")
+      int_flag(o.cp);
+    else if (f == "--cp-mode")
+      o.cp_mode = value();
     else if (f == "--sp")
       o.sp = true;
     else if (f == "--zero1")
@@ -270,6 +279,8 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.pp = o.pp;
   c.dp = o.dp;
   c.tp = o.tp;
+  c.cp = o.cp;
+  c.cp_mode = trellis::nn::parse_cp_mode(o.cp_mode);
   c.schedule = o.schedule;
   if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;
@@ -296,7 +307,7 @@ inline double state_bytes(const Options& o, bool per_mpi_rank) {
   const double W = o.width, L = o.layers, V = o.vocab, P = o.context;
   const double params = V * W + P * W + L * (12.0 * W * W + 13.0 * W) + 2.0 * W;
   const double tp_pp = std::max(1.0, static_cast<double>(o.tp)) * std::max(1.0, static_cast<double>(o.pp));
-  return 16.0 * (per_mpi_rank ? params / tp_pp : params * std::max(1, o.dp));
+  return 16.0 * (per_mpi_rank ? params / tp_pp : params * std::max(1, o.dp) * std::max(1, o.cp));
 }
 inline double physical_memory_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
@@ -333,6 +344,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
+  if (o.cp_mode != "ring" && o.cp_mode != "ulysses" && o.cp_mode != "hybrid") {
+    out.push_back("--cp-mode must be ring, ulysses or hybrid, got '" + o.cp_mode + "'");
+    checked.cp_mode = "ring";
+  }
   if (!o.dtype.empty() && o.dtype != "fp32" && o.dtype != "bf16")
     out.push_back("--dtype must be fp32 or bf16, got '" + o.dtype + "'");
   if (o.backend == "cuda" && o.dtype == "fp32")
@@ -374,10 +389,11 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
                   (world_size ? " per MPI rank" : " in this process (every dp replica)") + " but this machine has " +
                   gib(have) + " of memory: reduce --width, --layers, --vocab or --context" +
                   (world_size ? "" : ", or --dp"));
-  const std::int64_t ranks = trellis::train::layout_ranks(o.pp, o.dp, o.tp);
+  const std::int64_t ranks = trellis::train::layout_ranks(o.pp, o.dp, o.tp, o.cp);
   if (world_size && ranks > 0 && *world_size != ranks)
-    out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp = " +
-                  std::to_string(ranks) + ": start that many or change --dp/--tp/--pp");
+    out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp" +
+                  (o.cp > 1 ? " x cp" : "") + " = " + std::to_string(ranks) +
+                  ": start that many or change --dp/--tp/--pp" + (o.cp > 1 ? "/--cp" : ""));
   return out;
 }
 

@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
 #endif
     const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
     Outcome out;
-    comm::ThreadWorld world(o.dp * o.tp * o.pp);
+    comm::ThreadWorld world(o.dp * o.tp * o.pp * o.cp);
     world.run([&](comm::ThreadComm& comm) { run_rank(comm, o, data, peak, out); });
     final_report(o, data, out);
   } catch (const std::exception& e) {

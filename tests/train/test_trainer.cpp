@@ -12,6 +12,8 @@
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there;
 // two bf16 steps within the GPU test's tolerances of fp32.
 // DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
+// Context parallel (ring attention): cp2, cp4, dp2.cp2 ZeRO-1, tp2+sp.cp2, pp2.cp2 zb_v, dp2 m2.cp2
+// with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank.
 // Packed documents (the loader's packed mode): dp2 m2, tp2+sp with recompute, pp2 zb_h1 and
 // dp2.tp2+sp.pp2 ZeRO-1 interleaved equal the one-rank packed run.
 // Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
@@ -128,6 +130,20 @@ TEST_CASE("packed documents: every layout equals one packed rank", "[train][trai
       {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "interleaved_1f1b", .microbatches = 2,
        .packed = true},
       "dp2.tp2+sp.pp2 zero1 interleaved packed");
+}
+
+TEST_CASE("context parallel (ring) in every layout equals one rank", "[train][trainer][parity][cp]") {
+  check_against_reference({.cp = 2}, "cp2");
+  check_against_reference({.cp = 4}, "cp4");
+  check_against_reference({.dp = 2, .zero1 = true, .cp = 2}, "dp2.cp2 zero1");
+  check_against_reference({.tp = 2, .sp = true, .cp = 2}, "tp2+sp.cp2");
+  check_against_reference({.pp = 2, .schedule = "zb_v", .microbatches = 2, .cp = 2}, "pp2.cp2 zb_v");
+  check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout, .recompute = true, .cp = 2},
+                          "dp2 m2.cp2 dropout recompute");
+  check_against_reference({.packed = true, .cp = 2}, "cp2 packed");
+  check_against_reference({.pp = 2, .dp = 2, .tp = 2, .sp = true, .schedule = "1f1b", .microbatches = 2,
+                           .packed = true, .cp = 2},
+                          "dp2.tp2+sp.pp2.cp2 packed (16 ranks)");
 }
 
 // bf16 runs: losses and grad norms per step, final weights per tensor (max |w - ref| / max |ref|).

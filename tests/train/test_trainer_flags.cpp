@@ -131,6 +131,17 @@ TEST_CASE("layer options out of range are refused", "[train][flags][errors]") {
   CHECK(error_of({"--pack", "10"}).empty());
   CHECK(parse_flags({"--pack", "10"}).pack == 10);
   CHECK(contains(train_gpt::usage(), "--pack"));
+  // context parallelism
+  CHECK(error_of({"--cp", "2", "--context", "64"}).empty());
+  CHECK(parse_flags({"--cp", "4"}).cp == 4);
+  CHECK(train_gpt::trainer_config(parse_flags({"--cp", "2"})).cp == 2);
+  CHECK(contains(error_of({"--cp", "3", "--context", "64"}), "must be a multiple of 6"));
+  CHECK(contains(error_of({"--cp-mode", "rong"}), "--cp-mode must be ring, ulysses or hybrid, got 'rong'"));
+  CHECK(contains(error_of({"--cp", "0"}), "--cp must be >= 1"));
+  CHECK(contains(error_of({"--cp", "2", "--tp", "4", "--sp", "--context", "32", "--heads", "4"}),
+                 "--sp needs each rank's sequence length 16 (the sequence over --cp) divisible by --tp 4") == false);
+  CHECK(contains(error_of({"--cp", "4", "--tp", "4", "--sp", "--context", "24", "--heads", "4"}),
+                 "--sp needs each rank's sequence length 6 (the sequence over --cp) divisible by --tp 4"));
 }
 
 TEST_CASE("--schedule-file loads, checks and refuses bad files naming the problem", "[train][flags][pipe]") {

@@ -97,12 +97,14 @@ struct Layout {
   std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
   bool batch_p2p = false;  // the pipe executor's sends/receives as one group (as on NCCL)
   bool packed = false;     // document_tokens() packed into rows (the loader's packed mode)
+  int cp = 1;              // context parallel (ring attention)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.pp = l.pp;
   c.dp = l.dp;
   c.tp = l.tp;
+  c.cp = l.cp;
   c.options.sequence_parallel = l.sp;
   c.zero1 = l.zero1;
   c.schedule = l.schedule;
@@ -122,7 +124,7 @@ template <class B = trellis::backend::Host<float>>
 void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
                   const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {},
                   bool packed = false) {
-  const int ranks = cfg.pp * cfg.dp * cfg.tp;
+  const int ranks = cfg.pp * cfg.dp * cfg.tp * cfg.cp;
   std::mutex mutex;
   std::vector<double> losses, norms;
   trellis::comm::ThreadWorld world(ranks);

@@ -1,4 +1,4 @@
-// train::Trainer: one training step of a GPT-2 over a <pp, dp, tp> mesh of any Communicator.
+// train::Trainer: one training step of a GPT-2 over a <pp, dp, cp, tp> mesh of any Communicator.
 //
 //   TrainerConfig cfg{.model = {...}, .pp = 2, .dp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 4};
 //   Trainer<ThreadComm> trainer(comm, cfg);            // a collective over comm (builds the mesh)
@@ -96,7 +96,7 @@ template <comm::Communicator C, backend::Backend B = backend::Host<float>>
   requires backend::CompatibleWith<B, C>
 class Trainer {
  public:
-  using Mesh = comm::Mesh<C, trellis::pp, trellis::dp, trellis::tp>;
+  using Mesh = comm::Mesh<C, trellis::pp, trellis::dp, trellis::cp, trellis::tp>;
   using backend_type = B;
   using act_t = typename B::act_t;
   using Model = nn::GptModel<C, B>;
@@ -111,16 +111,17 @@ class Trainer {
       : cfg_(cfg),
         mesh_(make_checked_mesh(world, cfg)),
         pp_comm_(&mesh_.template comm<trellis::pp>()),
-        dp_comm_(&mesh_.template comm<trellis::dp>()),
+        replica_comm_(&mesh_.template comm<trellis::dp, trellis::cp>()),
         tp_comm_(&mesh_.template comm<trellis::tp>()),
-        pp_dp_comm_(&mesh_.template comm<trellis::pp, trellis::dp>()),
+        cp_comm_(&mesh_.template comm<trellis::cp>()),
+        pp_replica_comm_(&mesh_.template comm<trellis::pp, trellis::dp, trellis::cp>()),
         pp_tp_comm_(&mesh_.template comm<trellis::pp, trellis::tp>()),
         rng_(cfg.seed, static_cast<std::uint64_t>(world.rank())),
         be_(std::move(be)) {
     // A device communicator's operations are ordered after the kernels that produce their data:
     // on a stream of its own, after the backend's stream by events, which waits for them in turn
     // (overlap, cfg.comm_stream), or on the backend's stream itself. Sets `world`'s streams too.
-    for (C* c : {&mesh_.world(), pp_comm_, dp_comm_, tp_comm_, pp_dp_comm_, pp_tp_comm_}) {
+    for (C* c : {&mesh_.world(), pp_comm_, replica_comm_, tp_comm_, cp_comm_, pp_replica_comm_, pp_tp_comm_}) {
       if constexpr (requires(C& x, typename B::stream_type st) { x.set_compute_stream(st); }) {
         if (cfg_.comm_stream) {
           c->set_compute_stream(be_.stream());
@@ -148,8 +149,8 @@ class Trainer {
       }
     }
     nn::GptOptions options = cfg_.options;
-    if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over dp
-      options.pack_alignment = std::lcm(options.pack_alignment, static_cast<std::size_t>(cfg_.dp));
+    if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over the replicas
+      options.pack_alignment = std::lcm(options.pack_alignment, static_cast<std::size_t>(replicas()));
     // The embedding stage first, so that a head stage on the same rank (vee schedules) shares its
     // wte (one parameter, one gradient) instead of holding a copy.
     auto virtual_stage = [&](int c) { return cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c; };
@@ -161,12 +162,15 @@ class Trainer {
     for (int c : order) {
       const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
       auto& m = models_[static_cast<std::size_t>(c)];
-      m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied);
+      m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied,
+                                  nn::ContextParallel<C>{cp_comm_, cfg_.cp_mode});
       if (st.embedding) tied = &m->embedding()->wte();
     }
     std::vector<Model*> raw;
     for (auto& m : models_) raw.push_back(m.get());
-    shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq};
+    shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq / cfg_.cp};
+    shape_.cp_rank = mesh_.template coord<trellis::cp>();
+    shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
     stage_->set_weight_unit_hook([this](int, int c, int u) { on_weight_unit(c, u); });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
@@ -189,7 +193,7 @@ class Trainer {
       norm_weight_.push_back(first_copy(*p, /*over_dp=*/false) && !dup_wte ? 1.0f : 0.0f);
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
-    if (cfg_.dp > 1 || cfg_.zero1) setup_buckets();
+    if (replicas() > 1 || cfg_.zero1) setup_buckets();
     if (cfg_.zero1)
       setup_zero1();
     else {
@@ -260,7 +264,7 @@ class Trainer {
     // the tied wte: sum of the copies' gradients over the chunks and pipeline ranks holding one
     stage_->all_reduce_tied_wte_grad(*pp_comm_);
     StepResult r;
-    r.loss = reduce_scalar(*pp_dp_comm_, stage_->loss());
+    r.loss = reduce_scalar(*pp_replica_comm_, stage_->loss());
     finish_dp_reduction();
     if (cfg_.zero1)
       zero1_update(r);
@@ -305,7 +309,7 @@ class Trainer {
           pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
       }
     }
-    return reduce_scalar(*pp_dp_comm_, loss);
+    return reduce_scalar(*pp_replica_comm_, loss);
   }
 
   // ---- checkpoints -----------------------------------------------------------------------------
@@ -440,8 +444,12 @@ class Trainer {
 
   static Mesh make_checked_mesh(C& world, const TrainerConfig& cfg) {
     check_config(cfg, world.size());
-    return comm::make_mesh<trellis::pp, trellis::dp, trellis::tp>(world, {cfg.pp, cfg.dp, cfg.tp});
+    return comm::make_mesh<trellis::pp, trellis::dp, trellis::cp, trellis::tp>(world, {cfg.pp, cfg.dp, cfg.cp, cfg.tp});
   }
+  // The ranks holding the same parameters: dp x cp (context-parallel ranks see other positions of
+  // the same samples), and this rank's index among them.
+  int replicas() const { return cfg_.dp * cfg_.cp; }
+  int replica_rank() const { return mesh_.template coord<trellis::dp>() * cfg_.cp + mesh_.template coord<trellis::cp>(); }
 
   void check_batch(const Batch& b) const {
     TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == cfg_.batch / cfg_.dp, "Trainer (rank ", mesh_.rank(),
@@ -450,19 +458,41 @@ class Trainer {
     TRELLIS_CHECK(b.segments.empty() || b.segments.size() == b.inputs.size(), "Trainer (rank ", mesh_.rank(),
                   "): ", b.segments.size(), " document ids for ", b.inputs.size(), " tokens");
   }
+  // Rows (rows, seq) -> this cp rank's positions of each row (rows, seq / cp).
+  std::vector<std::int32_t> local_positions(const std::vector<std::int32_t>& full) const {
+    const index_t rows = static_cast<index_t>(full.size()) / cfg_.seq, local = shape_.seq;
+    std::vector<std::int32_t> out(static_cast<std::size_t>(rows * local));
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t p = 0; p < local; ++p)
+        out[static_cast<std::size_t>(r * local + p)] = full[static_cast<std::size_t>(r * cfg_.seq + shape_.global_position(p))];
+    return out;
+  }
+  // The loss normaliser: targets over every rank's tokens (each cp rank counts its positions).
   double global_token_count(const Batch& b) {
     double local = 0;
+    if (cfg_.cp > 1) {
+      for (auto t : local_positions(b.targets)) local += t >= 0;
+      return reduce_scalar(*replica_comm_, local);
+    }
     for (auto t : b.targets) local += t >= 0;
-    return reduce_scalar(*dp_comm_, local);
+    return reduce_scalar(*replica_comm_, local);
   }
   // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
   // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
   void set_microbatches(const Batch& b, double token_count, bool train) {
     std::vector<const std::int32_t*> tokens, targets, segments;
-    const index_t per = shape_.rows();
+    const index_t per = shape_.batch * cfg_.seq;  // a microbatch's ids (full sequences)
+    const std::int32_t* inputs = b.inputs.data();
+    const std::int32_t* labels = b.targets.data();
+    if (cfg_.cp > 1) {  // this rank's zig-zag positions of every row (the ids stay whole)
+      local_inputs_ = local_positions(b.inputs);
+      local_targets_ = local_positions(b.targets);
+      inputs = local_inputs_.data();
+      labels = local_targets_.data();
+    }
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      tokens.push_back(b.inputs.data() + mb * per);
-      targets.push_back(b.targets.data() + mb * per);
+      tokens.push_back(inputs + mb * shape_.rows());
+      targets.push_back(labels + mb * shape_.rows());
       if (b.packed()) segments.push_back(b.segments.data() + mb * per);
     }
     nn::DropoutContext dropout;
@@ -575,14 +605,15 @@ class Trainer {
     return cfg_.zero1 ? shard::shard_code(0) : shard::replicate_code();
   }
   void start_bucket(Bucket& b) {
-    b.request = shard::start_flat_redistribute(*dp_comm_, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
+    b.request = shard::start_flat_redistribute(*replica_comm_, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
                                                b.grads.data(), zgrads_.data() + b.shard_begin, b.grads.size());
   }
-  // Whether this rank holds the first copy of parameter p: coordinate 0 of tp, and of dp when
-  // `over_dp`, where p's value is replicated over that axis. The norm counts first copies over tp
-  // (it is summed over pp and tp; dp replicas are equal); a checkpoint writes them over both.
+  // Whether this rank holds the first copy of parameter p: coordinate 0 of tp, and of dp and cp
+  // when `over_dp`, where p's value is replicated over that axis. The norm counts first copies
+  // over tp (it is summed over pp and tp; dp and cp replicas are equal); a checkpoint writes them
+  // over all three.
   bool first_copy(const nn::Parameter& p, bool over_dp) const {
-    return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || mesh_.template coord<trellis::dp>() == 0) &&
+    return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || replica_rank() == 0) &&
            (!p.sharding.value[nn::tp_axis].is_replicate() || mesh_.template coord<trellis::tp>() == 0);
   }
   // Unit u of chunk c finished one microbatch's W; after the last, its gradients are final on
@@ -591,7 +622,7 @@ class Trainer {
     auto& done = unit_done_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
     if (++done != cfg_.microbatches) return;
     nn::reduce_tp_partial_grads(*tp_comm_, models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u));
-    if ((cfg_.dp == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
+    if ((replicas() == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
     int w_total = 1;  // the W running now
     for (int w : w_done_) w_total += w;
     const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
@@ -603,7 +634,7 @@ class Trainer {
       }
   }
   void finish_dp_reduction() {
-    if (cfg_.dp == 1 && !cfg_.zero1) return;
+    if (replicas() == 1 && !cfg_.zero1) return;
     const auto t0 = std::chrono::steady_clock::now();
     if (!cfg_.overlap_dp)  // the baseline: every chunk's buckets now, in bucket order
       for (auto& b : buckets_)
@@ -706,14 +737,14 @@ class Trainer {
   // rest of the backward, as dp buckets do); AdamW runs on this rank's shards only (moments for
   // them only); an all-gather per bucket, in place in the packed values, rebuilds the parameters.
   void setup_zero1() {
-    const int r = mesh_.template coord<trellis::dp>();
+    const int r = replica_rank();
     std::vector<index_t> piece_sizes;
     std::size_t shards = 0;
     for (std::size_t k = 0; k < buckets_.size(); ++k) {
       Bucket& b = buckets_[k];
-      const auto n = b.grads.size() / static_cast<std::size_t>(cfg_.dp);
-      TRELLIS_CHECK(n * static_cast<std::size_t>(cfg_.dp) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
-                    b.grads.size(), " elements does not split over dp ", cfg_.dp);
+      const auto n = b.grads.size() / static_cast<std::size_t>(replicas());
+      TRELLIS_CHECK(n * static_cast<std::size_t>(replicas()) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
+                    b.grads.size(), " elements does not split over dp x cp = ", replicas());
       b.shard_begin = shards;
       shards += n;
       optim::FlatLayout layout;  // the bucket's parameters at their offsets in the range
@@ -752,10 +783,10 @@ class Trainer {
     // The updated values go from the optimizer's placement, Shard(0) over dp, back to the
     // parameters' (Replicate): an all-gather per bucket, in place (this rank's shard is already at
     // r L/dp), all started, then all waited for.
-    const auto r_dp = static_cast<std::size_t>(mesh_.template coord<trellis::dp>());
+    const auto r_dp = static_cast<std::size_t>(replica_rank());
     for (auto& b : buckets_) {
-      const auto n = b.values.size() / static_cast<std::size_t>(cfg_.dp);
-      b.request = shard::start_flat_redistribute(*dp_comm_, optimizer_placement(), shard::replicate_code(),
+      const auto n = b.values.size() / static_cast<std::size_t>(replicas());
+      b.request = shard::start_flat_redistribute(*replica_comm_, optimizer_placement(), shard::replicate_code(),
                                                  b.values.data(), b.values.data() + r_dp * n, b.values.size());
     }
     for (auto& b : buckets_)
@@ -781,7 +812,7 @@ class Trainer {
       return;
     }
     // ZeRO-1: per bucket, gather every rank's moment shard, then cut out each parameter
-    const auto dp = static_cast<std::size_t>(cfg_.dp);
+    const auto dp = static_cast<std::size_t>(replicas());
     for (int which = 0; which < 2; ++which) {
       auto& out = which == 0 ? m : v;
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
@@ -793,7 +824,7 @@ class Trainer {
             auto src = which == 0 ? state_.m(q) : state_.v(q);
             be_.download(mine.data() + zpieces_[q].shard_offset, src.data(), src.size());
           }
-        dp_comm_->all_gather(mine.data(), all.data(), n);
+        replica_comm_->all_gather(mine.data(), all.data(), n);
         for (std::size_t i : b.params) {
           const auto at = static_cast<std::size_t>(params_[i]->grad.data() - b.grads.data());
           std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), out[i].size(), out[i].begin());
@@ -805,9 +836,10 @@ class Trainer {
   TrainerConfig cfg_;
   Mesh mesh_;
   C* pp_comm_;
-  C* dp_comm_;
+  C* replica_comm_;  // dp x cp: the ranks holding the same parameters (gradients summed, ZeRO-1 shards)
   C* tp_comm_;
-  C* pp_dp_comm_;
+  C* cp_comm_;
+  C* pp_replica_comm_;  // pp x dp x cp: the loss and token counts
   C* pp_tp_comm_;
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
@@ -815,6 +847,7 @@ class Trainer {
   std::unique_ptr<nn::ActivationArena<B>> arena_;  // saved activations of every chunk
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
+  std::vector<std::int32_t> local_inputs_, local_targets_;  // cp > 1: this rank's positions of the batch
   std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;

@@ -28,6 +28,10 @@ struct TrainerConfig {
   nn::GptConfig model{};
   nn::GptOptions options{};
   int pp = 1, dp = 1, tp = 1;
+  // Context parallelism: every sample's sequence split over cp ranks (zig-zag chunks; attention by
+  // cp_mode, nn/context_parallel.hpp). Gradients are then reduced over dp x cp.
+  int cp = 1;
+  nn::CpMode cp_mode = nn::CpMode::ring;
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
   // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
@@ -95,10 +99,11 @@ inline std::vector<std::string> custom_schedule_problems(const TrainerConfig& c,
   return out;
 }
 
-// dp x tp x pp, or -1 when it does not fit in an int (ranks are ints everywhere); 0 when a size is < 1.
-inline std::int64_t layout_ranks(int pp, int dp, int tp) {
+// dp x tp x pp (x cp), or -1 when it does not fit in an int (ranks are ints everywhere); 0 when a
+// size is < 1.
+inline std::int64_t layout_ranks(int pp, int dp, int tp, int cp = 1) {
   std::int64_t n = 1;
-  for (int k : {pp, dp, tp}) {
+  for (int k : {pp, dp, tp, cp}) {
     if (k < 1) return 0;
     n *= k;
     if (n > std::numeric_limits<int>::max()) return -1;
@@ -115,11 +120,16 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     out.push_back(s.str());
   };
   const auto& m = c.model;
-  if (c.pp < 1 || c.dp < 1 || c.tp < 1)
-    add("--pp, --dp and --tp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ")");
-  if (layout_ranks(c.pp, c.dp, c.tp) < 0)
-    add("--dp ", c.dp, " x --tp ", c.tp, " x --pp ", c.pp, " is more ranks than an int holds (",
+  if (c.pp < 1 || c.dp < 1 || c.tp < 1 || c.cp < 1)
+    add("--pp, --dp, --tp and --cp must be >= 1 (got pp ", c.pp, ", dp ", c.dp, ", tp ", c.tp, ", cp ", c.cp, ")");
+  if (layout_ranks(c.pp, c.dp, c.tp, c.cp) < 0)
+    add("--dp ", c.dp, " x --tp ", c.tp, " x --pp ", c.pp, " x --cp ", c.cp, " is more ranks than an int holds (",
         std::numeric_limits<int>::max(), "): use smaller sizes");
+  if (c.cp > 1 && c.seq >= 1 && c.seq % (2 * static_cast<index_t>(c.cp)) != 0)
+    add("--cp ", c.cp, " cuts every sequence into 2 x cp = ", 2 * c.cp, " equal chunks (zig-zag, for balanced ",
+        "causal attention): the sequence length ", c.seq, " must be a multiple of ", 2 * c.cp);
+  if (c.cp > 1 && c.cp_mode != nn::CpMode::ring)
+    add("--cp-mode ", nn::to_string(c.cp_mode), " is not built yet: use --cp-mode ring");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
   if (m.heads >= 1 && m.width % m.heads != 0)
@@ -138,8 +148,9 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (!(c.options.dropout >= 0.0f && c.options.dropout < 1.0f))
     add("--dropout is a probability in [0, 1), got ", c.options.dropout);
   if (c.options.overlap_chunks < 1) add("--overlap must be >= 1 (1: no overlap), got ", c.options.overlap_chunks);
-  if (c.options.sequence_parallel && c.tp >= 1 && c.seq % c.tp != 0)
-    add("--sp needs the sequence length ", c.seq, " divisible by --tp ", c.tp);
+  if (c.options.sequence_parallel && c.tp >= 1 && c.cp >= 1 && (c.seq / c.cp) % c.tp != 0)
+    add("--sp needs each rank's sequence length ", c.seq / c.cp, c.cp > 1 ? " (the sequence over --cp)" : "",
+        " divisible by --tp ", c.tp);
   if (c.custom_schedule) {
     for (auto& p : custom_schedule_problems(c, *c.custom_schedule)) out.push_back(std::move(p));
   } else if (c.pp > 1) {
@@ -171,11 +182,13 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
 // Throws trellis::Error listing every problem (with `world_size` also checking dp x tp x pp).
 inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt) {
   auto problems = config_problems(c);
-  const std::int64_t ranks = layout_ranks(c.pp, c.dp, c.tp);
+  const std::int64_t ranks = layout_ranks(c.pp, c.dp, c.tp, c.cp);
   if (world_size && ranks > 0 && *world_size != ranks) {
     std::ostringstream s;
-    s << "the run has " << *world_size << " ranks but dp x tp x pp = " << c.dp << " x " << c.tp << " x "
-      << c.pp << " = " << ranks << ": start " << ranks << " ranks or change the layout";
+    s << "the run has " << *world_size << " ranks but dp x tp x pp" << (c.cp > 1 ? " x cp" : "") << " = " << c.dp
+      << " x " << c.tp << " x " << c.pp;
+    if (c.cp > 1) s << " x " << c.cp;
+    s << " = " << ranks << ": start " << ranks << " ranks or change the layout";
     problems.push_back(s.str());
   }
   if (problems.empty()) return;
