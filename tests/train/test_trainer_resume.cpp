@@ -71,8 +71,9 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
   for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
                           Layout{.dp = 2, .zero1 = true},
-                          Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2}}) {
-    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
+                          Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2},
+                          Layout{.dp = 2, .zero1 = true, .cp = 2}, Layout{.tp = 2, .sp = true, .cp = 2}}) {
+    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " cp " << l.cp << " zero1 " << l.zero1);
     nn_test::Collector w;
     RunResult r;
     train(with_layout(tiny_config(), l), 3, r, w, ckpt);
@@ -84,6 +85,30 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
       INFO("tensor " << name);
       CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
     }
+  }
+}
+
+TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads into one rank",
+          "[train][trainer][reshard][cp]") {
+  const Layout saved{.dp = 2, .zero1 = true, .cp = 2};
+  Straight s;
+  straight(Layout{}, s);
+  TempDir dir("trainer-reshard-cp");
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
+  }
+  nn_test::Collector w;
+  RunResult r;
+  train(with_layout(tiny_config(), Layout{}), 3, r, w, *trellis::train::latest_checkpoint(dir.path));
+  for (int i = 0; i < 3; ++i) {
+    INFO("step " << 3 + i << ": " << r.losses[i] << " vs " << s.run.losses[3 + i]);
+    CHECK(std::fabs(r.losses[i] - s.run.losses[3 + i]) <= 1e-5 * std::fabs(s.run.losses[3 + i]));
+  }
+  for (const auto& name : s.run.names) {
+    INFO("tensor " << name);
+    CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
   }
 }
 
