@@ -59,12 +59,17 @@ __global__ void attention_convert_kernel(const float* __restrict__ src, std::uin
 }
 
 // grid (ceil(Tkv/64), B*Hkv), or (ceil(Tkv/64) * B*Hkv) when causal; 128 threads.
-template <class T, int D, bool Causal>
+// Segmented (q_segments / kv_segments set): the block visits only the query tiles between the
+// documents of its first and last key (two block-wide binary searches), and compares ids element
+// by element only in tiles that straddle a document boundary; a separate instantiation.
+template <class T, int D, bool Causal, bool Segmented>
 __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
     const std::uint16_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-    float* __restrict__ dq_accum, std::uint16_t* __restrict__ dk, std::uint16_t* __restrict__ dv, int heads,
-    int group_size, std::int64_t q_len, std::int64_t kv_len, float scale, bool accumulate) {
+    float* __restrict__ dq_accum, std::uint16_t* __restrict__ dk, std::uint16_t* __restrict__ dv,
+    const std::int32_t* __restrict__ q_segments, const std::int32_t* __restrict__ kv_segments, int heads,
+    int group_size, std::int64_t q_len, std::int64_t kv_len, std::int64_t offset_from_bottom_right, float scale,
+    bool accumulate) {
   using E = MmaElement<T>;
   constexpr int kLd = D + kPad;
   constexpr int kLdS = kBlockCols + kPad;
@@ -90,7 +95,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   const int batch = kv_bh / kv_heads, kvh = kv_bh % kv_heads;
   const std::int64_t key0 = static_cast<std::int64_t>(kb) * kBlockRows;
   const float scale_log2 = scale * kLog2e;
-  const std::int64_t causal_offset = kv_len - q_len;  // query i sees keys j <= i + offset
+  // Query i sees keys j <= i + causal_offset; passed relative to kv_len - q_len, as in the forward.
+  const std::int64_t causal_offset = kv_len - q_len + offset_from_bottom_right;
 
   load_tile<D>(k_tile, k + static_cast<std::int64_t>(kv_bh) * kv_len * D, key0, kv_len);
   load_tile<D>(v_tile, v + static_cast<std::int64_t>(kv_bh) * kv_len * D, key0, kv_len);
@@ -103,14 +109,32 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   }
   const std::int64_t my_key[2] = {key0 + warp * 16 + group, key0 + warp * 16 + group + 8};
   const int query_blocks = static_cast<int>((q_len + kBlockCols - 1) / kBlockCols);
-  int first_query_block = 0;
+  int first_query_block = 0, last_query_block = query_blocks;  // [first, last) meet this key block
   if (Causal) {  // the first query that sees key0 is key0 - offset
     std::int64_t first_query = key0 - causal_offset;
     first_query_block = first_query <= 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(query_blocks), first_query / kBlockCols));
   }
+  // The keys' and rows' segment ids (Segmented only), and the id shared by all of this block's
+  // keys; block_one_segment is false when they span documents.
+  const std::int32_t* key_ids = Segmented ? kv_segments + static_cast<std::int64_t>(batch) * kv_len : nullptr;
+  const std::int32_t* row_ids = Segmented ? q_segments + static_cast<std::int64_t>(batch) * q_len : nullptr;
+  std::int32_t block_id = 0, my_key_id[2] = {0, 0};
+  bool block_one_segment = false;
+  if constexpr (Segmented) {  // rows whose ids lie between the first and last key's
+    const std::int64_t key_last = min(key0 + kBlockRows, kv_len) - 1;
+    const std::int32_t first_id = key_ids[key0], last_id = key_ids[key_last];
+    block_id = first_id;
+    block_one_segment = first_id == last_id;
+    my_key_id[0] = key_ids[min(my_key[0], key_last)];
+    my_key_id[1] = key_ids[min(my_key[1], key_last)];
+    const std::int64_t begin = block_search<false>(row_ids, q_len, first_id);
+    const std::int64_t end = block_search<true>(row_ids, q_len, last_id);
+    first_query_block = max(first_query_block, static_cast<int>(begin / kBlockCols));
+    last_query_block = static_cast<int>((end + kBlockCols - 1) / kBlockCols);
+  }
 
   // Work items: every query block this key block meets, for every q head of the group.
-  const int blocks_per_head = query_blocks - first_query_block;
+  const int blocks_per_head = last_query_block - first_query_block;
   const int items = blocks_per_head > 0 ? group_size * blocks_per_head : 0;
   auto item_head = [&](int item) {  // (b, q head) row index of the [B*Hq, T, D] tensors
     return static_cast<std::int64_t>(batch) * heads + kvh * group_size + item / blocks_per_head;
@@ -187,7 +211,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
           E::mma(dpt[j + 1], v_frag, b[2], b[3]);
         }
       }
-      // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); masked entries are 0.
+      // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); masked entries are 0 (with segments, ids are
+      // compared only when this tile of queries and keys straddles a document boundary).
+      bool straddles = false;
+      if constexpr (Segmented)
+        straddles = !block_one_segment || row_ids[q0] != block_id || row_ids[min(q0 + kBlockCols, q_len) - 1] != block_id;
 #pragma unroll
       for (int j = 0; j < kBlockCols / 8; ++j) {
 #pragma unroll
@@ -196,6 +224,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
           std::int64_t query = q0 + qi;
           std::int64_t key = my_key[e / 2];
           bool valid = query < q_len && key < kv_len && (!Causal || key <= query + causal_offset);
+          if (Segmented && straddles && valid) valid = row_ids[query] == my_key_id[e / 2];
           float p = valid ? fast_exp2(st[j][e] * scale_log2 - lse_tile[qi] * kLog2e) : 0.0f;
           st[j][e] = p;
           dpt[j][e] = p * (dpt[j][e] - delta_tile[qi]);
@@ -286,10 +315,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   }
 }
 
-template <class T, int D, bool Causal>
+template <class T, int D, bool Causal, bool Segmented>
 void launch_backward(const AttentionArgs& a, const T* q, const T* k, const T* v, const T* dout, const float* lse,
                      const float* delta, float* dq_accum, T* dk, T* dv, bool accumulate, cudaStream_t stream) {
-  auto kernel = attention_backward_kernel<T, D, Causal>;
+  auto kernel = attention_backward_kernel<T, D, Causal, Segmented>;
   constexpr std::size_t smem = backward_smem_bytes<D>();
   set_smem(kernel, smem);
   const auto key_blocks = static_cast<unsigned>((a.kv_len + kBlockRows - 1) / kBlockRows);
@@ -300,8 +329,9 @@ void launch_backward(const AttentionArgs& a, const T* q, const T* k, const T* v,
   kernel<<<grid, kThreads, smem, stream>>>(
       reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
       reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<const std::uint16_t*>(dout), lse, delta, dq_accum,
-      reinterpret_cast<std::uint16_t*>(dk), reinterpret_cast<std::uint16_t*>(dv), static_cast<int>(a.q_heads),
-      static_cast<int>(a.group_size()), a.q_len, a.kv_len, a.softmax_scale(), accumulate);
+      reinterpret_cast<std::uint16_t*>(dk), reinterpret_cast<std::uint16_t*>(dv), a.q_segments, a.kv_segments,
+      static_cast<int>(a.q_heads), static_cast<int>(a.group_size()), a.q_len, a.kv_len,
+      kernel_causal_offset(a), a.softmax_scale(), accumulate);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -350,12 +380,15 @@ void attention_backward(const AttentionArgs& args, const T* q, const T* k, const
           reinterpret_cast<const std::uint16_t*>(o), reinterpret_cast<const std::uint16_t*>(d_o), delta, rows,
           static_cast<int>(args.head_dim));
   TRELLIS_CHECK_CUDA(cudaGetLastError());
+  auto launch = [&]<int D, bool Causal>() {
+    args.segmented()
+        ? ad::launch_backward<T, D, Causal, true>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream)
+        : ad::launch_backward<T, D, Causal, false>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream);
+  };
   if (args.head_dim == 64) {
-    args.causal ? ad::launch_backward<T, 64, true>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream)
-                : ad::launch_backward<T, 64, false>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream);
+    args.causal ? launch.template operator()<64, true>() : launch.template operator()<64, false>();
   } else {
-    args.causal ? ad::launch_backward<T, 128, true>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream)
-                : ad::launch_backward<T, 128, false>(args, q, k, v, d_o, lse, delta, dq_accum, dk, dv, accumulate, stream);
+    args.causal ? launch.template operator()<128, true>() : launch.template operator()<128, false>();
   }
   ad::attention_convert_kernel<T>
       <<<1024, 256, 0, stream>>>(dq_accum, reinterpret_cast<std::uint16_t*>(dq), dq_count, accumulate);

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +20,9 @@
 namespace trellis::kernels::cuda {
 
 // Multiply-adds x 2 of the forward pass: two GEMMs of Tq x Tkv x d per head, the visible part
-// only when causal (Tq == Tkv: about half).
+// only when causal (the causal_offset's bound; Tq == Tkv: about half). Segment ids live in device
+// memory, so with segments this counts the causal bound only (an upper bound): the overload below
+// takes host copies of the ids to count exactly.
 inline double attention_forward_flops(const AttentionArgs& a) {
   double full = 4.0 * static_cast<double>(a.batch) * static_cast<double>(a.q_heads) * static_cast<double>(a.q_len) *
                 static_cast<double>(a.kv_len) * static_cast<double>(a.head_dim);
@@ -27,6 +30,23 @@ inline double attention_forward_flops(const AttentionArgs& a) {
   double visible = 0;  // sum over rows of the visible keys
   for (std::int64_t i = 0; i < a.q_len; ++i) visible += static_cast<double>(a.last_visible_key(i) + 1 > 0 ? a.last_visible_key(i) + 1 : 0);
   return full * visible / (static_cast<double>(a.q_len) * static_cast<double>(a.kv_len));
+}
+// The same, counting the segment mask too from host copies of the ids ([batch, q_len] and
+// [batch, kv_len], non-decreasing per sequence, as in AttentionArgs).
+inline double attention_forward_flops(const AttentionArgs& a, const std::int32_t* host_q_segments,
+                                      const std::int32_t* host_kv_segments) {
+  if (!host_q_segments || !host_kv_segments || a.q_len == 0 || a.kv_len == 0) return attention_forward_flops(a);
+  double visible = 0;  // sum over batches and rows of the visible keys
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    const std::int32_t* ks = host_kv_segments + b * a.kv_len;
+    for (std::int64_t i = 0; i < a.q_len; ++i) {
+      const std::int32_t id = host_q_segments[b * a.q_len + i];
+      const std::int64_t first = std::lower_bound(ks, ks + a.kv_len, id) - ks;
+      const std::int64_t last = std::min(a.last_visible_key(i), (std::upper_bound(ks, ks + a.kv_len, id) - ks) - 1);
+      visible += static_cast<double>(last >= first ? last - first + 1 : 0);
+    }
+  }
+  return 4.0 * static_cast<double>(a.q_heads) * static_cast<double>(a.head_dim) * visible;
 }
 // Backward: five GEMMs (S recomputed, dV, dP, dK, dQ) = 2.5x the forward.
 inline double attention_backward_flops(const AttentionArgs& a) { return 2.5 * attention_forward_flops(a); }
@@ -263,6 +283,30 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Searches the non-decreasing ids[0, n) for the first position whose id is >= target (Upper:
+// > target), n if none: std::lower_bound / upper_bound, done by the whole block at once. Each
+// round every thread tests one of kThreads evenly spaced positions and __syncthreads_count
+// narrows the range kThreads-fold, so 16k ids take two rounds of one load each, where a single
+// thread would wait on ~14 dependent loads. Every thread of the block must call it alike.
+template <bool Upper>
+__device__ __forceinline__ std::int64_t block_search(const std::int32_t* __restrict__ ids, std::int64_t n,
+                                                     std::int32_t target) {
+  std::int64_t lo = 0, hi = n;  // ids before lo are "before" target, ids from hi on are not
+  while (hi > lo) {
+    const std::int64_t step = (hi - lo + kThreads - 1) / kThreads;  // 1 in the last round
+    const std::int64_t position = lo + (threadIdx.x + 1) * step - 1;
+    bool before = false;
+    if (position < hi) {
+      const std::int32_t id = ids[position];
+      before = Upper ? id <= target : id < target;
+    }
+    const std::int64_t count = __syncthreads_count(before);  // the tested positions "before", a prefix
+    hi = min(hi, lo + (count + 1) * step - 1);  // the first position tested "not before" (or hi)
+    lo += count * step;
+  }
+  return lo;
+}
+
 inline void check_args(const AttentionArgs& a) {
   TRELLIS_CHECK(a.batch >= 1 && a.q_len >= 1 && a.kv_len >= 1, "attention (CUDA): batch, q_len and kv_len must be "
                 "positive (got ", a.batch, ", ", a.q_len, ", ", a.kv_len, ")");
@@ -273,6 +317,19 @@ inline void check_args(const AttentionArgs& a) {
   TRELLIS_CHECK(std::isfinite(a.scale), "attention: scale is not finite");
   TRELLIS_CHECK(a.batch * a.q_heads <= 65535, "attention (CUDA): batch*q_heads ", a.batch * a.q_heads,
                 " exceeds the grid's y limit 65535");
+  TRELLIS_CHECK((a.q_segments == nullptr) == (a.kv_segments == nullptr), "attention (CUDA): q_segments (",
+                a.q_segments ? "set" : "null", ") and kv_segments (", a.kv_segments ? "set" : "null",
+                ") must be given together");
+  // The ids must also be non-decreasing along every sequence (the tile ranges come from binary
+  // searches); checking that here would read them back from the device, so the caller (the layer,
+  // which builds them on the host) validates them.
+}
+
+// The causal offset as the kernels take it: relative to the default kv_len - q_len (see the
+// forward kernel), after clamping to [-q_len, kv_len], which sees the same keys (nothing / every
+// key) and keeps the kernels' 64-bit index arithmetic far from overflow for any offset.
+inline std::int64_t kernel_causal_offset(const AttentionArgs& a) {
+  return std::clamp(a.offset(), -a.q_len, a.kv_len) - (a.kv_len - a.q_len);
 }
 
 inline void check_aligned(const void* p, const char* what) {

@@ -4,8 +4,11 @@
 //
 // Arguments, layout and math are kernels::AttentionArgs (kernels/attention.hpp), the same as the
 // host attention: q, o, dq [B, Hq, Tq, d]; k, v, dk, dv [B, Hkv, Tkv, d]; lse [B, Hq, Tq] fp32
-// (natural log; -inf for a row that sees no key, whose output is 0); causal mask aligned
-// bottom-right (j <= i + Tkv - Tq). Pointers are device pointers, 16-byte aligned.
+// (natural log; -inf for a row that sees no key, whose output is 0); causal mask j <= i +
+// args.offset() (bottom-right, Tkv - Tq, unless causal_offset is set: ring attention chunks);
+// optional segment ids (packed documents, device int32 [B, Tq] and [B, Tkv], non-decreasing, which
+// the caller validates): blocks skip the tiles outside their rows' documents and compare ids only
+// in tiles that straddle a boundary. Tensor pointers are device pointers, 16-byte aligned.
 //   cuda::attention_forward(args, q, k, v, o, lse, stream);
 //   cuda::attention_backward(args, q, k, v, o, d_o, lse, dq, dk, dv, workspace, bytes, stream, accumulate);
 //

@@ -32,11 +32,16 @@ constexpr std::size_t forward_smem_bytes() {
 // instead of two: the ldmatrix traffic per mma halves, which is what bounds mma.sync here. Q
 // fragments are re-read from shared memory per k-step (keeping them in registers beside the
 // 32 x D accumulators would spill).
-template <class T, int D, bool Causal>
+// Segmented (q_segments / kv_segments set): the block visits only the key tiles between the
+// documents of its first and last row (two block-wide binary searches), and compares ids element
+// by element only in tiles that straddle a document boundary. A separate instantiation, so the
+// unsegmented kernel carries none of it.
+template <class T, int D, bool Causal, bool Segmented>
 __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
     const std::uint16_t* __restrict__ q, const std::uint16_t* __restrict__ k, const std::uint16_t* __restrict__ v,
-    std::uint16_t* __restrict__ o, float* __restrict__ lse, int heads, int group_size, std::int64_t q_len,
-    std::int64_t kv_len, float scale_log2) {
+    std::uint16_t* __restrict__ o, float* __restrict__ lse, const std::int32_t* __restrict__ q_segments,
+    const std::int32_t* __restrict__ kv_segments, int heads, int group_size, std::int64_t q_len, std::int64_t kv_len,
+    std::int64_t offset_from_bottom_right, float scale_log2) {
   static_assert(D % 16 == 0 && D <= 256, "head dimension must be a multiple of 16");
   using E = MmaElement<T>;
   constexpr int kLd = D + kPad;
@@ -47,9 +52,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
   auto k_stage = [&](int stage) { return smem + (kForwardRows + (2 * stage) * kForwardCols) * kLd; };
   auto v_stage = [&](int stage) { return smem + (kForwardRows + (2 * stage + 1) * kForwardCols) * kLd; };
 
+  // Row i sees keys j <= i + causal_offset, passed relative to the default kv_len - q_len: so
+  // passed, ptxas allocates the unsegmented kernels exactly as before the offset existed (with
+  // the plain offset the d = 128 causal one spilled twice as much on sm_90a; ptxas -v).
+  const std::int64_t causal_offset = kv_len - q_len + offset_from_bottom_right;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int query_blocks = static_cast<int>((q_len + kForwardRows - 1) / kForwardRows);
-  const std::int64_t causal_offset = kv_len - q_len;  // row i sees keys j <= i + offset
   // Causal grids are 1-D, heaviest work first over the whole grid: every head's last query
   // block, then every head's second to last, ..., so the short blocks fill the tail.
   // Causal grid: (query_blocks * B*H); otherwise (query_blocks, B*H).
@@ -64,7 +72,15 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
   const std::int64_t q_row0 = static_cast<std::int64_t>(qb) * kForwardRows;
   const int warp_row0 = warp * 16 * kM;  // first row of this warp in the block
 
-  int last_block = 0;  // key blocks [0, last_block) hold keys some row of this block sees
+  // The rows' and keys' segment ids of this sequence (Segmented only); block_id is the first
+  // row's, shared by every row of the block when block_one_segment.
+  const std::int32_t* row_ids = Segmented ? q_segments + static_cast<std::int64_t>(batch) * q_len : nullptr;
+  const std::int32_t* key_ids = Segmented ? kv_segments + static_cast<std::int64_t>(batch) * kv_len : nullptr;
+  const std::int64_t q_row_last = min(q_row0 + kForwardRows, q_len) - 1;
+  std::int32_t block_id = 0;
+  bool block_one_segment = false;
+
+  int first_block = 0, last_block = 0;  // key blocks [first_block, last_block) hold keys some row of this block sees
   {
     const int key_blocks = static_cast<int>((kv_len + kForwardCols - 1) / kForwardCols);
     last_block = key_blocks;
@@ -72,11 +88,21 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
       std::int64_t last_key = q_row0 + kForwardRows - 1 + causal_offset;
       last_block = last_key < 0 ? 0 : static_cast<int>(min(static_cast<std::int64_t>(key_blocks), last_key / kForwardCols + 1));
     }
+    if constexpr (Segmented) {  // keys whose ids lie between the first and last row's
+      const std::int32_t first_id = row_ids[q_row0], last_id = row_ids[q_row_last];
+      block_id = first_id;
+      block_one_segment = first_id == last_id;
+      const std::int64_t begin = block_search<false>(key_ids, kv_len, first_id);
+      const std::int64_t end = block_search<true>(key_ids, kv_len, last_id);
+      first_block = static_cast<int>(begin / kForwardCols);
+      last_block = min(last_block, static_cast<int>((end + kForwardCols - 1) / kForwardCols));
+    }
   }
-  if (last_block > 0) {  // Q and the first K/V tiles in one cp.async group
+  if (last_block > first_block) {  // Q and the first K/V tiles in one cp.async group
+    const std::int64_t key0 = static_cast<std::int64_t>(first_block) * kForwardCols;
     load_tile_async<D, kForwardRows>(q_tile, q_head, q_row0, q_len);
-    load_tile_async<D, kForwardCols>(k_stage(0), k_head, 0, kv_len);
-    load_tile_async<D, kForwardCols>(v_stage(0), v_head, 0, kv_len);
+    load_tile_async<D, kForwardCols>(k_stage(first_block & 1), k_head, key0, kv_len);
+    load_tile_async<D, kForwardCols>(v_stage(first_block & 1), v_head, key0, kv_len);
     cp_async_commit();
   }
 
@@ -93,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
   }
   const int thread_row = warp_row0 + group;  // + 16 m + 8 r: the thread's rows in the block
 
-  for (int kb = 0; kb < last_block; ++kb) {
+  for (int kb = first_block; kb < last_block; ++kb) {
     // Prefetch tile kb + 1 into the other stage (last read in iteration kb - 1, which ended with
     // a barrier), then wait for tile kb.
     if (kb + 1 < last_block) {
@@ -129,9 +155,15 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
         }
       }
     }
-    // Scale into the log2 domain and mask (keys past T; keys after the query when causal).
+    // Scale into the log2 domain and mask (keys past T; keys after the query when causal; keys of
+    // other documents when the tile straddles a boundary: ids non-decreasing, so a tile lies in
+    // one document when its first and last key have the rows' common id).
     const std::int64_t key0 = static_cast<std::int64_t>(kb) * kForwardCols;
-    const bool needs_mask = key0 + kForwardCols > kv_len || (Causal && key0 + kForwardCols - 1 > q_row0 + causal_offset);
+    bool straddles = false;
+    if constexpr (Segmented)
+      straddles = !block_one_segment || key_ids[key0] != block_id ||
+                  key_ids[min(key0 + kForwardCols, kv_len) - 1] != block_id;
+    const bool needs_mask = key0 + kForwardCols > kv_len || (Causal && key0 + kForwardCols - 1 > q_row0 + causal_offset) || straddles;
     // Tile-relative bounds (small ints): key column c is valid below keys_left; causal, it is
     // visible to block row i when c <= i + diagonal.
     const int keys_left = static_cast<int>(min(kv_len - key0, static_cast<std::int64_t>(kForwardCols)));
@@ -141,6 +173,11 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
       tile_max[m][0] = tile_max[m][1] = -INFINITY;
+      std::int32_t my_row_id[2] = {0, 0};  // ids of this thread's two rows of m-tile m (rows past q_len: the last)
+      if (Segmented && straddles) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) my_row_id[r] = row_ids[min(q_row0 + thread_row + 16 * m + 8 * r, q_row_last)];
+      }
 #pragma unroll
       for (int j = 0; j < kForwardCols / 8; ++j) {
 #pragma unroll
@@ -148,7 +185,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
           float x = s[m][j][e] * scale_log2;
           if (needs_mask) {
             const int column = j * 8 + 2 * quad + (e & 1);
-            if (column >= keys_left || (Causal && column > thread_row + 16 * m + 8 * (e / 2) + diagonal)) x = -INFINITY;
+            bool hidden = column >= keys_left || (Causal && column > thread_row + 16 * m + 8 * (e / 2) + diagonal);
+            if (Segmented && straddles && !hidden) hidden = key_ids[key0 + column] != my_row_id[e / 2];
+            if (hidden) x = -INFINITY;
           }
           s[m][j][e] = x;
           tile_max[m][e / 2] = fmaxf(tile_max[m][e / 2], x);
@@ -233,10 +272,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_forward_kernel(
   }
 }
 
-template <class T, int D, bool Causal>
+template <class T, int D, bool Causal, bool Segmented>
 void launch_forward(const AttentionArgs& a, const T* q, const T* k, const T* v, T* o, float* lse,
                     cudaStream_t stream) {
-  auto kernel = attention_forward_kernel<T, D, Causal>;
+  auto kernel = attention_forward_kernel<T, D, Causal, Segmented>;
   constexpr std::size_t smem = forward_smem_bytes<D>();
   set_smem(kernel, smem);
   const auto query_blocks = static_cast<unsigned>((a.q_len + kForwardRows - 1) / kForwardRows);
@@ -247,8 +286,9 @@ void launch_forward(const AttentionArgs& a, const T* q, const T* k, const T* v, 
   dim3 grid = Causal ? dim3(query_blocks * heads, 1) : dim3(query_blocks, heads);
   kernel<<<grid, kThreads, smem, stream>>>(
       reinterpret_cast<const std::uint16_t*>(q), reinterpret_cast<const std::uint16_t*>(k),
-      reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<std::uint16_t*>(o), lse,
-      static_cast<int>(a.q_heads), static_cast<int>(a.group_size()), a.q_len, a.kv_len, a.softmax_scale() * kLog2e);
+      reinterpret_cast<const std::uint16_t*>(v), reinterpret_cast<std::uint16_t*>(o), lse, a.q_segments,
+      a.kv_segments, static_cast<int>(a.q_heads), static_cast<int>(a.group_size()), a.q_len, a.kv_len,
+      kernel_causal_offset(a), a.softmax_scale() * kLog2e);
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -270,12 +310,14 @@ void attention_forward(const AttentionArgs& args, const T* q, const T* k, const 
   ad::check_args(args);
   ad::check_aligned(q, "q"), ad::check_aligned(k, "k"), ad::check_aligned(v, "v"), ad::check_aligned(o, "o");
   TRELLIS_CHECK(lse != nullptr, "attention: lse must not be null");
+  auto launch = [&]<int D, bool Causal>() {
+    args.segmented() ? ad::launch_forward<T, D, Causal, true>(args, q, k, v, o, lse, stream)
+                     : ad::launch_forward<T, D, Causal, false>(args, q, k, v, o, lse, stream);
+  };
   if (args.head_dim == 64) {
-    args.causal ? ad::launch_forward<T, 64, true>(args, q, k, v, o, lse, stream)
-                : ad::launch_forward<T, 64, false>(args, q, k, v, o, lse, stream);
+    args.causal ? launch.template operator()<64, true>() : launch.template operator()<64, false>();
   } else {
-    args.causal ? ad::launch_forward<T, 128, true>(args, q, k, v, o, lse, stream)
-                : ad::launch_forward<T, 128, false>(args, q, k, v, o, lse, stream);
+    args.causal ? launch.template operator()<128, true>() : launch.template operator()<128, false>();
   }
 }
 #else

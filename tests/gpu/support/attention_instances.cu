@@ -1,4 +1,4 @@
-// Explicit instantiations of the CUDA attention launchers (and so of their 16 kernels), compiled
+// Explicit instantiations of the CUDA attention launchers (and so of their 32 attention kernels: type x head_dim x causal x segmented, forward and backward), compiled
 // once into trellis_gpu_kernel_instances; test and bench programs that link it define
 // TRELLIS_ATTENTION_CUDA_EXTERN and skip these expensive instantiations.
 #include "trellis/kernels/attention_cuda.cuh"
