@@ -6,9 +6,11 @@
 // order of the GEMMs differs). Tensor parallel 2 with sp, and recompute, equal tp 1 packed.
 // Context parallelism (ring attention, zig-zag chunks): cp 2 and 4, packed and not, cp 2 with
 // tp 2 + sp, with recompute, and with dropout (masks by global position) equal one rank (1e-5;
-// 2e-5 with tp); a TokenShape split that does not match the cp communicator is refused.
+// 2e-5 with tp); a TokenShape split that does not match the cp communicator is refused. The ring
+// plan (the blocks each rank computes) covers every causal pair once, the same count per rank.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <string>
@@ -183,6 +185,34 @@ TEST_CASE("ring attention over cp 2 and 4 equals one rank, packed or not, with t
   run({.tp = 2, .sp = true, .cp = 2, .dropout = 0.1f}, drop2);
   REQUIRE(std::fabs(drop1.scalar - packed.scalar) > 1e-4 * packed.scalar);
   check_equal(drop2, drop1, 2e-5);
+}
+
+TEST_CASE("the ring plan covers every causal (query, key) pair once and balances the work", "[nn][cp][balance]") {
+  // Each rank's blocks, as global (query, key) positions with the block's mask (key <= query
+  // within the whole sequence), counted over all ranks: every visible pair exactly once, no other.
+  for (int cp : {2, 3, 4, 8}) {
+    INFO("cp " << cp);
+    const index_t L = 3, T = 2 * cp * L;
+    std::vector<int> seen(static_cast<std::size_t>(T * T), 0);
+    std::vector<double> work(static_cast<std::size_t>(cp), 0.0);
+    for (int r = 0; r < cp; ++r)
+      for (const RingBlock& b : ring_plan(r, cp, /*causal=*/true))
+        for (index_t i = 0; i < L; ++i)
+          for (index_t j = 0; j < L; ++j) {
+            const index_t gi = b.qc * L + i, gj = b.kc * L + j;
+            if (j <= i + (b.qc - b.kc) * L) {  // the block's causal_offset
+              ++seen[static_cast<std::size_t>(gi * T + gj)];
+              work[static_cast<std::size_t>(r)] += 1;
+            }
+          }
+    for (index_t gi = 0; gi < T; ++gi)
+      for (index_t gj = 0; gj < T; ++gj) REQUIRE(seen[static_cast<std::size_t>(gi * T + gj)] == (gj <= gi ? 1 : 0));
+    const auto [lo, hi] = std::minmax_element(work.begin(), work.end());
+    CHECK(*hi <= 1.05 * *lo);  // the issue's bound; zig-zag gives exactly equal counts
+    CHECK(*hi == *lo);
+    // Without a mask every rank computes every block of its queries: 4 cp blocks of L x L.
+    for (int r = 0; r < cp; ++r) CHECK(ring_plan(r, cp, false).size() == static_cast<std::size_t>(4 * cp));
+  }
 }
 
 TEST_CASE("a split that does not match the cp communicator is refused", "[nn][gpt][cp][errors]") {

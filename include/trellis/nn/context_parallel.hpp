@@ -20,6 +20,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -83,12 +84,44 @@ inline std::vector<std::int32_t> chunked_segments(const TokenShape& s) {
   return out;
 }
 
+// One block of ring attention: at ring step `step` this rank holds the K/V of rank `src`, and
+// its local query chunk qi (global chunk qc) attends to that rank's local key chunk ki (global kc).
+struct RingBlock {
+  int step = 0, src = 0, qi = 0, ki = 0;
+  index_t qc = 0, kc = 0;
+  bool diagonal() const { return qc == kc; }
+};
+
+// The blocks cp rank `rank` of `size` computes, in order (step by step; at step 0 each query
+// chunk's diagonal block first, since it initialises that chunk's result). Causal: blocks whose
+// keys all come after their queries are left out. The forward and backward passes run exactly
+// this list; tests and benches read it to count and time each rank's work.
+inline std::vector<RingBlock> ring_plan(int rank, int size, bool causal) {
+  auto chunk = [&](int r, int c) -> index_t { return c == 0 ? r : 2 * size - 1 - r; };
+  std::vector<RingBlock> out;
+  for (int step = 0; step < size; ++step) {
+    const int src = (rank - step + size) % size;
+    for (int qi = 0; qi < 2; ++qi)
+      for (int kk = 0; kk < 2; ++kk) {
+        const int ki = step == 0 ? (qi + kk) % 2 : kk;
+        const RingBlock b{step, src, qi, ki, chunk(rank, qi), chunk(src, ki)};
+        if (!causal || b.kc <= b.qc) out.push_back(b);
+      }
+  }
+  return out;
+}
+
 // Ring attention over one microbatch. `args` describes one chunk pair (batch, heads, head_dim,
 // q_len = kv_len = L, causal); segments: the chunked ids ([2 cp][batch, L], B's memory) or null.
 template <comm::Communicator C, backend::Backend B>
 class RingAttention {
  public:
   using act_t = typename B::act_t;
+  // Where a call's time went (this rank): seconds blocked waiting for a K/V block that had not
+  // arrived when the compute ran out (what overlap did not hide), and for the dK/dV hand-off.
+  struct Stats {
+    double kv_wait_seconds = 0, grad_exchange_seconds = 0;
+  };
 
   RingAttention(C& comm, const B& be, const kernels::AttentionArgs& args, const std::int32_t* segments)
       : comm_(comm), be_(be), args_(args), segments_(segments), P_(comm.size()), r_(comm.rank()),
@@ -101,31 +134,30 @@ class RingAttention {
     std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf;
     const act_t *kc = k, *vc = v;
     for (int step = 0; step < P_; ++step) {
-      const int src = (r_ - step + P_) % P_;
       std::optional<typename C::request_type> pending;
       act_t *kn = nullptr, *vn = nullptr;
       if (step + 1 < P_) {  // the next block travels while this one is computed
         kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
         pending = exchange({kc, vc}, {kn, vn});
       }
-      for (int qi = 0; qi < 2; ++qi)
-        for (int kk = 0; kk < 2; ++kk) {
-          const int ki = step == 0 ? (qi + kk) % 2 : kk;  // step 0: the diagonal block first, written directly
-          const auto a = pair_args(qi, src, ki);
-          if (!a) continue;
-          if (step == 0 && ki == qi) {
-            be_.attention_forward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o + qi * n_, lse + qi * m_);
-          } else {
-            be_.attention_forward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o_part.data(), lse_part.data());
-            be_.merge_attention_partials(m_, args_.head_dim, o + qi * n_, lse + qi * m_, o_part.data(), lse_part.data());
-          }
+      for (const RingBlock& b : plan_) {
+        if (b.step != step) continue;
+        const auto a = block_args(b);
+        if (step == 0 && b.diagonal()) {  // the first result of this query chunk: written directly
+          be_.attention_forward(a, q + b.qi * n_, kc + b.ki * n_, vc + b.ki * n_, o + b.qi * n_, lse + b.qi * m_);
+        } else {
+          be_.attention_forward(a, q + b.qi * n_, kc + b.ki * n_, vc + b.ki * n_, o_part.data(), lse_part.data());
+          be_.merge_attention_partials(m_, args_.head_dim, o + b.qi * n_, lse + b.qi * m_, o_part.data(),
+                                       lse_part.data());
         }
+      }
       if (pending) {
-        pending->wait();
+        wait(*pending, stats_.kv_wait_seconds);
         kc = kn, vc = vn;
       }
     }
   }
+  const Stats& stats() const { return stats_; }
 
   // Gradients from the merged o and lse of forward: dq [2][n] of this rank's queries, dk and dv
   // [2][n] of this rank's keys and values (all overwritten).
@@ -140,48 +172,49 @@ class RingAttention {
     be_.fill_zero(dkc, two_n);
     be_.fill_zero(dvc, two_n);
     for (int step = 0; step < P_; ++step) {
-      const int src = (r_ - step + P_) % P_;
       std::optional<typename C::request_type> pending;
       act_t *kn = nullptr, *vn = nullptr;
       if (step + 1 < P_) {
         kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
         pending = exchange({kc, vc}, {kn, vn});
       }
-      for (int qi = 0; qi < 2; ++qi)
-        for (int ki = 0; ki < 2; ++ki) {
-          const auto a = pair_args(qi, src, ki);
-          if (!a) continue;
-          be_.attention_backward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o + qi * n_, d_o + qi * n_, lse + qi * m_,
-                                 dq + qi * n_, dkc + ki * n_, dvc + ki * n_, /*accumulate=*/true);
-        }
+      for (const RingBlock& b : plan_) {
+        if (b.step != step) continue;
+        be_.attention_backward(block_args(b), q + b.qi * n_, kc + b.ki * n_, vc + b.ki * n_, o + b.qi * n_,
+                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, dkc + b.ki * n_, dvc + b.ki * n_,
+                               /*accumulate=*/true);
+      }
       if (pending) {
-        pending->wait();
+        wait(*pending, stats_.kv_wait_seconds);
         kc = kn, vc = vn;
       }
       // The accumulator follows its block to the next rank; after the last hop it is back home.
       act_t* dkn = step + 1 < P_ ? next_buffer(dkbuf, step) : dk;
       act_t* dvn = step + 1 < P_ ? next_buffer(dvbuf, step) : dv;
-      exchange({dkc, dvc}, {dkn, dvn}, kGradientTags).wait();
+      auto handed = exchange({dkc, dvc}, {dkn, dvn}, kGradientTags);
+      wait(handed, stats_.grad_exchange_seconds);
       dkc = dkn, dvc = dvn;
     }
   }
 
  private:
-  // Kernel arguments of query chunk qi of this rank against key chunk ki of rank src, or nothing
-  // when every key of it is after every query (causal).
-  std::optional<kernels::AttentionArgs> pair_args(int qi, int src, int ki) const {
+  // Kernel arguments of a block: the causal mask shifted by the chunks' position difference, and
+  // the chunks' document ids.
+  kernels::AttentionArgs block_args(const RingBlock& b) const {
     const index_t L = args_.q_len;
-    const index_t qc = global_chunk(r_, qi), kc = global_chunk(src, ki);
-    if (args_.causal && kc > qc) return std::nullopt;
     kernels::AttentionArgs a = args_;
-    a.causal_offset = (qc - kc) * L;
+    a.causal_offset = (b.qc - b.kc) * L;
     if (segments_) {
-      a.q_segments = segments_ + qc * args_.batch * L;
-      a.kv_segments = segments_ + kc * args_.batch * L;
+      a.q_segments = segments_ + b.qc * args_.batch * L;
+      a.kv_segments = segments_ + b.kc * args_.batch * L;
     }
     return a;
   }
-  index_t global_chunk(int r, int c) const { return c == 0 ? r : 2 * P_ - 1 - r; }
+  static void wait(typename C::request_type& r, double& seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+    r.wait();
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
 
   // Buffers alternate by step, so a block being sent is never the one being received.
   act_t* next_buffer(std::array<typename B::template buffer<act_t>, 2>& bufs, int step) const {
@@ -210,6 +243,8 @@ class RingAttention {
   const std::int32_t* segments_;
   int P_, r_;
   index_t n_, m_;
+  std::vector<RingBlock> plan_ = ring_plan(r_, P_, args_.causal);
+  Stats stats_;
 };
 
 }  // namespace trellis::nn
