@@ -1,0 +1,229 @@
+// Context parallelism on the host (thread ranks), three tables:
+//  1. memory: the saved activations of one GPT microbatch per rank (bytes the layers took from the
+//     activation arena, measured), against T for cp = 1, 2, 4, 8; the constant is bytes / (T / cp).
+//  2. attention work per rank: each cp rank's ring blocks (nn::ring_plan, the list the layer runs)
+//     executed alone on the machine, forward + backward kernels, against cp = 1's whole-sequence
+//     attention / cp (1.0 = perfect split). Alone: ranks sharing 2 cores would time each other.
+//  3. overlap: RingAttention forward + backward on cp thread ranks over comm::SimulatedLink (a
+//     SIMULATED link: each message held for latency + bytes / bandwidth, bandwidth chosen so one
+//     step's K/V transfer takes about half a ring step's compute), against the same ranks without
+//     the link, and against a link that cannot overlap (LinkModel::synchronous): the control.
+//   long_context_bench [--quick] [--json FILE]
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+#include "trellis/comm/simulated_link.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/kernels/attention_host.hpp"
+#include "trellis/nn/activation_arena.hpp"
+#include "trellis/nn/context_parallel.hpp"
+#include "trellis/nn/gpt.hpp"
+
+using namespace trellis;
+using namespace trellis::nn;
+using Comm = comm::ThreadComm;
+using HostFp32 = backend::Host<float>;
+
+namespace {
+
+std::vector<float> random_floats(std::size_t n, std::uint64_t seed) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>((splitmix64(seed + i) >> 40) * 0x1.0p-24 - 0.5);
+  return v;
+}
+
+// ---- 1. saved activations per rank --------------------------------------------------------------
+std::size_t saved_bytes_per_rank(const GptConfig& cfg, index_t T, int cp) {
+  std::size_t worst = 0;
+  std::mutex mutex;
+  comm::ThreadWorld world(cp);
+  world.run([&](Comm& c) {
+    Comm solo = c.split(c.rank(), 0);  // tp 1
+    GptModel<Comm> model(cfg, solo, {}, {}, {}, nullptr, {&c, CpMode::ring});
+    TokenShape shape{1, T / cp};
+    shape.cp_rank = c.rank();
+    shape.cp_size = cp;
+    ActivationArena<HostFp32> arena;
+    const int pool = arena.add_pool("model", model.saved_bytes(shape), 1);
+    arena.allocate();
+    model.set_saved_memory(&arena, pool);
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(T / cp)), targets(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = static_cast<std::int32_t>(i * 7 % cfg.vocab);
+      targets[i] = static_cast<std::int32_t>(i * 13 % cfg.vocab);
+    }
+    model.forward(0, shape, {tokens.data(), nullptr, targets.data(), static_cast<double>(T)}, nullptr);
+    model.backward_input(0, shape, nullptr, nullptr);  // the slot holds forward + backward_input's state
+    const std::size_t used = arena.used_bytes(pool, 0);
+    model.backward_weight(0);
+    std::lock_guard lock(mutex);
+    worst = std::max(worst, used);
+  });
+  return worst;
+}
+
+// ---- 2. each rank's attention work, alone ------------------------------------------------------
+struct AttentionShape {
+  index_t heads = 4, head_dim = 32;
+};
+// Seconds of cp rank r's ring blocks (forward: kernel + merge per block; backward: the
+// accumulating kernel per block), or of the whole sequence with cp = 1.
+double rank_attention_seconds(const AttentionShape& a, index_t T, int cp, int r, int iters) {
+  HostFp32 be;
+  const index_t L = cp > 1 ? T / (2 * cp) : T, chunks = cp > 1 ? 2 : 1;
+  kernels::AttentionArgs args;
+  args.q_heads = args.kv_heads = a.heads;
+  args.head_dim = a.head_dim;
+  args.q_len = args.kv_len = L;
+  args.causal = true;
+  const auto n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
+  auto q = random_floats(chunks * n, 1), k = random_floats(chunks * n, 2), v = random_floats(chunks * n, 3),
+       d_o = random_floats(chunks * n, 4);
+  std::vector<float> o(chunks * n), lse(chunks * m), dq(chunks * n), dk(chunks * n), dv(chunks * n), part(n), part_lse(m);
+  const auto plan = cp > 1 ? ring_plan(r, cp, true) : std::vector<RingBlock>{RingBlock{}};
+  auto run = [&] {
+    for (const RingBlock& b : plan) {
+      auto x = args;
+      x.causal_offset = (b.qc - b.kc) * L;
+      // The K/V of other ranks are stand-ins of the same size: the work does not depend on values.
+      if (b.step == 0 && b.diagonal()) {
+        be.attention_forward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, o.data() + b.qi * n,
+                             lse.data() + b.qi * m);
+      } else {
+        be.attention_forward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, part.data(),
+                             part_lse.data());
+        be.merge_attention_partials(static_cast<index_t>(m), a.head_dim, o.data() + b.qi * n, lse.data() + b.qi * m,
+                                    part.data(), part_lse.data());
+      }
+    }
+    for (const RingBlock& b : plan) {
+      auto x = args;
+      x.causal_offset = (b.qc - b.kc) * L;
+      be.attention_backward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, o.data() + b.qi * n,
+                            d_o.data() + b.qi * n, lse.data() + b.qi * m, dq.data() + b.qi * n, dk.data() + b.ki * n,
+                            dv.data() + b.ki * n, /*accumulate=*/cp > 1);
+    }
+  };
+  return bench::time_min_median(run, 1, iters).first;
+}
+
+// ---- 3. the ring's exchange behind the compute --------------------------------------------------
+template <class C>
+double ring_seconds(C& cp_comm, const AttentionShape& a, index_t T, int iters) {
+  HostFp32 be;
+  const int P = cp_comm.size();
+  kernels::AttentionArgs args;
+  args.q_heads = args.kv_heads = a.heads;
+  args.head_dim = a.head_dim;
+  args.q_len = args.kv_len = T / (2 * P);
+  args.causal = true;
+  const auto n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
+  auto q = random_floats(2 * n, 11 + cp_comm.rank()), k = random_floats(2 * n, 21 + cp_comm.rank()),
+       v = random_floats(2 * n, 31 + cp_comm.rank()), d_o = random_floats(2 * n, 41);
+  std::vector<float> o(2 * n), lse(2 * m), dq(2 * n), dk(2 * n), dv(2 * n);
+  auto step = [&] {
+    RingAttention<C, HostFp32> ring(cp_comm, be, args, nullptr);
+    ring.forward(q.data(), k.data(), v.data(), o.data(), lse.data());
+    ring.backward(q.data(), k.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(), dk.data(), dv.data());
+    cp_comm.barrier();
+  };
+  return bench::time_min_median(step, 1, iters).first;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = bench::has_flag(argc, argv, "--quick");
+  bench::JsonReport json("long_context_bench");
+  std::printf("# long_context_bench (host, thread ranks; %s)\n", quick ? "quick" : "full");
+
+  // 1. memory
+  GptConfig cfg;
+  cfg.vocab = 256;
+  cfg.layers = 2;
+  cfg.heads = 4;
+  cfg.width = 128;
+  cfg.positions = 4096;
+  std::printf("\n## saved activations per rank (measured arena bytes; GPT %lld layers, width %lld, batch 1)\n",
+              static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width));
+  std::printf("%8s %4s %14s %12s %16s\n", "T", "cp", "bytes/rank", "vs cp=1", "bytes/(T/cp)");
+  const std::vector<index_t> lengths = quick ? std::vector<index_t>{512, 1024} : std::vector<index_t>{512, 1024, 2048, 4096};
+  for (index_t T : lengths) {
+    std::size_t one = 0;
+    for (int cp : {1, 2, 4, 8}) {
+      const std::size_t bytes = saved_bytes_per_rank(cfg, T, cp);
+      if (cp == 1) one = bytes;
+      const double per_token = static_cast<double>(bytes) / static_cast<double>(T / cp);
+      std::printf("%8lld %4d %14zu %12.3f %16.1f\n", static_cast<long long>(T), cp, bytes,
+                  static_cast<double>(bytes) / static_cast<double>(one), per_token);
+      bench::Row row;
+      row.add_text("table", "memory").add("T", static_cast<long long>(T)).add("cp", static_cast<long long>(cp));
+      row.add("bytes_per_rank", static_cast<long long>(bytes)).add("bytes_per_local_token", per_token, "%.1f");
+      json.add(row);
+    }
+  }
+
+  // 2. attention work per rank
+  const AttentionShape shape{};
+  const int iters = quick ? 2 : 3;
+  const index_t T_work = quick ? 2048 : 4096;
+  std::printf("\n## attention work per rank, alone (T %lld, %lld heads x %lld; forward + backward; min of %d)\n",
+              static_cast<long long>(T_work), static_cast<long long>(shape.heads),
+              static_cast<long long>(shape.head_dim), iters);
+  const double whole = rank_attention_seconds(shape, T_work, 1, 0, iters);
+  std::printf("%4s %12s %12s %14s %14s\n", "cp", "min rank ms", "max rank ms", "max/(cp1/cp)", "max/min");
+  std::printf("%4d %12.1f %12.1f %14.3f %14.3f\n", 1, whole * 1e3, whole * 1e3, 1.0, 1.0);
+  for (int cp : {2, 4, 8}) {
+    double lo = 1e30, hi = 0;
+    for (int r = 0; r < cp; ++r) {
+      const double t = rank_attention_seconds(shape, T_work, cp, r, iters);
+      lo = std::min(lo, t), hi = std::max(hi, t);
+    }
+    std::printf("%4d %12.1f %12.1f %14.3f %14.3f\n", cp, lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo);
+    bench::Row row;
+    row.add_text("table", "work").add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
+    row.add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3).add("max_over_ideal", hi / (whole / cp));
+    json.add(row);
+  }
+
+  // 3. overlap on a simulated link
+  std::printf("\n## ring exchange on a SIMULATED link (RingAttention forward + backward, T %lld; min of %d)\n",
+              static_cast<long long>(T_work), iters);
+  std::printf("%4s %12s %14s %12s %16s %12s\n", "cp", "no link ms", "link MB/s", "link ms", "link/no link",
+              "sync link ms");
+  for (int cp : {2, 4}) {
+    double plain = 0, linked = 0, sync = 0, bandwidth = 0;
+    // K and V of both local chunks, fp32: what one ring step sends.
+    const double step_bytes = 2.0 * 2 * shape.heads * (T_work / (2 * cp)) * shape.head_dim * 4;
+    for (int variant = 0; variant < 3; ++variant) {
+      comm::ThreadWorld world(cp);
+      world.run([&](Comm& c) {
+        double t = 0;
+        if (variant == 0) {
+          t = ring_seconds(c, shape, T_work, iters);
+        } else {
+          comm::LinkModel link{.bandwidth = bandwidth, .latency = 20e-6, .synchronous = variant == 2};
+          comm::SimulatedLink<Comm> sim(c.split(0, c.rank()), link);
+          t = ring_seconds(sim, shape, T_work, iters);
+        }
+        if (c.rank() == 0) (variant == 0 ? plain : variant == 1 ? linked : sync) = t;
+      });
+      // Forward and backward hand over 2 (cp - 1) K/V blocks (+ cp gradient blocks, not hidden):
+      // the link takes half the compute of a step for each K/V block.
+      if (variant == 0) bandwidth = step_bytes / (0.5 * plain / (2.0 * cp));
+    }
+    std::printf("%4d %12.1f %14.0f %12.1f %16.3f %12.1f\n", cp, plain * 1e3, bandwidth / 1e6, linked * 1e3,
+                linked / plain, sync * 1e3);
+    bench::Row row;
+    row.add_text("table", "overlap").add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
+    row.add("no_link_ms", plain * 1e3).add("link_ms", linked * 1e3).add("sync_link_ms", sync * 1e3);
+    row.add("link_bytes_per_s", bandwidth, "%.0f");
+    json.add(row);
+  }
+  std::printf("\n(the link is simulated: comm::SimulatedLink holds each message for latency + bytes / bandwidth)\n");
+  json.write(bench::json_path(argc, argv));
+  return 0;
+}
