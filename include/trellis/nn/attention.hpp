@@ -4,13 +4,14 @@
 // Token rows are sequence-major (row = t * batch + b); the core works in [batch, heads, seq, dim].
 // Packed documents (TokenShape::segments): the ids go to the kernel, which masks across documents.
 // Context parallelism (nn/context_parallel.hpp): the rank's two sequence chunks attend to every
-// rank's keys through a ring (RingAttention); everything else in the layer is per token.
+// rank's keys through a ring (nn/ring_attention.hpp); everything else in the layer is per token.
 #pragma once
 
 #include <string>
 
 #include "trellis/kernels/heads.hpp"
 #include "trellis/nn/context_parallel.hpp"
+#include "trellis/nn/ring_attention.hpp"
 #include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/linear.hpp"

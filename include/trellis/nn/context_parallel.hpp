@@ -5,33 +5,20 @@
 // and 2 cp - 1 - r (zig-zag). Under a causal mask each rank then does the same attention work:
 // per ring step, two full L x L blocks, except step 0 (two diagonal blocks and one full block).
 //
-// Ring attention (Liu et al. 2023; the zig-zag balance of ring-flash-attention / Megatron CP):
-// the local K and V (this rank's heads over tp, both chunks) travel round the cp ring, one hop per
-// step, with point-to-point messages started before the step's compute, so the exchange runs
-// while the blocks are computed. Each query chunk attends to each arriving key chunk that is not
-// after it (causal_offset = the chunks' position difference; packed documents: the chunks' ids),
-// and the partial results are merged by their log-sum-exp. Backward: the K/V blocks travel the
-// same way (sent before the compute), each followed by an accumulator of its dK/dV (act_t) that
-// every rank adds into; after cp hops the accumulator is back at its owner. dQ stays local.
+// Ring attention (nn/ring_attention.hpp): the local K and V travel round the cp ring while each
+// rank's two chunks attend to them.
 //
-// Layout of the tensors given here: [2][batch, heads, L, head_dim] (local chunk 0, then 1), lse
-// [2][batch, heads, L]; document ids [2 cp][batch, L] for every global chunk (all ranks hold
-// them: they come with the batch).
+// This header: the mode, the layer's ContextParallel (communicator), the chunked document ids the
+// ring's masks read.
 #pragma once
 
-#include <array>
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
-#include "trellis/backend/backend.hpp"
 #include "trellis/comm/communicator.hpp"
-#include "trellis/core/dtype.hpp"
 #include "trellis/core/error.hpp"
-#include "trellis/kernels/attention.hpp"
 #include "trellis/nn/tensor_parallel.hpp"
 
 namespace trellis::nn {
@@ -82,134 +69,5 @@ inline std::vector<std::int32_t> chunked_segments(const TokenShape& s) {
         out[static_cast<std::size_t>((c * s.batch + b) * L + i)] = s.segments[b * n + c * L + i];
   return out;
 }
-
-// Ring attention over one microbatch. `args` describes one chunk pair (batch, heads, head_dim,
-// q_len = kv_len = L, causal); segments: the chunked ids ([2 cp][batch, L], B's memory) or null.
-template <comm::Communicator C, backend::Backend B>
-class RingAttention {
- public:
-  using act_t = typename B::act_t;
-
-  RingAttention(C& comm, const B& be, const kernels::AttentionArgs& args, const std::int32_t* segments)
-      : comm_(comm), be_(be), args_(args), segments_(segments), P_(comm.size()), r_(comm.rank()),
-        n_(args.q_elements()), m_(args.lse_elements()) {}
-
-  // q, k, v: [2][n] this rank's chunks; o: [2][n] and lse: [2][m], written.
-  void forward(const act_t* q, const act_t* k, const act_t* v, act_t* o, float* lse) {
-    auto o_part = be_.template scratch<act_t>(static_cast<std::size_t>(n_));
-    auto lse_part = be_.template scratch<float>(static_cast<std::size_t>(m_));
-    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf;
-    const act_t *kc = k, *vc = v;
-    for (int step = 0; step < P_; ++step) {
-      const int src = (r_ - step + P_) % P_;
-      std::optional<typename C::request_type> pending;
-      act_t *kn = nullptr, *vn = nullptr;
-      if (step + 1 < P_) {  // the next block travels while this one is computed
-        kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
-        pending = exchange({kc, vc}, {kn, vn});
-      }
-      for (int qi = 0; qi < 2; ++qi)
-        for (int kk = 0; kk < 2; ++kk) {
-          const int ki = step == 0 ? (qi + kk) % 2 : kk;  // step 0: the diagonal block first, written directly
-          const auto a = pair_args(qi, src, ki);
-          if (!a) continue;
-          if (step == 0 && ki == qi) {
-            be_.attention_forward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o + qi * n_, lse + qi * m_);
-          } else {
-            be_.attention_forward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o_part.data(), lse_part.data());
-            be_.merge_attention_partials(m_, args_.head_dim, o + qi * n_, lse + qi * m_, o_part.data(), lse_part.data());
-          }
-        }
-      if (pending) {
-        pending->wait();
-        kc = kn, vc = vn;
-      }
-    }
-  }
-
-  // Gradients from the merged o and lse of forward: dq [2][n] of this rank's queries, dk and dv
-  // [2][n] of this rank's keys and values (all overwritten).
-  void backward(const act_t* q, const act_t* k, const act_t* v, const act_t* o, const act_t* d_o, const float* lse,
-                act_t* dq, act_t* dk, act_t* dv) {
-    const auto two_n = static_cast<std::size_t>(2 * n_);
-    be_.fill_zero(dq, two_n);
-    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf, dkbuf, dvbuf;
-    const act_t *kc = k, *vc = v;
-    act_t* dkc = next_buffer(dkbuf, 1);  // the accumulator of the block held now (this rank's first)
-    act_t* dvc = next_buffer(dvbuf, 1);
-    be_.fill_zero(dkc, two_n);
-    be_.fill_zero(dvc, two_n);
-    for (int step = 0; step < P_; ++step) {
-      const int src = (r_ - step + P_) % P_;
-      std::optional<typename C::request_type> pending;
-      act_t *kn = nullptr, *vn = nullptr;
-      if (step + 1 < P_) {
-        kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
-        pending = exchange({kc, vc}, {kn, vn});
-      }
-      for (int qi = 0; qi < 2; ++qi)
-        for (int ki = 0; ki < 2; ++ki) {
-          const auto a = pair_args(qi, src, ki);
-          if (!a) continue;
-          be_.attention_backward(*a, q + qi * n_, kc + ki * n_, vc + ki * n_, o + qi * n_, d_o + qi * n_, lse + qi * m_,
-                                 dq + qi * n_, dkc + ki * n_, dvc + ki * n_, /*accumulate=*/true);
-        }
-      if (pending) {
-        pending->wait();
-        kc = kn, vc = vn;
-      }
-      // The accumulator follows its block to the next rank; after the last hop it is back home.
-      act_t* dkn = step + 1 < P_ ? next_buffer(dkbuf, step) : dk;
-      act_t* dvn = step + 1 < P_ ? next_buffer(dvbuf, step) : dv;
-      exchange({dkc, dvc}, {dkn, dvn}, kGradientTags).wait();
-      dkc = dkn, dvc = dvn;
-    }
-  }
-
- private:
-  // Kernel arguments of query chunk qi of this rank against key chunk ki of rank src, or nothing
-  // when every key of it is after every query (causal).
-  std::optional<kernels::AttentionArgs> pair_args(int qi, int src, int ki) const {
-    const index_t L = args_.q_len;
-    const index_t qc = global_chunk(r_, qi), kc = global_chunk(src, ki);
-    if (args_.causal && kc > qc) return std::nullopt;
-    kernels::AttentionArgs a = args_;
-    a.causal_offset = (qc - kc) * L;
-    if (segments_) {
-      a.q_segments = segments_ + qc * args_.batch * L;
-      a.kv_segments = segments_ + kc * args_.batch * L;
-    }
-    return a;
-  }
-  index_t global_chunk(int r, int c) const { return c == 0 ? r : 2 * P_ - 1 - r; }
-
-  // Buffers alternate by step, so a block being sent is never the one being received.
-  act_t* next_buffer(std::array<typename B::template buffer<act_t>, 2>& bufs, int step) const {
-    auto& b = bufs[static_cast<std::size_t>(step % 2)];
-    if (b.empty()) b = be_.template scratch<act_t>(static_cast<std::size_t>(2 * n_));
-    return b.data();
-  }
-  // Sends two [2][n] tensors to the next rank and receives two from the previous one, together
-  // (tags: K/V blocks 0 and 1, their gradient accumulators 2 and 3).
-  static constexpr int kGradientTags = 2;
-  typename C::request_type exchange(std::array<const act_t*, 2> send, std::array<act_t*, 2> recv, int tag = 0) {
-    const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
-    const auto count = static_cast<std::size_t>(2 * n_);
-    const comm::P2POp ops[4] = {
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[0]), count, dtype_v<act_t>, next, tag},
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[1]), count, dtype_v<act_t>, next, tag + 1},
-        {comm::P2POp::Kind::recv, recv[0], count, dtype_v<act_t>, prev, tag},
-        {comm::P2POp::Kind::recv, recv[1], count, dtype_v<act_t>, prev, tag + 1},
-    };
-    return comm_.batch(std::span<const comm::P2POp>(ops));
-  }
-
-  C& comm_;
-  const B& be_;
-  kernels::AttentionArgs args_;
-  const std::int32_t* segments_;
-  int P_, r_;
-  index_t n_, m_;
-};
 
 }  // namespace trellis::nn
