@@ -2,14 +2,19 @@
 // and attention, the only layer that mixes positions, exchanges what it needs.
 //
 // Split (TokenShape): the full sequence is cut into 2 cp chunks of L tokens; rank r holds chunks r
-// and 2 cp - 1 - r (zig-zag). Under a causal mask each rank then does the same attention work:
-// per ring step, two full L x L blocks, except step 0 (two diagonal blocks and one full block).
+// and 2 cp - 1 - r (zig-zag), whatever the mode, so every other layer is the same in all three.
 //
-// Ring attention (nn/ring_attention.hpp): the local K and V travel round the cp ring while each
-// rank's two chunks attend to them.
+// Modes (CausalSelfAttention picks the exchange; docs/nn.md compares their bytes):
+//  ring     K/V blocks travel round the cp ring (nn/ring_attention.hpp); every rank keeps all of
+//           its heads and its two chunks.
+//  ulysses  (DeepSpeed-Ulysses) an all-to-all turns "my chunks, all my heads" into "the whole
+//           sequence, heads/cp of my heads"; plain full-sequence attention; the inverse
+//           all-to-all brings the output back (nn/ulysses.hpp).
+//  hybrid   (USP / LoongTrain 2-D) cp = u x g: Ulysses inside groups of u consecutive cp ranks,
+//           then a ring over the g groups between the ranks that hold the same heads.
 //
-// This header: the mode, the layer's ContextParallel (communicator), the chunked document ids the
-// ring's masks read.
+// This header: the mode, the layer's ContextParallel (communicators), the hybrid's two
+// sub-communicators, the chunked document ids the masks read.
 #pragma once
 
 #include <cstdint>
@@ -42,13 +47,36 @@ inline CpMode parse_cp_mode(std::string_view s) {
 
 // The context-parallel communicator of a layer (the ranks that differ only in their cp
 // coordinate) and the mode. A null or size-1 communicator: no context parallelism.
+// hybrid: `ulysses` and `ring` are the two sub-communicators of `comm` (make_hybrid_comms).
 template <comm::Communicator C>
 struct ContextParallel {
   C* comm = nullptr;
   CpMode mode = CpMode::ring;
+  C* ulysses = nullptr;  // hybrid: this rank's group of u consecutive cp ranks (the all-to-all)
+  C* ring = nullptr;     // hybrid: the ranks at the same place of every group (the ring)
   int size() const { return comm ? comm->size() : 1; }
   int rank() const { return comm ? comm->rank() : 0; }
   bool active() const { return size() > 1; }
+  // The ranks one all-to-all spans (each gets heads / ulysses_size() of a rank's heads): 1 for
+  // the ring, cp for ulysses, u for hybrid.
+  int ulysses_size() const {
+    if (!active() || mode == CpMode::ring) return 1;
+    if (mode == CpMode::ulysses) return size();
+    return ulysses ? ulysses->size() : 1;
+  }
+  C& ulysses_comm() const { return mode == CpMode::hybrid ? *ulysses : *comm; }
+  C& ring_comm() const { return mode == CpMode::hybrid ? *ring : *comm; }
+  // The layer's construction check, rank-independent so that every rank refuses together (before
+  // any collective): the sub-communicators of a hybrid are cp's groups.
+  void check_mode(const std::string& who) const {
+    if (!active() || mode != CpMode::hybrid) return;
+    TRELLIS_CHECK(ulysses && ring, who, ": context-parallel mode hybrid needs the ulysses and ring sub-communicators ",
+                  "(make_hybrid_comms)");
+    const int u = ulysses->size();
+    TRELLIS_CHECK(u * ring->size() == size() && ulysses->rank() == rank() % u && ring->rank() == rank() / u, who,
+                  ": the hybrid's sub-communicators (ulysses ", u, ", ring ", ring->size(),
+                  ") are not the groups of consecutive ranks of cp ", size());
+  }
   // The shape's split must be this communicator's (the trainer sets both from the mesh).
   void check(const TokenShape& s, const char* who) const {
     TRELLIS_CHECK(s.cp_size == size() && s.cp_rank == rank(), who, ": the microbatch is split for cp rank ", s.cp_rank,
@@ -57,6 +85,24 @@ struct ContextParallel {
                   "local sequence must be even, got ", s.seq);
   }
 };
+
+// The hybrid's sub-communicators, owned by the caller: ulysses = cp ranks [k u, (k + 1) u) (rank
+// r % u there), ring = cp ranks r % u, r % u + u, ... (rank r / u there).
+template <comm::Communicator C>
+struct HybridComms {
+  C ulysses, ring;
+};
+template <comm::Communicator C>
+HybridComms<C> make_hybrid_comms(C& cp, int u) {
+  TRELLIS_CHECK(u >= 1 && cp.size() % u == 0, "hybrid context parallelism: the ulysses size ", u,
+                " does not divide cp ", cp.size());
+  const int r = cp.rank();
+  return HybridComms<C>{cp.split(r / u, r % u), cp.split(r % u, r / u)};  // braces: evaluated in order
+}
+template <comm::Communicator C>
+ContextParallel<C> hybrid_context(C& cp, HybridComms<C>& sub) {
+  return {&cp, CpMode::hybrid, &sub.ulysses, &sub.ring};
+}
 
 // The document ids of every global chunk, [chunks][batch, L], from the full (batch, full_seq)
 // ids: what the ring's masks read (host vector; the caller uploads it).
