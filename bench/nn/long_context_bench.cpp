@@ -19,7 +19,7 @@
 #include "trellis/comm/threads.hpp"
 #include "trellis/kernels/attention_host.hpp"
 #include "trellis/nn/activation_arena.hpp"
-#include "trellis/nn/context_parallel.hpp"
+#include "trellis/nn/ring_attention.hpp"
 #include "trellis/nn/gpt.hpp"
 
 using namespace trellis;
@@ -83,7 +83,7 @@ double rank_attention_seconds(const AttentionShape& a, index_t T, int cp, int r,
   auto q = random_floats(chunks * n, 1), k = random_floats(chunks * n, 2), v = random_floats(chunks * n, 3),
        d_o = random_floats(chunks * n, 4);
   std::vector<float> o(chunks * n), lse(chunks * m), dq(chunks * n), dk(chunks * n), dv(chunks * n), part(n), part_lse(m);
-  const auto plan = cp > 1 ? ring_plan(r, cp, true) : std::vector<RingBlock>{RingBlock{}};
+  const auto plan = cp > 1 ? ring_plan(r, zigzag_chunks(cp), true) : std::vector<RingBlock>{RingBlock{}};
   auto run = [&] {
     for (const RingBlock& b : plan) {
       auto x = args;

@@ -8,11 +8,17 @@
 // tp 2 + sp, with recompute, and with dropout (masks by global position) equal one rank (1e-5;
 // 2e-5 with tp); a TokenShape split that does not match the cp communicator is refused. The ring
 // plan (the blocks each rank computes) covers every causal pair once, the same count per rank.
+// Ulysses (all-to-all of heads) over cp 2 and 4, packed or not, and cp 2 with tp 2 + sp; hybrid
+// cp 4 = Ulysses 2 x ring 2 (and the degenerate 1 x 4, 4 x 1): the same comparisons, saved state
+// in a poisoned arena checked against saved_bytes; heads that do not split over the all-to-all
+// are refused on every rank.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +73,9 @@ struct Run {
   int cp = 1;          // context-parallel ranks (ring attention)
   bool packed = true;  // false: the same tokens as one sequence per sample
   float dropout = 0.0f;
+  CpMode mode = CpMode::ring;
+  int ulysses = 2;     // hybrid: the ranks of one all-to-all group
+  bool arena = false;  // saved state in a poisoned arena, its used bytes checked against saved_bytes
 };
 
 // Loss (sum over the microbatches and cp ranks) and every gradient (summed over cp ranks) of the
@@ -83,12 +92,24 @@ void run(const Run& o, Collector& out) {
     opt.sequence_parallel = o.sp;
     opt.recompute = o.recompute;
     opt.dropout = o.dropout;
-    GptModel<Comm> model(cfg, mesh.comm<trellis::tp>(), opt, {}, {}, nullptr, {&cp_comm, CpMode::ring});
+    ContextParallel<Comm> cp{&cp_comm, o.mode};
+    std::optional<HybridComms<Comm>> hybrid;
+    if (o.mode == CpMode::hybrid) cp = hybrid_context(cp_comm, hybrid.emplace(make_hybrid_comms(cp_comm, o.ulysses)));
+    GptModel<Comm> model(cfg, mesh.comm<trellis::tp>(), opt, {}, {}, nullptr, cp);
     for (Parameter* p : model.parameters()) nn_test::randomize(*p, 0.05f);
+    std::unique_ptr<ActivationArena<backend::Host<float>>> arena;
+    int pool = 0;
     auto pass = [&](int mb, const TokenShape& shape, const std::int32_t* tokens, const std::int32_t* targets) {
+      if (o.arena && !arena) {
+        arena = std::make_unique<ActivationArena<backend::Host<float>>>();
+        pool = arena->add_pool("model", model.saved_bytes(shape), 1);
+        arena->allocate(/*poison=*/true);
+        model.set_saved_memory(arena.get(), pool);
+      }
       StageInput in{tokens, nullptr, targets, data.token_count};
       const double loss = model.forward(mb, shape, in, nullptr);
       model.backward_input(mb, shape, nullptr, nullptr);
+      if (arena) RANK_CHECK(arena->used_bytes(pool, mb) == model.saved_bytes(shape));
       model.backward_weight(mb);
       return loss;
     };
@@ -196,7 +217,7 @@ TEST_CASE("the ring plan covers every causal (query, key) pair once and balances
     std::vector<int> seen(static_cast<std::size_t>(T * T), 0);
     std::vector<double> work(static_cast<std::size_t>(cp), 0.0);
     for (int r = 0; r < cp; ++r)
-      for (const RingBlock& b : ring_plan(r, cp, /*causal=*/true))
+      for (const RingBlock& b : ring_plan(r, zigzag_chunks(cp), /*causal=*/true))
         for (index_t i = 0; i < L; ++i)
           for (index_t j = 0; j < L; ++j) {
             const index_t gi = b.qc * L + i, gj = b.kc * L + j;
@@ -211,8 +232,59 @@ TEST_CASE("the ring plan covers every causal (query, key) pair once and balances
     CHECK(*hi <= 1.05 * *lo);  // the issue's bound; zig-zag gives exactly equal counts
     CHECK(*hi == *lo);
     // Without a mask every rank computes every block of its queries: 4 cp blocks of L x L.
-    for (int r = 0; r < cp; ++r) CHECK(ring_plan(r, cp, false).size() == static_cast<std::size_t>(4 * cp));
+    for (int r = 0; r < cp; ++r) CHECK(ring_plan(r, zigzag_chunks(cp), false).size() == static_cast<std::size_t>(4 * cp));
   }
+}
+
+TEST_CASE("ulysses over cp 2 and 4 equals one rank, packed or not, with tp + sp", "[nn][gpt][cp][ulysses]") {
+  Collector packed, plain;
+  run({}, packed);
+  run({.packed = false}, plain);
+  for (int cp : {2, 4}) {
+    INFO("cp " << cp);
+    Collector got, got_plain;
+    run({.cp = cp, .mode = CpMode::ulysses, .arena = true}, got);
+    check_equal(got, packed, 1e-5);
+    run({.cp = cp, .packed = false, .mode = CpMode::ulysses}, got_plain);
+    check_equal(got_plain, plain, 1e-5);
+  }
+  Collector tp_sp;
+  run({.tp = 2, .sp = true, .cp = 2, .mode = CpMode::ulysses, .arena = true}, tp_sp);
+  check_equal(tp_sp, packed, 2e-5);
+}
+
+TEST_CASE("hybrid cp 4 (ulysses 2 x ring 2, and 1 x 4, 4 x 1) equals one rank, packed or not", "[nn][gpt][cp][hybrid]") {
+  Collector packed, plain, got, got_plain;
+  run({}, packed);
+  run({.packed = false}, plain);
+  run({.cp = 4, .mode = CpMode::hybrid, .ulysses = 2, .arena = true}, got);
+  check_equal(got, packed, 1e-5);
+  run({.cp = 4, .packed = false, .mode = CpMode::hybrid, .ulysses = 2}, got_plain);
+  check_equal(got_plain, plain, 1e-5);
+  // The degenerate splits: groups of one rank (a ring of all cp), one group (a ring of one).
+  for (int u : {1, 4}) {
+    INFO("ulysses " << u);
+    Collector edge;
+    run({.cp = 4, .mode = CpMode::hybrid, .ulysses = u}, edge);
+    check_equal(edge, packed, 1e-5);
+  }
+}
+
+TEST_CASE("ulysses refuses heads that do not split over cp, on every rank", "[nn][gpt][cp][ulysses][errors]") {
+  const GptConfig cfg = nn_test::tiny();  // 4 heads: 2 per tp rank, not a multiple of cp 4
+  std::vector<std::string> messages(8);
+  nn_test::run_ranks(8, [&](Comm& world) {
+    auto mesh = comm::make_mesh<trellis::cp, trellis::tp>(world, {4, 2});
+    try {
+      GptModel<Comm> model(cfg, mesh.comm<trellis::tp>(), {}, {}, {}, nullptr,
+                           {&mesh.comm<trellis::cp>(), CpMode::ulysses});
+    } catch (const Error& e) {
+      messages[static_cast<std::size_t>(world.rank())] = e.what();
+    }
+  });
+  for (const auto& m : messages)
+    CHECK_THAT(m, Catch::Contains("ulysses") && Catch::Contains("4 heads over tp 2") && Catch::Contains("(cp 4)") &&
+                      Catch::Contains("not a multiple of 4"));
 }
 
 TEST_CASE("a split that does not match the cp communicator is refused", "[nn][gpt][cp][errors]") {

@@ -4,13 +4,18 @@
 // Token rows are sequence-major (row = t * batch + b); the core works in [batch, heads, seq, dim].
 // Packed documents (TokenShape::segments): the ids go to the kernel, which masks across documents.
 // Context parallelism (nn/context_parallel.hpp): the rank's two sequence chunks attend to every
-// rank's keys through a ring (RingAttention); everything else in the layer is per token.
+// rank's keys through a ring (mode ring, nn/ring_attention.hpp), or an all-to-all gives this rank
+// the whole sequence of heads / cp of its heads (mode ulysses, nn/ulysses.hpp), or both (mode
+// hybrid: Ulysses in groups of u ranks, a ring over the groups); everything else is per token.
+// The saved q, k, v, o and lse have the same size in every mode (heads x sequence is constant).
 #pragma once
 
 #include <string>
 
 #include "trellis/kernels/heads.hpp"
 #include "trellis/nn/context_parallel.hpp"
+#include "trellis/nn/ring_attention.hpp"
+#include "trellis/nn/ulysses.hpp"
 #include "trellis/nn/activation_arena.hpp"
 #include "trellis/nn/kv_cache.hpp"
 #include "trellis/nn/linear.hpp"
@@ -35,10 +40,9 @@ class CausalSelfAttention {
         tp_(tp),
         cp_(cp) {
     TRELLIS_CHECK(heads > 0 && width % heads == 0, name, ": width ", width, " is not a multiple of heads ", heads);
-    TRELLIS_CHECK(cp.mode == CpMode::ring || !cp.active(), name, ": context-parallel mode ", to_string(cp.mode),
-                  " is not built yet (ring is)");
     TRELLIS_CHECK(heads >= tp.size(), name, ": ", heads, " heads cannot be split over ", tp.size(), " ranks");
     local_heads_ = shard::chunk(heads, tp.size(), tp.rank()).size;
+    check_cp_heads(name);
   }
 
   ColumnParallelLinear<C, B>& c_attn() { return c_attn_; }
@@ -69,7 +73,7 @@ class CausalSelfAttention {
     const kernels::HeadsLayout block{1, rows, 1, cl};
     be_.rows_to_heads(block, qkv.data() + cl, 3 * cl, cache.k.data() + step.start * Bt * cl);
     be_.rows_to_heads(block, qkv.data() + 2 * cl, 3 * cl, cache.v.data() + step.start * Bt * cl);
-    kernels::AttentionArgs args = attention_args({Bt, step.count});
+    kernels::AttentionArgs args = attention_args(Bt, local_heads_, step.count);
     args.kv_len = step.end();
     const auto new_heads = heads_layout({Bt, step.count}), all_heads = heads_layout({Bt, step.end()});
     auto q = allocate<act_t>(args.q_elements()), o = allocate<act_t>(args.q_elements());
@@ -93,10 +97,12 @@ class CausalSelfAttention {
     c_attn_.forward(mb, shape, x, qkv.data());
     const index_t ids = shape.batch * shape.full_seq();
     s.segments = saved_.template take<std::int32_t>(be_, mb, ids, "attention document ids");
-    if (shape.packed()) {
-      // The kernel reads ids per chunk of the sequence (one chunk without cp).
+    if (shape.packed() && uses_ring()) {
+      // The ring's kernels read ids per chunk of the sequence.
       const auto chunked = chunked_segments(shape);
       be_.upload(s.segments.data(), chunked.data(), chunked.size());
+    } else if (shape.packed()) {  // one call over the whole sequence reads its ids as they come
+      be_.upload(s.segments.data(), shape.segments, static_cast<std::size_t>(ids));
     }
     const auto args = attention_args(shape, s);
     const index_t n = args.q_elements() * chunks(shape);
@@ -106,15 +112,23 @@ class CausalSelfAttention {
     s.o = saved_.template take<act_t>(be_, mb, n, "attention output");
     s.lse = saved_.template take<float>(be_, mb, args.lse_elements() * chunks(shape), "attention lse");
     act_t* parts[3] = {s.q.data(), s.k.data(), s.v.data()};
-    for (int g = 0; g < 3; ++g) to_heads(shape, qkv.data() + g * cl, 3 * cl, parts[g]);
-    if (cp_.active()) {
-      RingAttention<C, B>(*cp_.comm, be_, args, shape.packed() ? s.segments.data() : nullptr)
-          .forward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
+    if (uses_ulysses()) {
+      ulysses(shape).scatter(qkv.data(), 3 * cl, 3, parts);
+    } else {
+      for (int g = 0; g < 3; ++g) to_heads(shape, qkv.data() + g * cl, 3 * cl, parts[g]);
+    }
+    if (uses_ring()) {
+      ring(shape, args, s).forward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
     } else {
       be_.attention_forward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), s.lse.data());
     }
     auto a = allocate<act_t>(rows * cl);
-    to_rows(shape, s.o.data(), a.data(), cl);
+    if (uses_ulysses()) {
+      const act_t* o = s.o.data();
+      ulysses(shape).gather(&o, 1, a.data(), cl);
+    } else {
+      to_rows(shape, s.o.data(), a.data(), cl);
+    }
     c_proj_.forward(mb, shape, a.data(), y);
   }
 
@@ -126,18 +140,26 @@ class CausalSelfAttention {
     const auto args = attention_args(shape, s);
     const index_t n = args.q_elements() * chunks(shape);
     auto d_o = allocate<act_t>(n), dq = allocate<act_t>(n), dk = allocate<act_t>(n), dv = allocate<act_t>(n);
-    to_heads(shape, da.data(), cl, d_o.data());
-    if (cp_.active()) {
-      RingAttention<C, B>(*cp_.comm, be_, args, shape.packed() ? s.segments.data() : nullptr)
-          .backward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(), dk.data(),
-                    dv.data());
+    act_t* d_o_ptr = d_o.data();
+    if (uses_ulysses()) {
+      ulysses(shape).scatter(da.data(), cl, 1, &d_o_ptr);
+    } else {
+      to_heads(shape, da.data(), cl, d_o_ptr);
+    }
+    if (uses_ring()) {
+      ring(shape, args, s).backward(s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(),
+                                    dk.data(), dv.data());
     } else {
       be_.attention_backward(args, s.q.data(), s.k.data(), s.v.data(), s.o.data(), d_o.data(), s.lse.data(), dq.data(),
                              dk.data(), dv.data());
     }
     auto dqkv = allocate<act_t>(rows * 3 * cl);
     const act_t* parts[3] = {dq.data(), dk.data(), dv.data()};
-    for (int g = 0; g < 3; ++g) to_rows(shape, parts[g], dqkv.data() + g * cl, 3 * cl);
+    if (uses_ulysses()) {
+      ulysses(shape).gather(parts, 3, dqkv.data(), 3 * cl);
+    } else {
+      for (int g = 0; g < 3; ++g) to_rows(shape, parts[g], dqkv.data() + g * cl, 3 * cl);
+    }
     c_attn_.backward_input(mb, shape, dqkv.data(), dx);
     // The core has no weights: its saved tensors are not needed by backward_weight.
     s = Saved{};
@@ -161,6 +183,10 @@ class CausalSelfAttention {
     c_attn_.set_saved_memory(m);
     c_proj_.set_saved_memory(m);
   }
+  // The attention kernel's arguments of one call (for the backend's workspace): a chunk pair
+  // (ring, hybrid), the whole sequence (ulysses, no cp).
+  kernels::AttentionArgs attention_call(const TokenShape& shape) const { return attention_args(shape); }
+
   std::size_t saved_bytes(const TokenShape& shape) const {
     const auto args = attention_args(shape);
     // The document ids (of the full sequence) are counted whether or not a microbatch is packed:
@@ -183,24 +209,60 @@ class CausalSelfAttention {
   typename B::template buffer<T> allocate(index_t n) const {
     return be_.template scratch<T>(static_cast<std::size_t>(n));
   }
-  // One chunk of the sequence: the whole local sequence, or with cp one of its two chunks (the
-  // heads tensors are then [2][batch, heads, L, head_dim]).
+  // Which exchanges the mode makes (none without cp).
+  bool uses_ring() const { return cp_.active() && cp_.mode != CpMode::ulysses; }
+  bool uses_ulysses() const { return cp_.active() && cp_.mode != CpMode::ring; }
+  // Ulysses and hybrid split every tp rank's heads over the all-to-all's ranks. Checked for every tp
+  // rank's share, not only this one's, so that all ranks refuse together before any collective.
+  void check_cp_heads(const std::string& name) const {
+    cp_.check_mode(name);
+    const int u = cp_.ulysses_size(), tp = tp_.size();
+    for (int t = 0; t < tp; ++t) {
+      const index_t local = shard::chunk(heads_, tp, t).size;
+      TRELLIS_CHECK(local % u == 0, name, ": context-parallel mode ", to_string(cp_.mode), " splits each rank's heads over ",
+                    u, " ranks (cp ", cp_.size(), "), but ", heads_, " heads over tp ", tp, " leave ", local,
+                    " heads on tp rank ", t, ", not a multiple of ", u);
+    }
+  }
+  // One attention call: without cp the whole local sequence; ring: a chunk pair ([2][batch, heads,
+  // L, head_dim] tensors); ulysses: the whole sequence of heads / cp heads; hybrid: a chunk pair of
+  // heads / u heads ([2u][...] tensors).
   kernels::AttentionArgs attention_args(const TokenShape& shape) const {
+    return attention_args(shape.batch, local_heads_ / cp_.ulysses_size(),
+                          uses_ring() ? shape.cp_chunk() : shape.full_seq());
+  }
+  kernels::AttentionArgs attention_args(index_t batch, index_t heads, index_t len) const {
     kernels::AttentionArgs a;
-    a.batch = shape.batch;
-    a.q_heads = a.kv_heads = local_heads_;
-    a.q_len = a.kv_len = shape.cp_chunk();
+    a.batch = batch;
+    a.q_heads = a.kv_heads = heads;
+    a.q_len = a.kv_len = len;
     a.head_dim = head_dim_;
     a.causal = true;
     return a;
   }
-  // With packed documents the mask also keeps each token inside its document.
+  // With packed documents the mask also keeps each token inside its document (the ring sets the
+  // ids per chunk pair).
   kernels::AttentionArgs attention_args(const TokenShape& shape, Saved& s) const {
     auto a = attention_args(shape);
-    if (shape.packed() && !cp_.active()) a.q_segments = a.kv_segments = s.segments.data();
+    if (shape.packed() && !uses_ring()) a.q_segments = a.kv_segments = s.segments.data();
     return a;
   }
-  static index_t chunks(const TokenShape& shape) { return shape.cp_size > 1 ? 2 : 1; }
+  // The chunks of the saved tensors: [chunks][batch, heads, len, head_dim].
+  index_t chunks(const TokenShape& shape) const {
+    if (!uses_ring()) return 1;
+    return shape.cp_size > 1 ? 2 * cp_.ulysses_size() : 1;
+  }
+  UlyssesExchange<C, B> ulysses(const TokenShape& shape) const {
+    const int u = cp_.ulysses_size();
+    const bool whole = cp_.mode == CpMode::ulysses;
+    return {cp_.ulysses_comm(), be_, shape.batch, shape.cp_chunk(), local_heads_, head_dim_,
+            whole ? ulysses_slots(u) : hybrid_slots(u), whole};
+  }
+  RingAttention<C, B> ring(const TokenShape& shape, const kernels::AttentionArgs& args, Saved& s) const {
+    const std::int32_t* segments = shape.packed() ? s.segments.data() : nullptr;
+    if (cp_.mode == CpMode::ring) return {*cp_.comm, be_, args, segments};
+    return {cp_.ring_comm(), be_, args, segments, hybrid_chunks(cp_.size(), cp_.ulysses_size())};
+  }
   kernels::HeadsLayout heads_layout(const TokenShape& shape) const {
     return {shape.batch, shape.cp_chunk(), local_heads_, head_dim_};
   }

@@ -285,7 +285,8 @@ class GptModel {
   }
 
   // Scratch the backend's kernels need for microbatches of `shape` (CUB style, asked at set-up):
-  // the largest of the norms' backward (rows x width), the attention backward (this rank's heads)
+  // the largest of the norms' backward (rows x width), the attention backward (this rank's heads,
+  // and the layer's own call: under cp ulysses the whole sequence over heads / cp of them)
   // and the bias-gradient column sums (rows x 4 width, the widest bias). Full rows and full widths
   // bound every layer's call from above (sequence-parallel and tp-local calls are smaller; the
   // queries grow with both). reserve_workspace(shape) reserves it before the first step.
@@ -298,7 +299,10 @@ class GptModel {
     a.head_dim = W / cfg_.heads;
     a.causal = true;
     std::size_t bytes = std::max(be_.layernorm_backward_workspace(rows, W), be_.column_sums_workspace(rows, 4 * W));
-    if (!blocks_.empty()) bytes = std::max(bytes, be_.attention_backward_workspace(a));
+    if (!blocks_.empty()) {
+      bytes = std::max(bytes, be_.attention_backward_workspace(a));
+      bytes = std::max(bytes, be_.attention_backward_workspace(blocks_.front()->attn().attention_call(shape)));
+    }
     return bytes;
   }
   void reserve_workspace(const TokenShape& shape) { be_.reserve_workspace(workspace_bytes(shape)); }
