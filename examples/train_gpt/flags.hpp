@@ -32,6 +32,7 @@ struct Options {
   int dp = 1, tp = 1, pp = 1;
   int cp = 1;                   // context parallel: each sequence split over cp ranks
   std::string cp_mode = "ring";
+  int cp_ulysses = 2;           // hybrid: Ulysses group size
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
@@ -81,7 +82,9 @@ batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
            --context a multiple of 2N); --cp-mode ring (attention's keys and values passed round
-           the cp ranks while each block computes)
+           the cp ranks while each block computes) | ulysses (an all-to-all from sequence to head
+           shards and back; heads / tp a multiple of N) | hybrid (Ulysses in groups of
+           --cp-ulysses U ranks, 2 by default, a ring across the groups)
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
@@ -177,6 +180,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.cp);
     else if (f == "--cp-mode")
       o.cp_mode = value();
+    else if (f == "--cp-ulysses")
+      int_flag(o.cp_ulysses);
     else if (f == "--sp")
       o.sp = true;
     else if (f == "--zero1")
@@ -281,6 +286,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.tp = o.tp;
   c.cp = o.cp;
   c.cp_mode = trellis::nn::parse_cp_mode(o.cp_mode);
+  c.cp_ulysses = o.cp_ulysses;
   c.schedule = o.schedule;
   if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;

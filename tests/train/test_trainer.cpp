@@ -146,6 +146,31 @@ TEST_CASE("context parallel (ring) in every layout equals one rank", "[train][tr
                           "dp2.tp2+sp.pp2.cp2 packed (16 ranks)");
 }
 
+TEST_CASE("context parallel by Ulysses and hybrid equals one rank", "[train][trainer][parity][cp]") {
+  using trellis::nn::CpMode;
+  check_against_reference({.cp = 4, .cp_mode = CpMode::ulysses}, "cp4 ulysses");
+  check_against_reference({.tp = 2, .sp = true, .zero1 = true, .packed = true, .cp = 2, .cp_mode = CpMode::ulysses},
+                          "tp2+sp.cp2 ulysses zero1 packed");
+  check_against_reference({.pp = 2, .schedule = "1f1b", .microbatches = 2, .cp = 4, .cp_mode = CpMode::hybrid},
+                          "pp2.cp4 hybrid (ulysses 2 x ring 2)");
+  check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout, .cp = 4, .cp_mode = CpMode::hybrid},
+                          "dp2 m2.cp4 hybrid dropout");
+}
+
+TEST_CASE("context-parallel layouts that cannot split are refused saying what to change", "[train][trainer][cp][errors]") {
+  using trellis::nn::CpMode;
+  auto problems = [](const Layout& l) {
+    std::string all;
+    for (const auto& p : trellis::train::config_problems(with_layout(tiny_config(), l))) all += p + "\n";
+    return all;
+  };
+  CHECK_THAT(problems({.cp = 3}), Catch::Contains("must be a multiple of 6"));
+  CHECK_THAT(problems({.tp = 2, .cp = 4, .cp_mode = CpMode::ulysses}),
+             Catch::Contains("the 2 heads must be a multiple of 4"));
+  CHECK_THAT(problems({.cp = 4, .cp_mode = CpMode::hybrid, .cp_ulysses = 4}), Catch::Contains("1 < --cp-ulysses < --cp 4"));
+  CHECK(problems({.cp = 4, .cp_mode = CpMode::hybrid}).empty());
+}
+
 // bf16 runs: losses and grad norms per step, final weights per tensor (max |w - ref| / max |ref|).
 struct Bf16Tolerance {
   double loss, norm, weight;

@@ -97,7 +97,9 @@ struct Layout {
   std::optional<trellis::pipe::Schedule> custom_schedule{};  // instead of `schedule` (pp > 1)
   bool batch_p2p = false;  // the pipe executor's sends/receives as one group (as on NCCL)
   bool packed = false;     // document_tokens() packed into rows (the loader's packed mode)
-  int cp = 1;              // context parallel (ring attention)
+  int cp = 1;              // context parallel
+  trellis::nn::CpMode cp_mode = trellis::nn::CpMode::ring;
+  int cp_ulysses = 2;      // hybrid: Ulysses group size
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -105,6 +107,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.dp = l.dp;
   c.tp = l.tp;
   c.cp = l.cp;
+  c.cp_mode = l.cp_mode;
+  c.cp_ulysses = l.cp_ulysses;
   c.options.sequence_parallel = l.sp;
   c.zero1 = l.zero1;
   c.schedule = l.schedule;

@@ -131,6 +131,12 @@ class Trainer {
       if constexpr (requires(C& x, typename B::stream_type st) { x.set_stream(st); }) c->set_stream(be_.stream());
     }
     const int pp_rank = mesh_.template coord<trellis::pp>();
+    if (cfg_.cp > 1 && cfg_.cp_mode == nn::CpMode::hybrid) {
+      hybrid_ = std::make_unique<nn::HybridComms<C>>(nn::make_hybrid_comms(*cp_comm_, cfg_.cp_ulysses));
+      for (C* c : {&hybrid_->ulysses, &hybrid_->ring}) {
+        if constexpr (requires(C& x, typename B::stream_type st) { x.set_stream(st); }) c->set_stream(be_.stream());
+      }
+    }
     int chunks = 1, stages = 1;
     if (cfg_.pp > 1) {
       schedule_ = cfg_.custom_schedule ? *cfg_.custom_schedule
@@ -163,7 +169,7 @@ class Trainer {
       const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
       auto& m = models_[static_cast<std::size_t>(c)];
       m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied,
-                                  nn::ContextParallel<C>{cp_comm_, cfg_.cp_mode});
+                                  context_parallel());
       if (st.embedding) tied = &m->embedding()->wte();
     }
     std::vector<Model*> raw;
@@ -445,6 +451,11 @@ class Trainer {
   static Mesh make_checked_mesh(C& world, const TrainerConfig& cfg) {
     check_config(cfg, world.size());
     return comm::make_mesh<trellis::pp, trellis::dp, trellis::cp, trellis::tp>(world, {cfg.pp, cfg.dp, cfg.cp, cfg.tp});
+  }
+  // The layers' context parallelism: the cp communicator and mode (hybrid: its two groups).
+  nn::ContextParallel<C> context_parallel() {
+    if (hybrid_) return nn::hybrid_context(*cp_comm_, *hybrid_);
+    return {cp_comm_, cfg_.cp_mode};
   }
   // The ranks holding the same parameters: dp x cp (context-parallel ranks see other positions of
   // the same samples), and this rank's index among them.
@@ -840,6 +851,7 @@ class Trainer {
   C* tp_comm_;
   C* cp_comm_;
   C* pp_replica_comm_;  // pp x dp x cp: the loss and token counts
+  std::unique_ptr<nn::HybridComms<C>> hybrid_;  // cp_mode hybrid: the Ulysses groups and the ring across them
   C* pp_tp_comm_;
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)

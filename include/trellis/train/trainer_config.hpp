@@ -32,6 +32,7 @@ struct TrainerConfig {
   // cp_mode, nn/context_parallel.hpp). Gradients are then reduced over dp x cp.
   int cp = 1;
   nn::CpMode cp_mode = nn::CpMode::ring;
+  int cp_ulysses = 2;  // hybrid: the Ulysses group size u (cp = u x ring size)
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
   // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
@@ -128,8 +129,15 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.cp > 1 && c.seq >= 1 && c.seq % (2 * static_cast<index_t>(c.cp)) != 0)
     add("--cp ", c.cp, " cuts every sequence into 2 x cp = ", 2 * c.cp, " equal chunks (zig-zag, for balanced ",
         "causal attention): the sequence length ", c.seq, " must be a multiple of ", 2 * c.cp);
-  if (c.cp > 1 && c.cp_mode != nn::CpMode::ring)
-    add("--cp-mode ", nn::to_string(c.cp_mode), " is not built yet: use --cp-mode ring");
+  // Ulysses splits every tp rank's heads over its all-to-all group: cp (ulysses) or u (hybrid).
+  const int group = c.cp_mode == nn::CpMode::ulysses ? c.cp : c.cp_mode == nn::CpMode::hybrid ? c.cp_ulysses : 1;
+  if (c.cp > 1 && c.cp_mode == nn::CpMode::hybrid && (c.cp_ulysses < 2 || c.cp_ulysses >= c.cp || c.cp % c.cp_ulysses != 0))
+    add("--cp-mode hybrid runs Ulysses in groups of --cp-ulysses ", c.cp_ulysses, " ranks and a ring across the groups: ",
+        "it needs 1 < --cp-ulysses < --cp ", c.cp, " and dividing it (use ring or ulysses for a single level)");
+  else if (c.cp > 1 && group > 1 && c.tp >= 1 && m.heads >= 1 && (m.heads / c.tp) % group != 0)
+    add("--cp-mode ", nn::to_string(c.cp_mode), " gives each of ", group, " ranks an equal share of every tp rank's ",
+        m.heads / c.tp, " heads (--heads ", m.heads, " over --tp ", c.tp, "): the ", m.heads / c.tp,
+        " heads must be a multiple of ", group, "; use --cp-mode ring or another --cp");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
   if (m.heads >= 1 && m.width % m.heads != 0)
