@@ -6,11 +6,14 @@
 //     attention / cp (1.0 = perfect split). Alone: ranks sharing 2 cores would time each other.
 //  3. overlap: RingAttention forward + backward on cp thread ranks over comm::SimulatedLink (a
 //     SIMULATED link: each message held for latency + bytes / bandwidth, bandwidth chosen so one
-//     step's K/V transfer takes about half a ring step's compute), against the same ranks without
-//     the link, and against a link that cannot overlap (LinkModel::synchronous): the control.
+//     K/V block takes half of a forward ring step's compute), against the same ranks without the
+//     link, and against a link that cannot overlap (LinkModel::synchronous): the control. The
+//     three run round robin in one world; the last columns are what the ring still waited for
+//     (the dK/dV hand-off home after the last step cannot hide behind anything in the layer).
 //   long_context_bench [--quick] [--json FILE]
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -69,22 +72,30 @@ std::size_t saved_bytes_per_rank(const GptConfig& cfg, index_t T, int cp) {
 struct AttentionShape {
   index_t heads = 4, head_dim = 32;
 };
-// Seconds of cp rank r's ring blocks (forward: kernel + merge per block; backward: the
-// accumulating kernel per block), or of the whole sequence with cp = 1.
-double rank_attention_seconds(const AttentionShape& a, index_t T, int cp, int r, int iters) {
-  HostFp32 be;
-  const index_t L = cp > 1 ? T / (2 * cp) : T, chunks = cp > 1 ? 2 : 1;
+// cp rank r's ring blocks (forward: kernel + merge per block; backward: the accumulating kernel
+// per block) as a callable, or the whole sequence with cp = 1.
+struct RankAttention {
   kernels::AttentionArgs args;
-  args.q_heads = args.kv_heads = a.heads;
-  args.head_dim = a.head_dim;
-  args.q_len = args.kv_len = L;
-  args.causal = true;
-  const auto n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
-  auto q = random_floats(chunks * n, 1), k = random_floats(chunks * n, 2), v = random_floats(chunks * n, 3),
-       d_o = random_floats(chunks * n, 4);
-  std::vector<float> o(chunks * n), lse(chunks * m), dq(chunks * n), dk(chunks * n), dv(chunks * n), part(n), part_lse(m);
-  const auto plan = cp > 1 ? ring_plan(r, zigzag_chunks(cp), true) : std::vector<RingBlock>{RingBlock{}};
-  auto run = [&] {
+  std::vector<RingBlock> plan;
+  std::size_t n = 0, m = 0;
+  std::vector<float> q, k, v, d_o, o, lse, dq, dk, dv, part, part_lse;
+  int cp = 1;
+  RankAttention(const AttentionShape& a, index_t T, int cp_, int r) : cp(cp_) {
+    const index_t L = cp > 1 ? T / (2 * cp) : T, chunks = cp > 1 ? 2 : 1;
+    args.q_heads = args.kv_heads = a.heads;
+    args.head_dim = a.head_dim;
+    args.q_len = args.kv_len = L;
+    args.causal = true;
+    n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
+    q = random_floats(chunks * n, 1), k = random_floats(chunks * n, 2), v = random_floats(chunks * n, 3);
+    d_o = random_floats(chunks * n, 4);
+    o.resize(chunks * n), lse.resize(chunks * m), dq.resize(chunks * n), dk.resize(chunks * n), dv.resize(chunks * n);
+    part.resize(n), part_lse.resize(m);
+    plan = cp > 1 ? ring_plan(r, zigzag_chunks(cp), true) : std::vector<RingBlock>{RingBlock{}};
+  }
+  void operator()() {
+    HostFp32 be;
+    const index_t L = args.q_len;
     for (const RingBlock& b : plan) {
       auto x = args;
       x.causal_offset = (b.qc - b.kc) * L;
@@ -95,7 +106,7 @@ double rank_attention_seconds(const AttentionShape& a, index_t T, int cp, int r,
       } else {
         be.attention_forward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, part.data(),
                              part_lse.data());
-        be.merge_attention_partials(static_cast<index_t>(m), a.head_dim, o.data() + b.qi * n, lse.data() + b.qi * m,
+        be.merge_attention_partials(static_cast<index_t>(m), args.head_dim, o.data() + b.qi * n, lse.data() + b.qi * m,
                                     part.data(), part_lse.data());
       }
     }
@@ -106,32 +117,49 @@ double rank_attention_seconds(const AttentionShape& a, index_t T, int cp, int r,
                             d_o.data() + b.qi * n, lse.data() + b.qi * m, dq.data() + b.qi * n, dk.data() + b.ki * n,
                             dv.data() + b.ki * n, /*accumulate=*/cp > 1);
     }
-  };
-  return bench::time_min_median(run, 1, iters).first;
-}
+  }
+};
 
 // ---- 3. the ring's exchange behind the compute --------------------------------------------------
+// One rank's RingAttention forward + backward over communicator C (seconds per call: forward
+// alone, and forward + backward), plus where its time went (RingAttention::Stats).
 template <class C>
-double ring_seconds(C& cp_comm, const AttentionShape& a, index_t T, int iters) {
-  HostFp32 be;
-  const int P = cp_comm.size();
+struct RingRun {
+  C& comm;
   kernels::AttentionArgs args;
-  args.q_heads = args.kv_heads = a.heads;
-  args.head_dim = a.head_dim;
-  args.q_len = args.kv_len = T / (2 * P);
-  args.causal = true;
-  const auto n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
-  auto q = random_floats(2 * n, 11 + cp_comm.rank()), k = random_floats(2 * n, 21 + cp_comm.rank()),
-       v = random_floats(2 * n, 31 + cp_comm.rank()), d_o = random_floats(2 * n, 41);
-  std::vector<float> o(2 * n), lse(2 * m), dq(2 * n), dk(2 * n), dv(2 * n);
-  auto step = [&] {
-    RingAttention<C, HostFp32> ring(cp_comm, be, args, nullptr);
+  std::size_t n = 0, m = 0;
+  std::vector<float> q, k, v, d_o, o, lse, dq, dk, dv;
+  double kv_wait = 0, grad_wait = 0;
+  RingRun(C& c, const AttentionShape& a, index_t T) : comm(c) {
+    args.q_heads = args.kv_heads = a.heads;
+    args.head_dim = a.head_dim;
+    args.q_len = args.kv_len = T / (2 * c.size());
+    args.causal = true;
+    n = static_cast<std::size_t>(args.q_elements()), m = static_cast<std::size_t>(args.lse_elements());
+    q = random_floats(2 * n, 11 + c.rank()), k = random_floats(2 * n, 21 + c.rank());
+    v = random_floats(2 * n, 31 + c.rank()), d_o = random_floats(2 * n, 41);
+    o.resize(2 * n), lse.resize(2 * m), dq.resize(2 * n), dk.resize(2 * n), dv.resize(2 * n);
+  }
+  double forward() {
+    HostFp32 be;
+    comm.barrier();
+    const double t0 = bench::now_seconds();
+    RingAttention<C, HostFp32>(comm, be, args, nullptr).forward(q.data(), k.data(), v.data(), o.data(), lse.data());
+    comm.barrier();
+    return bench::now_seconds() - t0;
+  }
+  double step() {
+    HostFp32 be;
+    comm.barrier();
+    const double t0 = bench::now_seconds();
+    RingAttention<C, HostFp32> ring(comm, be, args, nullptr);
     ring.forward(q.data(), k.data(), v.data(), o.data(), lse.data());
     ring.backward(q.data(), k.data(), v.data(), o.data(), d_o.data(), lse.data(), dq.data(), dk.data(), dv.data());
-    cp_comm.barrier();
-  };
-  return bench::time_min_median(step, 1, iters).first;
-}
+    comm.barrier();
+    kv_wait = ring.stats().kv_wait_seconds, grad_wait = ring.stats().grad_exchange_seconds;
+    return bench::now_seconds() - t0;
+  }
+};
 
 }  // namespace
 
@@ -168,59 +196,70 @@ int main(int argc, char** argv) {
 
   // 2. attention work per rank
   const AttentionShape shape{};
-  const int iters = quick ? 2 : 3;
+  const int iters = quick ? 3 : 9;
   const index_t T_work = quick ? 2048 : 4096;
   std::printf("\n## attention work per rank, alone (T %lld, %lld heads x %lld; forward + backward; min of %d)\n",
               static_cast<long long>(T_work), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.head_dim), iters);
-  const double whole = rank_attention_seconds(shape, T_work, 1, 0, iters);
   std::printf("%4s %12s %12s %14s %14s\n", "cp", "min rank ms", "max rank ms", "max/(cp1/cp)", "max/min");
-  std::printf("%4d %12.1f %12.1f %14.3f %14.3f\n", 1, whole * 1e3, whole * 1e3, 1.0, 1.0);
   for (int cp : {2, 4, 8}) {
+    // cp = 1 and every rank of this cp, round robin: a change of machine load touches all alike.
+    std::vector<RankAttention> work;
+    work.emplace_back(shape, T_work, 1, 0);
+    for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_work, cp, r);
+    std::vector<std::function<void()>> fns;
+    for (auto& w : work) fns.push_back([&w] { w(); });
+    const auto t = bench::time_round_robin(fns, 1, iters);
+    const double whole = t[0].first;
     double lo = 1e30, hi = 0;
-    for (int r = 0; r < cp; ++r) {
-      const double t = rank_attention_seconds(shape, T_work, cp, r, iters);
-      lo = std::min(lo, t), hi = std::max(hi, t);
-    }
-    std::printf("%4d %12.1f %12.1f %14.3f %14.3f\n", cp, lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo);
+    for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
+    std::printf("%4d %12.1f %12.1f %14.3f %14.3f   (cp 1: %.1f ms)\n", cp, lo * 1e3, hi * 1e3, hi / (whole / cp),
+                hi / lo, whole * 1e3);
     bench::Row row;
     row.add_text("table", "work").add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
-    row.add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3).add("max_over_ideal", hi / (whole / cp));
+    row.add("cp1_ms", whole * 1e3).add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3);
+    row.add("max_over_ideal", hi / (whole / cp));
     json.add(row);
   }
 
-  // 3. overlap on a simulated link
+  // 3. overlap on a simulated link: the three variants round robin in one world, the link's
+  // bandwidth set from the measured forward so that one K/V block takes half of a forward ring
+  // step's compute (compute dominates).
   std::printf("\n## ring exchange on a SIMULATED link (RingAttention forward + backward, T %lld; min of %d)\n",
               static_cast<long long>(T_work), iters);
-  std::printf("%4s %12s %14s %12s %16s %12s\n", "cp", "no link ms", "link MB/s", "link ms", "link/no link",
-              "sync link ms");
+  std::printf("%4s %11s %10s %10s %13s %12s %14s %13s\n", "cp", "no link ms", "link MB/s", "link ms", "link/no link",
+              "sync link ms", "kv wait ms", "dK/dV wait ms");
   for (int cp : {2, 4}) {
-    double plain = 0, linked = 0, sync = 0, bandwidth = 0;
+    double plain = 1e30, linked = 1e30, sync = 1e30, bandwidth = 0, kv_wait = 0, grad_wait = 0;
     // K and V of both local chunks, fp32: what one ring step sends.
-    const double step_bytes = 2.0 * 2 * shape.heads * (T_work / (2 * cp)) * shape.head_dim * 4;
-    for (int variant = 0; variant < 3; ++variant) {
-      comm::ThreadWorld world(cp);
-      world.run([&](Comm& c) {
-        double t = 0;
-        if (variant == 0) {
-          t = ring_seconds(c, shape, T_work, iters);
-        } else {
-          comm::LinkModel link{.bandwidth = bandwidth, .latency = 20e-6, .synchronous = variant == 2};
-          comm::SimulatedLink<Comm> sim(c.split(0, c.rank()), link);
-          t = ring_seconds(sim, shape, T_work, iters);
-        }
-        if (c.rank() == 0) (variant == 0 ? plain : variant == 1 ? linked : sync) = t;
-      });
-      // Forward and backward hand over 2 (cp - 1) K/V blocks (+ cp gradient blocks, not hidden):
-      // the link takes half the compute of a step for each K/V block.
-      if (variant == 0) bandwidth = step_bytes / (0.5 * plain / (2.0 * cp));
-    }
-    std::printf("%4d %12.1f %14.0f %12.1f %16.3f %12.1f\n", cp, plain * 1e3, bandwidth / 1e6, linked * 1e3,
-                linked / plain, sync * 1e3);
+    const double block_bytes = 2.0 * 2 * shape.heads * (T_work / (2 * cp)) * shape.head_dim * 4;
+    comm::ThreadWorld world(cp);
+    world.run([&](Comm& c) {
+      RingRun<Comm> bare(c, shape, T_work);
+      double fwd = 1e30;
+      for (int i = 0; i < 3; ++i) fwd = std::min(fwd, bare.forward());
+      double bw = block_bytes / (0.5 * fwd / cp);
+      c.broadcast(&bw, 1, 0);
+      comm::SimulatedLink<Comm> link(c.split(0, c.rank()), {.bandwidth = bw, .latency = 20e-6});
+      comm::SimulatedLink<Comm> blocking(c.split(0, c.rank()), {.bandwidth = bw, .latency = 20e-6, .synchronous = true});
+      RingRun<comm::SimulatedLink<Comm>> over_link(link, shape, T_work), over_blocking(blocking, shape, T_work);
+      double t[3] = {1e30, 1e30, 1e30};
+      for (int i = 0; i < iters; ++i) {
+        t[0] = std::min(t[0], bare.step());
+        t[1] = std::min(t[1], over_link.step());
+        t[2] = std::min(t[2], over_blocking.step());
+      }
+      if (c.rank() == 0) {
+        plain = t[0], linked = t[1], sync = t[2], bandwidth = bw;
+        kv_wait = over_link.kv_wait, grad_wait = over_link.grad_wait;
+      }
+    });
+    std::printf("%4d %11.1f %10.0f %10.1f %13.3f %12.1f %14.1f %13.1f\n", cp, plain * 1e3, bandwidth / 1e6,
+                linked * 1e3, linked / plain, sync * 1e3, kv_wait * 1e3, grad_wait * 1e3);
     bench::Row row;
     row.add_text("table", "overlap").add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
     row.add("no_link_ms", plain * 1e3).add("link_ms", linked * 1e3).add("sync_link_ms", sync * 1e3);
-    row.add("link_bytes_per_s", bandwidth, "%.0f");
+    row.add("link_bytes_per_s", bandwidth, "%.0f").add("kv_wait_ms", kv_wait * 1e3).add("grad_wait_ms", grad_wait * 1e3);
     json.add(row);
   }
   std::printf("\n(the link is simulated: comm::SimulatedLink holds each message for latency + bytes / bandwidth)\n");

@@ -5,7 +5,8 @@
 // after it (causal_offset = the chunks' position difference; packed documents: the chunks' ids),
 // and the partial results are merged by their log-sum-exp. Backward: the K/V blocks travel the
 // same way (sent before the compute), each followed by an accumulator of its dK/dV (act_t) that
-// every member adds into; after a full turn the accumulator is back at its owner. dQ stays local.
+// every member adds its contribution to; the hand-off of one step runs during the next step's
+// compute, and after a full turn the accumulator is back at its owner. dQ stays local.
 //
 // Which global chunks a ring member holds (ChunkLists, the same count K for every member):
 //  plain ring: member r of cp holds chunks r and 2 cp - 1 - r (zig-zag). Under a causal mask
@@ -152,13 +153,23 @@ class RingAttention {
                 act_t* dq, act_t* dk, act_t* dv) {
     const auto all = static_cast<std::size_t>(K_ * n_);
     be_.fill_zero(dq, all);
-    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf, dkbuf, dvbuf;
+    if (P_ == 1) {  // a ring of one: every block is this member's own
+      be_.fill_zero(dk, all);
+      be_.fill_zero(dv, all);
+      for (const RingBlock& b : plan_)
+        be_.attention_backward(block_args(b), q + b.qi * n_, k + b.ki * n_, v + b.ki * n_, o + b.qi * n_,
+                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, dk + b.ki * n_, dv + b.ki * n_,
+                               /*accumulate=*/true);
+      return;
+    }
+    // Per step: this member's contribution to the held block's dK/dV goes into a fresh buffer
+    // (part) while the block's accumulator travels from the previous member (sent after ITS step),
+    // then the two are added and sent on; so the hand-off of step s runs during the compute of
+    // step s + 1, and only the last one (home) is waited for at the end.
+    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf, dk_part, dv_part, dk_in, dv_in;
     const act_t *kc = k, *vc = v;
-    // The accumulator of the block held now (this member's first; alone, its own result).
-    act_t* dkc = P_ == 1 ? dk : next_buffer(dkbuf, 1);
-    act_t* dvc = P_ == 1 ? dv : next_buffer(dvbuf, 1);
-    be_.fill_zero(dkc, all);
-    be_.fill_zero(dvc, all);
+    std::optional<typename C::request_type> handing;  // the accumulator sent last step / arriving now
+    act_t *acc_k = nullptr, *acc_v = nullptr;          // where it arrives
     for (int step = 0; step < P_; ++step) {
       std::optional<typename C::request_type> pending;
       act_t *kn = nullptr, *vn = nullptr;
@@ -166,24 +177,31 @@ class RingAttention {
         kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
         pending = exchange({kc, vc}, {kn, vn});
       }
+      act_t* pk = next_buffer(dk_part, step);
+      act_t* pv = next_buffer(dv_part, step);
+      be_.fill_zero(pk, all);
+      be_.fill_zero(pv, all);
       for (const RingBlock& b : plan_) {
         if (b.step != step) continue;
         be_.attention_backward(block_args(b), q + b.qi * n_, kc + b.ki * n_, vc + b.ki * n_, o + b.qi * n_,
-                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, dkc + b.ki * n_, dvc + b.ki * n_,
+                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, pk + b.ki * n_, pv + b.ki * n_,
                                /*accumulate=*/true);
       }
-      if (P_ == 1) break;
+      if (handing) {  // the block's accumulator so far (members before this one), then ours added
+        timed_wait(*handing, stats_.grad_exchange_seconds);
+        be_.add(static_cast<index_t>(all), pk, acc_k, pk);
+        be_.add(static_cast<index_t>(all), pv, acc_v, pv);
+      }
       if (pending) {
         timed_wait(*pending, stats_.kv_wait_seconds);
         kc = kn, vc = vn;
       }
-      // The accumulator follows its block to the next member; after the last hop it is back home.
-      act_t* dkn = step + 1 < P_ ? next_buffer(dkbuf, step) : dk;
-      act_t* dvn = step + 1 < P_ ? next_buffer(dvbuf, step) : dv;
-      auto handed = exchange({dkc, dvc}, {dkn, dvn}, kGradientTags);
-      timed_wait(handed, stats_.grad_exchange_seconds);
-      dkc = dkn, dvc = dvn;
+      // On to the next member; the last hop brings every block's accumulator home into dk, dv.
+      acc_k = step + 1 < P_ ? next_buffer(dk_in, step) : dk;
+      acc_v = step + 1 < P_ ? next_buffer(dv_in, step) : dv;
+      handing = exchange({pk, pv}, {acc_k, acc_v}, kGradientTags);
     }
+    timed_wait(*handing, stats_.grad_exchange_seconds);
   }
 
  private:
