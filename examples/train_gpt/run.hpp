@@ -123,6 +123,7 @@ struct Outcome {
   std::int64_t first_step = 0;  // the step training started at (a resumed checkpoint's)
   double seconds = 0;
   std::string checkpoint;
+  double activation_peak_bytes = 0;  // saved activations held at once, the largest over the ranks (measured)
 };
 
 // The training loop of one rank, for any trainer with Trainer's step / evaluate / save / load /
@@ -163,8 +164,9 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     trainer.init_from_hf(o.init_from);
     if (lead) std::cout << "initialised from " << o.init_from << " (fresh optimizer, step 0)\n";
   }
-  const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, o.context);
-  const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
+  // Useful work only: packed rows count their real tokens, attending over their documents.
+  const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, loader.attention_span());
+  const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq) * loader.packing_efficiency();
   std::unique_ptr<train::MetricsWriter> metrics;
   std::unique_ptr<report::ProgressBar> bar;
   if (lead) {
@@ -185,8 +187,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                 static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
     if (loader.packed())
       std::printf("packing: documents start at token %d; %lld rows of %d tokens, %.1f %% of them real tokens "
-                  "(the rest padding, not trained on)\n",
-                  o.pack, static_cast<long long>(loader.windows()), o.context, 100.0 * loader.packing_efficiency());
+                  "(the rest padding, not trained on); tok/s and MFU count real tokens over a mean attention "
+                  "span of %.0f\n",
+                  o.pack, static_cast<long long>(loader.windows()), o.context, 100.0 * loader.packing_efficiency(),
+                  loader.attention_span());
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);
@@ -262,7 +266,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
   }
   if (val < 0) val = validate_now();
   save();
+  // Saved activations: the most bytes any rank's arena held at once (a collective max).
+  const double act_peak = trainer.peak_activation_bytes_over_ranks();
   if (lead) {
+    outcome.activation_peak_bytes = act_peak;
     bar->finish();
     outcome.first_step = first_step;
     outcome.first_loss = first_loss;
@@ -314,7 +321,13 @@ inline std::string summary(const Options& o, const Data& data, const Outcome& ou
                   "trained %d steps in %.1f s: train loss %.4f -> %.4f; validation loss %.4f vs unigram baseline "
                   "%.4f (%s)",
                   out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram, verdict);
-  return buf;
+  std::string line = buf;
+  if (out.activation_peak_bytes > 0) {
+    std::snprintf(buf, sizeof buf, "\nsaved activations: peak %.1f MiB per rank (the largest rank, measured in its arena)",
+                  out.activation_peak_bytes / (1024.0 * 1024.0));
+    line += buf;
+  }
+  return line;
 }
 
 // After training (one process / the lead rank): sample text, draw the loss curve, print a summary.

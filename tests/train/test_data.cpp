@@ -266,6 +266,9 @@ TEST_CASE("packed rows hold whole documents once each, positions and targets ins
   }
   REQUIRE(total == 3000);
   CHECK(packed.efficiency() == Approx(3000.0 / (static_cast<double>(packed.rows.size()) * T)));
+  double sum_sq = 0;  // MFU's attention span: sum of len^2 / sum of len over the pieces
+  for (const auto& p : pieces) sum_sq += static_cast<double>(p.length * p.length);
+  CHECK(packed.attention_span() == Approx(sum_sq / 3000.0));
   // Best-fit decreasing uses at most 11/9 OPT + 1 rows, and OPT >= ceil(tokens / T).
   const auto lower = static_cast<double>((3000 + T - 1) / T);
   CHECK(static_cast<double>(packed.rows.size()) <= 11.0 / 9.0 * lower + 1.0);

@@ -233,6 +233,8 @@ class DataLoader {
   bool packed() const { return o_.pack_separator >= 0; }
   // Packed mode: real tokens / capacity over all packed rows (1 = no padding).
   double packing_efficiency() const { return packed() ? packed_.efficiency() : 1.0; }
+  // Keys a token attends to in MFU's convention: T, or packed the documents' mean span.
+  double attention_span() const { return packed() ? packed_.attention_span() : static_cast<double>(o_.seq_len); }
 
   // The next global batch's rows for this dp rank.
   Batch next() {

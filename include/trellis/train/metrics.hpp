@@ -121,7 +121,9 @@ inline std::size_t trim_metrics_after(const std::filesystem::path& path, std::in
 
 // Training FLOPs per token of a GPT (forward + backward, PaLM appendix B):
 //   6 * n_params + 12 * n_layers * d_model * seq_len  (the second term is attention's QK^T and AV)
-inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, int seq_len) {
+// seq_len: the keys each token attends to in the formula's convention (the context T; for packed
+// documents the mean span, sum of len^2 / sum of len: DataLoader::attention_span).
+inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, double seq_len) {
   return 6.0 * n_params + 12.0 * n_layers * static_cast<double>(d_model) * seq_len;
 }
 // Model FLOPs utilisation: achieved model FLOP/s over the hardware's peak (all devices used).

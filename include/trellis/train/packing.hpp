@@ -57,6 +57,14 @@ struct PackedRows {
   double efficiency() const {
     return rows.empty() ? 0.0 : static_cast<double>(tokens) / (static_cast<double>(rows.size()) * row_length);
   }
+  // Keys a real token attends to, in the dense formula's convention (a token of a document of n
+  // tokens counts n): sum of n^2 / sum of n, what MFU's attention term uses instead of T.
+  double attention_span() const {
+    double sq = 0;
+    for (const auto& row : rows)
+      for (const DocumentPiece& p : row) sq += static_cast<double>(p.length) * static_cast<double>(p.length);
+    return tokens > 0 ? sq / static_cast<double>(tokens) : 0.0;
+  }
 };
 
 // Best-fit decreasing packing of `pieces` (each at most row_length long) into rows of row_length.

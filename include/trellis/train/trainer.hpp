@@ -233,6 +233,11 @@ class Trainer {
   Rng& rng() { return rng_; }
   // Where the chunks keep saved activations (nn/activation_arena.hpp): capacity and measured peaks.
   const nn::ActivationArena<B>& activation_arena() const { return *arena_; }
+  // The most bytes of saved activations any rank's arena held at once so far (measured): a
+  // collective over the world (max).
+  double peak_activation_bytes_over_ranks() {
+    return reduce_scalar(mesh_.world(), static_cast<double>(arena_->peak_held_bytes()), comm::ReduceOp::max);
+  }
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
 
