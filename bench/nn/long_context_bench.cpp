@@ -10,6 +10,9 @@
 //     link, and against a link that cannot overlap (LinkModel::synchronous): the control. The
 //     three run round robin in one world; the last columns are what the ring still waited for
 //     (the dK/dV hand-off home after the last step cannot hide behind anything in the layer).
+//  4. Ulysses against ring at equal cp: the attention layer (its GEMMs included) forward +
+//     backward over simulated links from none to 30 MB/s, time and bytes each rank sends, and
+//     where the faster mode changes.
 //   long_context_bench [--quick] [--json FILE]
 #include <algorithm>
 #include <cstdio>
@@ -17,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "support/counting_comm.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
@@ -161,6 +165,47 @@ struct RingRun {
   }
 };
 
+// ---- 4. Ulysses against ring: the attention layer over a simulated link --------------------------
+// Seconds of one CausalSelfAttention forward + backward (mode over cp thread ranks, a simulated
+// link of `bandwidth` B/s; 0: no link) and the bytes rank 0 put on the wire (CountingComm).
+struct LayerRun {
+  double seconds = 0, bytes = 0;
+};
+LayerRun attention_layer(CpMode mode, int cp, index_t T, index_t width, index_t heads, double bandwidth, int iters) {
+  using Link = comm::SimulatedLink<Comm>;
+  using Counted = bench::CountingComm<Link>;
+  LayerRun out;
+  comm::ThreadWorld world(cp);
+  world.run([&](Comm& c) {
+    // No link: a bandwidth no message notices (the same code path, the same counters).
+    const comm::LinkModel model{.bandwidth = bandwidth > 0 ? bandwidth : 1e15, .latency = bandwidth > 0 ? 20e-6 : 0.0};
+    Counted cp_comm(Link(c.split(0, c.rank()), model));
+    Counted tp_comm = cp_comm.split(c.rank(), 0);  // tp 1
+    TensorParallel<Counted> tp;
+    tp.comm = &tp_comm;
+    CausalSelfAttention<Counted, HostFp32> attn("h.0.attn", width, heads, tp, HostFp32{},
+                                                ContextParallel<Counted>{&cp_comm, mode});
+    TokenShape shape{1, T / cp};
+    shape.cp_rank = c.rank();
+    shape.cp_size = cp;
+    const auto n = static_cast<std::size_t>(shape.rows() * width);
+    auto x = random_floats(n, 5 + c.rank()), dy = random_floats(n, 7 + c.rank());
+    std::vector<float> y(n), dx(n);
+    auto step = [&] {
+      c.barrier();
+      attn.forward(0, shape, x.data(), y.data());
+      attn.backward_input(0, shape, dy.data(), dx.data());
+      attn.backward_weight(0);
+      c.barrier();
+    };
+    step();  // warm-up, and the bytes of one step
+    const double bytes = cp_comm.counters().bytes;
+    const double t = bench::time_min_median(step, 0, iters).first;
+    if (c.rank() == 0) out = {t, bytes};
+  });
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -261,6 +306,31 @@ int main(int argc, char** argv) {
     row.add("no_link_ms", plain * 1e3).add("link_ms", linked * 1e3).add("sync_link_ms", sync * 1e3);
     row.add("link_bytes_per_s", bandwidth, "%.0f").add("kv_wait_ms", kv_wait * 1e3).add("grad_wait_ms", grad_wait * 1e3);
     json.add(row);
+  }
+  // 4. Ulysses against ring at equal cp, over link bandwidths: where the winner changes.
+  const index_t width = 128, heads = 4;
+  std::printf("\n## Ulysses against ring (CausalSelfAttention %lld heads x %lld, forward + backward, T %lld; "
+              "SIMULATED link; min of %d)\n",
+              static_cast<long long>(heads), static_cast<long long>(width / heads), static_cast<long long>(T_work), iters);
+  std::printf("%4s %12s %10s %12s %14s %16s %9s\n", "cp", "link MB/s", "ring ms", "ulysses ms", "ring MB/rank",
+              "ulysses MB/rank", "faster");
+  for (int cp : {2, 4}) {
+    std::string previous;
+    for (double bw : {0.0, 2e9, 5e8, 1.25e8, 3e7}) {
+      const LayerRun ring = attention_layer(CpMode::ring, cp, T_work, width, heads, bw, iters);
+      const LayerRun uly = attention_layer(CpMode::ulysses, cp, T_work, width, heads, bw, iters);
+      const std::string faster = ring.seconds <= uly.seconds ? "ring" : "ulysses";
+      std::printf("%4d %12s %10.1f %12.1f %14.2f %16.2f %9s%s\n", cp,
+                  bw > 0 ? std::to_string(static_cast<long long>(bw / 1e6)).c_str() : "none", ring.seconds * 1e3,
+                  uly.seconds * 1e3, ring.bytes / 1e6, uly.bytes / 1e6, faster.c_str(),
+                  !previous.empty() && previous != faster ? "   <- crossover" : "");
+      previous = faster;
+      bench::Row row;
+      row.add_text("table", "ulysses_vs_ring").add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
+      row.add("link_bytes_per_s", bw, "%.0f").add("ring_ms", ring.seconds * 1e3).add("ulysses_ms", uly.seconds * 1e3);
+      row.add("ring_bytes_per_rank", ring.bytes, "%.0f").add("ulysses_bytes_per_rank", uly.bytes, "%.0f");
+      json.add(row);
+    }
   }
   std::printf("\n(the link is simulated: comm::SimulatedLink holds each message for latency + bytes / bandwidth)\n");
   json.write(bench::json_path(argc, argv));

@@ -158,8 +158,9 @@ LayoutResult run_layout(const std::string& name, const train::TrainerConfig& c, 
     const index_t rows = c.batch / c.dp;
     const train::Batch b = make_batch(rows, c.seq, c.model.vocab, mesh.template coord<trellis::dp>() * rows);
     auto all = [&]() -> std::vector<Comm*> {
-      return {&mesh.template comm<trellis::dp>(), &mesh.template comm<trellis::tp>(),
-              &mesh.template comm<trellis::pp>(), &mesh.template comm<trellis::pp, trellis::dp>(),
+      // The gradient reductions run over the replicas, dp x cp (cp 1 here); the loss over pp x dp x cp.
+      return {&mesh.template comm<trellis::dp, trellis::cp>(), &mesh.template comm<trellis::tp>(),
+              &mesh.template comm<trellis::pp>(), &mesh.template comm<trellis::pp, trellis::dp, trellis::cp>(),
               &mesh.template comm<trellis::pp, trellis::tp>(), &comm};
     };
     for (int i = 0; i < warmup; ++i) {

@@ -141,7 +141,8 @@ Measured dp_case(bool synchronous, bool zero1 = false) {
       const auto& c = t.config();
       return DataLoader(tokens(), {c.batch, c.seq, 99, true, t.mesh().coord<trellis::dp>(), c.dp});
     };
-    auto dp_link = [](Trainer<Link>& t) -> Link& { return t.mesh().comm<trellis::dp>(); };
+    // Gradients are reduced over the replicas, dp x cp (cp 1 here): that communicator's link.
+    auto dp_link = [](Trainer<Link>& t) -> Link& { return t.mesh().comm<trellis::dp, trellis::cp>(); };
     // Probe: compute time and dp wire bytes per step (an infinitely fast link books bytes / 1e15).
     double compute_s = 1e9, bytes = 0;
     {

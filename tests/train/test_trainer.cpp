@@ -8,7 +8,8 @@
 // microbatches; dp2.tp2.pp2; ZeRO-1 (dp2, and dp2.tp2.pp2); dp2 with 2 microbatches.
 // With dropout 0.1 (masks per global sample, nn/dropout.hpp) dp2, dp2 m2, tp2+sp, recompute, pp2
 // and dp2.tp2+sp.pp2 equal the one-rank run with dropout, and dropout draws new masks every step.
-// Host bf16 (backend::Host<bfloat16>: the CUDA backend's rounding points): every layout against
+// Host bf16 (backend::Host<bfloat16>: the CUDA backend's rounding points): every layout (cp ring,
+// ulysses and hybrid included) against
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there;
 // two bf16 steps within the GPU test's tolerances of fp32.
 // DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
@@ -234,6 +235,14 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
       "bf16 dp2.tp2+sp.pp2 zero1 zb_v");
   run({.dp = 2, .dropout = kDropout, .recompute = true}, drop, drop_w, cut, "bf16 dp2 dropout recompute");
   run({.tp = 2, .sp = true, .dropout = kDropout}, drop, drop_w, split, "bf16 tp2+sp dropout");
+  // Context parallel: the ring merges partial outputs and passes dK/dV accumulators in bf16 (more
+  // roundings than one call); Ulysses runs the one-rank attention call on fewer heads. Measured:
+  // ring cp2 2.5e-5 loss, 4.2e-3 norm, 3.4e-2 weights; ulysses cp4 1.0e-6, 1.9e-4, 7.8e-4; hybrid
+  // cp4 2.8e-5, 2.5e-3, 4.1e-2: within the tp split's tolerance.
+  using trellis::nn::CpMode;
+  run({.cp = 2}, ref, ref_w, split, "bf16 cp2 ring");
+  run({.cp = 4, .cp_mode = CpMode::ulysses}, ref, ref_w, split, "bf16 cp4 ulysses");
+  run({.cp = 4, .cp_mode = CpMode::hybrid}, ref, ref_w, split, "bf16 cp4 hybrid");
 }
 
 // The tolerances tests/gpu/test_trainer_cuda.cu gives backend::Cuda (two steps: losses within 5e-3
