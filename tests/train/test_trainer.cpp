@@ -14,7 +14,8 @@
 // two bf16 steps within the GPU test's tolerances of fp32.
 // DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
 // Context parallel (ring attention): cp2, cp4, dp2.cp2 ZeRO-1, tp2+sp.cp2, pp2.cp2 zb_v, dp2 m2.cp2
-// with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank.
+// with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank; Ulysses cp4,
+// tp2+sp.cp2 ZeRO-1 packed, pp2.cp2 zb_h1; hybrid pp2.cp4, dp2 m2.cp4 with dropout, tp2+sp.cp4 packed.
 // Packed documents (the loader's packed mode): dp2 m2, tp2+sp with recompute, pp2 zb_h1 and
 // dp2.tp2+sp.pp2 ZeRO-1 interleaved equal the one-rank packed run.
 // Custom text schedules (pipe/text.hpp files): a hand-written 1F1B gives the losses of the 1f1b
@@ -156,6 +157,10 @@ TEST_CASE("context parallel by Ulysses and hybrid equals one rank", "[train][tra
                           "pp2.cp4 hybrid (ulysses 2 x ring 2)");
   check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout, .cp = 4, .cp_mode = CpMode::hybrid},
                           "dp2 m2.cp4 hybrid dropout");
+  check_against_reference({.pp = 2, .schedule = "zb_h1", .microbatches = 4, .cp = 2, .cp_mode = CpMode::ulysses},
+                          "pp2.cp2 ulysses zb_h1");
+  check_against_reference({.tp = 2, .sp = true, .packed = true, .cp = 4, .cp_mode = CpMode::hybrid},
+                          "tp2+sp.cp4 hybrid packed (8 ranks)");
 }
 
 TEST_CASE("context-parallel layouts that cannot split are refused saying what to change", "[train][trainer][cp][errors]") {
