@@ -152,11 +152,12 @@ TEST_CASE("attention with half and bfloat16 inputs (fp32 math)", "[kernels][atte
   check_forward_backward<half>(make_args(1, 2, 1, 67, 67, 32, false), 2e-3, 2e-3);
 }
 
-TEST_CASE("attention backward matches finite differences of the double reference", "[kernels][attention]") {
-  // L = sum(o * w): dL/dx by central differences (double), against the kernel's gradients.
-  const auto a = make_args(1, 2, 1, 9, 11, 8, true);
-  auto q = random_vector<double>(a.q_elements(), 21), k = random_vector<double>(a.kv_elements(), 22),
-       v = random_vector<double>(a.kv_elements(), 23), w = random_vector<double>(a.q_elements(), 24);
+namespace {
+// The kernel's gradients of L = sum(o * w) against central differences of the double reference,
+// every `stride`-th element of q, k and v.
+void check_finite_differences(const AttentionArgs& a, std::uint32_t seed, std::size_t stride) {
+  auto q = random_vector<double>(a.q_elements(), seed), k = random_vector<double>(a.kv_elements(), seed + 1),
+       v = random_vector<double>(a.kv_elements(), seed + 2), w = random_vector<double>(a.q_elements(), seed + 3);
   auto loss = [&]() {
     const Reference r = naive_attention(a, q, k, v);
     double s = 0;
@@ -179,9 +180,14 @@ TEST_CASE("attention backward matches finite differences of the double reference
     x[i] = keep;
     return (up - down) / (2 * h);
   };
-  for (std::size_t i = 0; i < q.size(); i += 3) REQUIRE(std::fabs(dq[i] - fd(q, i)) <= 2e-5);
-  for (std::size_t i = 0; i < k.size(); i += 3) REQUIRE(std::fabs(dk[i] - fd(k, i)) <= 2e-5);
-  for (std::size_t i = 0; i < v.size(); i += 3) REQUIRE(std::fabs(dv[i] - fd(v, i)) <= 2e-5);
+  for (std::size_t i = 0; i < q.size(); i += stride) REQUIRE(std::fabs(dq[i] - fd(q, i)) <= 2e-5);
+  for (std::size_t i = 0; i < k.size(); i += stride) REQUIRE(std::fabs(dk[i] - fd(k, i)) <= 2e-5);
+  for (std::size_t i = 0; i < v.size(); i += stride) REQUIRE(std::fabs(dv[i] - fd(v, i)) <= 2e-5);
+}
+}  // namespace
+
+TEST_CASE("attention backward matches finite differences of the double reference", "[kernels][attention]") {
+  check_finite_differences(make_args(1, 2, 1, 9, 11, 8, true), 21, 3);
 }
 
 TEST_CASE("merging partial attention over kv parts equals full attention (ring attention)", "[kernels][attention]") {
@@ -339,33 +345,7 @@ TEST_CASE("segments and causal offsets against the double reference, and finite 
     const auto ids = segment_ids({{4, 1, 6}});
     auto a = make_args(1, 2, 1, 11, 11, 8, true);
     a.q_segments = a.kv_segments = ids.data();
-    auto q = random_vector<double>(a.q_elements(), 71), k = random_vector<double>(a.kv_elements(), 72),
-         v = random_vector<double>(a.kv_elements(), 73), w = random_vector<double>(a.q_elements(), 74);
-    auto loss = [&]() {
-      const Reference r = naive_attention(a, q, k, v);
-      double s = 0;
-      for (std::size_t i = 0; i < r.o.size(); ++i) s += r.o[i] * w[i];
-      return s;
-    };
-    auto tof = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
-    auto qf = tof(q), kf = tof(k), vf = tof(v), wf = tof(w);
-    std::vector<float> o(qf.size()), lse(a.lse_elements()), dq(qf.size()), dk(kf.size()), dv(vf.size());
-    host::attention_forward(a, qf.data(), kf.data(), vf.data(), o.data(), lse.data());
-    host::attention_backward(a, qf.data(), kf.data(), vf.data(), o.data(), wf.data(), lse.data(), dq.data(), dk.data(),
-                             dv.data());
-    const double h = 1e-5;
-    auto fd = [&](std::vector<double>& x, std::size_t i) {
-      const double keep = x[i];
-      x[i] = keep + h;
-      const double up = loss();
-      x[i] = keep - h;
-      const double down = loss();
-      x[i] = keep;
-      return (up - down) / (2 * h);
-    };
-    for (std::size_t i = 0; i < q.size(); ++i) REQUIRE(std::fabs(dq[i] - fd(q, i)) <= 2e-5);
-    for (std::size_t i = 0; i < k.size(); ++i) REQUIRE(std::fabs(dk[i] - fd(k, i)) <= 2e-5);
-    for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(std::fabs(dv[i] - fd(v, i)) <= 2e-5);
+    check_finite_differences(a, 71, 1);
   }
 }
 

@@ -27,6 +27,18 @@ struct Straight {
 };
 
 void straight(const Layout& l, Straight& s) { train(with_layout(tiny_config(), l), 6, s.run, s.weights); }
+// Three steps continued from the straight run's step-3 checkpoint (in another layout): the losses of
+// its steps 4..6 and its final weights, 1e-5 relative (another layout sums in another order).
+void check_continues(const Straight& s, const RunResult& r, const nn_test::Collector& w) {
+  for (int i = 0; i < 3; ++i) {
+    INFO("step " << 3 + i << ": " << r.losses[i] << " vs " << s.run.losses[3 + i]);
+    CHECK(std::fabs(r.losses[i] - s.run.losses[3 + i]) <= 1e-5 * std::fabs(s.run.losses[3 + i]));
+  }
+  for (const auto& name : s.run.names) {
+    INFO("tensor " << name);
+    CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
+  }
+}
 
 }  // namespace
 
@@ -77,14 +89,7 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
     nn_test::Collector w;
     RunResult r;
     train(with_layout(tiny_config(), l), 3, r, w, ckpt);
-    for (int i = 0; i < 3; ++i) {
-      INFO("step " << 3 + i << ": " << r.losses[i] << " vs " << s.run.losses[3 + i]);
-      CHECK(std::fabs(r.losses[i] - s.run.losses[3 + i]) <= 1e-5 * std::fabs(s.run.losses[3 + i]));
-    }
-    for (const auto& name : s.run.names) {
-      INFO("tensor " << name);
-      CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
-    }
+    check_continues(s, r, w);
   }
 }
 
@@ -102,14 +107,7 @@ TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads 
   nn_test::Collector w;
   RunResult r;
   train(with_layout(tiny_config(), Layout{}), 3, r, w, *trellis::train::latest_checkpoint(dir.path));
-  for (int i = 0; i < 3; ++i) {
-    INFO("step " << 3 + i << ": " << r.losses[i] << " vs " << s.run.losses[3 + i]);
-    CHECK(std::fabs(r.losses[i] - s.run.losses[3 + i]) <= 1e-5 * std::fabs(s.run.losses[3 + i]));
-  }
-  for (const auto& name : s.run.names) {
-    INFO("tensor " << name);
-    CHECK(nn_test::rel_error(w.get(name), s.weights.get(name)) <= 1e-5);
-  }
+  check_continues(s, r, w);
 }
 
 namespace {
