@@ -52,6 +52,14 @@ function(trellis_add_component name found_var)
     # oneDNN (Debian: libdnnl-dev) for bf16 GEMMs on AMX / AVX512-BF16. Debian's build threads with
     # OpenMP (libgomp); the header sets OpenMP's thread count per calling thread, so libgomp is
     # linked directly (its library only: no -fopenmp for the user's code).
+    # Debian's oneDNN config calls find_package(OpenCL REQUIRED) (its GPU runtime), which stops
+    # the whole configure when the OpenCL headers are missing: probe first, skip the component.
+    find_package(OpenCL QUIET)
+    if(NOT OpenCL_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'dnnl' needs OpenCL's headers and loader for Debian's oneDNN config: install ocl-icd-opencl-dev" PARENT_SCOPE)
+      return()
+    endif()
     find_package(dnnl QUIET CONFIG)
     if(NOT dnnl_FOUND OR NOT TARGET DNNL::dnnl)
       set(TRELLIS_COMPONENT_MESSAGE
