@@ -33,6 +33,7 @@ struct Options {
   int cp = 1;                   // context parallel: each sequence split over cp ranks
   std::string cp_mode = "ring";
   int cp_ulysses = 2;           // hybrid: Ulysses group size
+  bool cp_balance_docs = false; // packed rows in per-document zig-zag order (ring, hybrid)
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
@@ -85,6 +86,9 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            the cp ranks while each block computes) | ulysses (an all-to-all from sequence to head
            shards and back; heads / tp a multiple of N) | hybrid (Ulysses in groups of
            --cp-ulysses U ranks, 2 by default, a ring across the groups)
+           --cp-balance-docs (with --pack, ring or hybrid, dropout 0: every document cut into 2N
+           pieces, each rank holding two of each, so causal work is equal per document too;
+           documents padded to multiples of 2N)
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
@@ -182,6 +186,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.cp_mode = value();
     else if (f == "--cp-ulysses")
       int_flag(o.cp_ulysses);
+    else if (f == "--cp-balance-docs")
+      o.cp_balance_docs = true;
     else if (f == "--sp")
       o.sp = true;
     else if (f == "--zero1")
@@ -287,6 +293,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.cp = o.cp;
   c.cp_mode = trellis::nn::parse_cp_mode(o.cp_mode);
   c.cp_ulysses = o.cp_ulysses;
+  c.cp_balance_documents = o.cp_balance_docs;
   c.schedule = o.schedule;
   if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;
@@ -377,6 +384,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.pack < -1 || o.pack >= o.vocab)
     out.push_back("--pack names the token that starts each document: it must be in [0, --vocab), got " +
                   std::to_string(o.pack));
+  if (o.cp_balance_docs && o.pack < 0) out.push_back("--cp-balance-docs reorders packed documents: it needs --pack");
   if (o.eval_every < 1) out.push_back("--eval-every must be >= 1");
   if (o.ckpt_every < 0) out.push_back("--ckpt-every must be >= 0");
   if (o.resume && o.ckpt_dir.empty()) out.push_back("--resume needs --ckpt-dir (where the checkpoints are)");

@@ -142,6 +142,11 @@ TEST_CASE("layer options out of range are refused", "[train][flags][errors]") {
                  "--sp needs each rank's sequence length 16 (the sequence over --cp) divisible by --tp 4") == false);
   CHECK(contains(error_of({"--cp", "4", "--tp", "4", "--sp", "--context", "24", "--heads", "4"}),
                  "--sp needs each rank's sequence length 6 (the sequence over --cp) divisible by --tp 4"));
+  CHECK(train_gpt::trainer_config(parse_flags({"--cp", "2", "--pack", "10", "--cp-balance-docs"})).cp_balance_documents);
+  CHECK(error_of({"--cp", "2", "--pack", "10", "--cp-balance-docs"}).empty());
+  CHECK(contains(error_of({"--cp", "2", "--cp-balance-docs"}), "--cp-balance-docs reorders packed documents: it needs --pack"));
+  CHECK(contains(error_of({"--cp", "2", "--pack", "10", "--cp-balance-docs", "--dropout", "0.1"}), "--dropout 0"));
+  CHECK(contains(train_gpt::usage(), "--cp-balance-docs"));
 }
 
 TEST_CASE("--schedule-file loads, checks and refuses bad files naming the problem", "[train][flags][pipe]") {

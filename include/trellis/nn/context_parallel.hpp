@@ -13,8 +13,15 @@
 //  hybrid   (USP / LoongTrain 2-D) cp = u x g: Ulysses inside groups of u consecutive cp ranks,
 //           then a ring over the g groups between the ranks that hold the same heads.
 //
+// Packed documents under a causal mask: the zig-zag balances the row, not its documents (a short
+// document's work lands on whichever rank holds it). Balanced documents (ring and hybrid) store
+// every row in per-document zig-zag order instead (document_zigzag_rows; TokenShape says what
+// the layers read then): each document cut into 2 cp pieces, global chunk c holding piece c of
+// every document, so each rank's work is the same from every document. The loader pads every
+// document to a multiple of 2 cp (DataLoader::Options::pack_align) for this.
+//
 // This header: the mode, the layer's ContextParallel (communicators), the hybrid's two
-// sub-communicators, the chunked document ids the masks read.
+// sub-communicators, the chunked document ids the masks read, the balanced-document order.
 #pragma once
 
 #include <cstdint>
@@ -83,6 +90,9 @@ struct ContextParallel {
                   " of ", s.cp_size, " but the layer's cp communicator is rank ", rank(), " of ", size());
     TRELLIS_CHECK(s.cp_size == 1 || s.seq % 2 == 0, who, ": a context-parallel rank holds two equal chunks, so its ",
                   "local sequence must be even, got ", s.seq);
+    TRELLIS_CHECK(!s.document_zigzag || s.cp_size == 1 || mode != CpMode::ulysses, who,
+                  ": balanced documents (per-document zig-zag) run with cp mode ring or hybrid; ulysses attends the ",
+                  "whole sequence in one call and is balanced by heads already");
   }
 };
 
@@ -113,6 +123,37 @@ inline std::vector<std::int32_t> chunked_segments(const TokenShape& s) {
     for (index_t b = 0; b < s.batch; ++b)
       for (index_t i = 0; i < L; ++i)
         out[static_cast<std::size_t>((c * s.batch + b) * L + i)] = s.segments[b * n + c * L + i];
+  return out;
+}
+
+// Rows (rows, n) of `values` (tokens, targets, or the ids themselves) in per-document zig-zag
+// order for cp ranks: row by row, global chunk c (of 2 cp, n / (2 cp) long) = piece c of each
+// document of the row (its tokens [c l, (c + 1) l) for a document of 2 cp l tokens), documents in
+// row order. `ids` (rows, n): the documents, non-decreasing along each row; a document whose length
+// is not a multiple of 2 cp is refused, naming the row and the document.
+inline std::vector<std::int32_t> document_zigzag_rows(const std::vector<std::int32_t>& values,
+                                                      const std::vector<std::int32_t>& ids, index_t n, int cp) {
+  TRELLIS_CHECK(values.size() == ids.size() && n > 0 && values.size() % static_cast<std::size_t>(n) == 0 &&
+                    n % (2 * cp) == 0,
+                "document_zigzag_rows: ", values.size(), " values, ", ids.size(), " ids, rows of ", n,
+                " tokens for cp ", cp);
+  const index_t parts = 2 * static_cast<index_t>(cp), L = n / parts, rows = static_cast<index_t>(values.size()) / n;
+  std::vector<std::int32_t> out(values.size());
+  for (index_t r = 0; r < rows; ++r) {
+    const std::int32_t* id = ids.data() + r * n;
+    index_t offset = 0;  // where the current document's pieces start in each chunk
+    for (index_t s = 0, e = 0; s < n; s = e) {
+      for (e = s + 1; e < n && id[e] == id[s];) ++e;
+      TRELLIS_CHECK((e - s) % parts == 0, "balanced documents: row ", r, " document ", id[s], " (positions ", s, " to ",
+                    e - 1, ") has ", e - s, " tokens, not a multiple of 2 cp = ", parts,
+                    ": pack with DataLoader::Options::pack_align = ", parts);
+      const index_t l = (e - s) / parts;
+      for (index_t c = 0; c < parts; ++c)
+        for (index_t i = 0; i < l; ++i)
+          out[static_cast<std::size_t>(r * n + c * L + offset + i)] = values[static_cast<std::size_t>(r * n + s + c * l + i)];
+      offset += l;
+    }
+  }
   return out;
 }
 

@@ -4,9 +4,10 @@
 // while the blocks are computed. Each query chunk attends to each arriving key chunk that is not
 // after it (causal_offset = the chunks' position difference; packed documents: the chunks' ids),
 // and the partial results are merged by their log-sum-exp. Backward: the K/V blocks travel the
-// same way (sent before the compute), each followed by an accumulator of its dK/dV (act_t) that
-// every member adds its contribution to; the hand-off of one step runs during the next step's
-// compute, and after a full turn the accumulator is back at its owner. dQ stays local.
+// other way round (sent before the compute), each followed by an accumulator of its dK/dV (act_t)
+// that every member adds its contribution to; the hand-off of one step runs during the next step's
+// compute, the last one (home to the owner) during the owner's own off-diagonal blocks, the first
+// K/V hop during its diagonal blocks. dQ stays local.
 //
 // Which global chunks a ring member holds (ChunkLists, the same count K for every member):
 //  plain ring: member r of cp holds chunks r and 2 cp - 1 - r (zig-zag). Under a causal mask
@@ -127,7 +128,7 @@ class RingAttention {
       act_t *kn = nullptr, *vn = nullptr;
       if (step + 1 < P_) {  // the next block travels while this one is computed
         kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
-        pending = exchange({kc, vc}, {kn, vn});
+        pending = exchange({kc, vc}, {kn, vn}, (r_ + 1) % P_, (r_ - 1 + P_) % P_);
       }
       for (const RingBlock& b : plan_) {
         if (b.step != step) continue;
@@ -149,59 +150,67 @@ class RingAttention {
 
   // Gradients from the merged o and lse of forward: dq [K][n] of this member's queries, dk and dv
   // [K][n] of its keys and values (all overwritten).
+  //
+  // The backward ring runs the other way round: member r holds its own K/V, then the blocks of
+  // r + 1, r + 2, ..., r - 1. A block's dK/dV accumulator travels with it (each member adds its
+  // contribution, then hands it on, the hand-off running during the next step's compute) and
+  // reaches the owner after the last step. The owner's own blocks are split round that: the
+  // diagonal blocks run first, while the first remote block travels in; the others run last, while
+  // the accumulator of its own K/V comes home. So no hop waits on an idle member when the compute
+  // of a step outlasts it.
   void backward(const act_t* q, const act_t* k, const act_t* v, const act_t* o, const act_t* d_o, const float* lse,
                 act_t* dq, act_t* dk, act_t* dv) {
     const auto all = static_cast<std::size_t>(K_ * n_);
     be_.fill_zero(dq, all);
-    if (P_ == 1) {  // a ring of one: every block is this member's own
-      be_.fill_zero(dk, all);
-      be_.fill_zero(dv, all);
+    be_.fill_zero(dk, all);
+    be_.fill_zero(dv, all);
+    // This member's blocks that `take` selects, over the key block kb/vb, adding into gk/gv.
+    auto blocks = [&](auto take, const act_t* kb, const act_t* vb, act_t* gk, act_t* gv) {
       for (const RingBlock& b : plan_)
-        be_.attention_backward(block_args(b), q + b.qi * n_, k + b.ki * n_, v + b.ki * n_, o + b.qi * n_,
-                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, dk + b.ki * n_, dv + b.ki * n_,
-                               /*accumulate=*/true);
+        if (take(b))
+          be_.attention_backward(block_args(b), q + b.qi * n_, kb + b.ki * n_, vb + b.ki * n_, o + b.qi * n_,
+                                 d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, gk + b.ki * n_, gv + b.ki * n_,
+                                 /*accumulate=*/true);
+    };
+    const int r = r_;
+    if (P_ == 1) {  // a ring of one: every block is this member's own
+      blocks([](const RingBlock&) { return true; }, k, v, dk, dv);
       return;
     }
-    // Per step: this member's contribution to the held block's dK/dV goes into a fresh buffer
-    // (part) while the block's accumulator travels from the previous member (sent after ITS step),
-    // then the two are added and sent on; so the hand-off of step s runs during the compute of
-    // step s + 1, and only the last one (home) is waited for at the end.
+    const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
     std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf, dk_part, dv_part, dk_in, dv_in;
-    const act_t *kc = k, *vc = v;
-    std::optional<typename C::request_type> handing;  // the accumulator sent last step / arriving now
+    act_t *kc = next_buffer(kbuf, 0), *vc = next_buffer(vbuf, 0);
+    std::optional<typename C::request_type> pending = exchange({k, v}, {kc, vc}, prev, next);
+    blocks([r](const RingBlock& b) { return b.src == r && b.diagonal(); }, k, v, dk, dv);
+    std::optional<typename C::request_type> handing;  // the accumulator handed on last step / arriving now
     act_t *acc_k = nullptr, *acc_v = nullptr;          // where it arrives
-    for (int step = 0; step < P_; ++step) {
-      std::optional<typename C::request_type> pending;
-      act_t *kn = nullptr, *vn = nullptr;
+    for (int step = 1; step < P_; ++step) {
+      timed_wait(*pending, stats_.kv_wait_seconds);  // the block of member r + step
+      pending.reset();
+      const act_t *held_k = kc, *held_v = vc;
       if (step + 1 < P_) {
-        kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
-        pending = exchange({kc, vc}, {kn, vn});
+        kc = next_buffer(kbuf, step), vc = next_buffer(vbuf, step);
+        pending = exchange({held_k, held_v}, {kc, vc}, prev, next);
       }
       act_t* pk = next_buffer(dk_part, step);
       act_t* pv = next_buffer(dv_part, step);
       be_.fill_zero(pk, all);
       be_.fill_zero(pv, all);
-      for (const RingBlock& b : plan_) {
-        if (b.step != step) continue;
-        be_.attention_backward(block_args(b), q + b.qi * n_, kc + b.ki * n_, vc + b.ki * n_, o + b.qi * n_,
-                               d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, pk + b.ki * n_, pv + b.ki * n_,
-                               /*accumulate=*/true);
-      }
-      if (handing) {  // the block's accumulator so far (members before this one), then ours added
+      const int src = (r_ + step) % P_;
+      blocks([src](const RingBlock& b) { return b.src == src; }, held_k, held_v, pk, pv);
+      if (handing) {  // the block's accumulator from the members after this one, then ours added
         timed_wait(*handing, stats_.grad_exchange_seconds);
         be_.add(static_cast<index_t>(all), pk, acc_k, pk);
         be_.add(static_cast<index_t>(all), pv, acc_v, pv);
       }
-      if (pending) {
-        timed_wait(*pending, stats_.kv_wait_seconds);
-        kc = kn, vc = vn;
-      }
-      // On to the next member; the last hop brings every block's accumulator home into dk, dv.
-      acc_k = step + 1 < P_ ? next_buffer(dk_in, step) : dk;
-      acc_v = step + 1 < P_ ? next_buffer(dv_in, step) : dv;
-      handing = exchange({pk, pv}, {acc_k, acc_v}, kGradientTags);
+      // On to the previous member (after the last step: the block's owner).
+      acc_k = next_buffer(dk_in, step), acc_v = next_buffer(dv_in, step);
+      handing = exchange({pk, pv}, {acc_k, acc_v}, prev, next, kGradientTags);
     }
-    timed_wait(*handing, stats_.grad_exchange_seconds);
+    blocks([r](const RingBlock& b) { return b.src == r && !b.diagonal(); }, k, v, dk, dv);
+    timed_wait(*handing, stats_.grad_exchange_seconds);  // every other member's part of our dK/dV
+    be_.add(static_cast<index_t>(all), dk, acc_k, dk);
+    be_.add(static_cast<index_t>(all), dv, acc_v, dv);
   }
 
  private:
@@ -229,17 +238,17 @@ class RingAttention {
     if (b.empty()) b = be_.template scratch<act_t>(static_cast<std::size_t>(K_ * n_));
     return b.data();
   }
-  // Sends two [K][n] tensors to the next member and receives two from the previous one, together
-  // (tags: K/V blocks 0 and 1, their gradient accumulators 2 and 3).
+  // Sends two [K][n] tensors to member `to` and receives two from member `from`, together (tags:
+  // K/V blocks 0 and 1, their gradient accumulators 2 and 3).
   static constexpr int kGradientTags = 2;
-  typename C::request_type exchange(std::array<const act_t*, 2> send, std::array<act_t*, 2> recv, int tag = 0) {
-    const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
+  typename C::request_type exchange(std::array<const act_t*, 2> send, std::array<act_t*, 2> recv, int to, int from,
+                                    int tag = 0) {
     const auto count = static_cast<std::size_t>(K_ * n_);
     const comm::P2POp ops[4] = {
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[0]), count, dtype_v<act_t>, next, tag},
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[1]), count, dtype_v<act_t>, next, tag + 1},
-        {comm::P2POp::Kind::recv, recv[0], count, dtype_v<act_t>, prev, tag},
-        {comm::P2POp::Kind::recv, recv[1], count, dtype_v<act_t>, prev, tag + 1},
+        {comm::P2POp::Kind::send, const_cast<act_t*>(send[0]), count, dtype_v<act_t>, to, tag},
+        {comm::P2POp::Kind::send, const_cast<act_t*>(send[1]), count, dtype_v<act_t>, to, tag + 1},
+        {comm::P2POp::Kind::recv, recv[0], count, dtype_v<act_t>, from, tag},
+        {comm::P2POp::Kind::recv, recv[1], count, dtype_v<act_t>, from, tag + 1},
     };
     return comm_.batch(std::span<const comm::P2POp>(ops));
   }

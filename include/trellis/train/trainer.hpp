@@ -177,6 +177,7 @@ class Trainer {
     shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq / cfg_.cp};
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
+    shape_.document_zigzag = cfg_.cp_balance_documents;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
     stage_->set_weight_unit_hook([this](int, int c, int u) { on_weight_unit(c, u); });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
@@ -500,16 +501,24 @@ class Trainer {
     const index_t per = shape_.batch * cfg_.seq;  // a microbatch's ids (full sequences)
     const std::int32_t* inputs = b.inputs.data();
     const std::int32_t* labels = b.targets.data();
+    const std::int32_t* ids = b.segments.data();
+    if (cfg_.cp_balance_documents && b.packed()) {  // rows in per-document zig-zag order
+      balanced_ids_ = nn::document_zigzag_rows(b.segments, b.segments, cfg_.seq, cfg_.cp);
+      ids = balanced_ids_.data();
+    }
     if (cfg_.cp > 1) {  // this rank's zig-zag positions of every row (the ids stay whole)
-      local_inputs_ = local_positions(b.inputs);
-      local_targets_ = local_positions(b.targets);
+      auto order = [&](const std::vector<std::int32_t>& v) {
+        return ids == b.segments.data() ? v : nn::document_zigzag_rows(v, b.segments, cfg_.seq, cfg_.cp);
+      };
+      local_inputs_ = local_positions(order(b.inputs));
+      local_targets_ = local_positions(order(b.targets));
       inputs = local_inputs_.data();
       labels = local_targets_.data();
     }
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       tokens.push_back(inputs + mb * shape_.rows());
       targets.push_back(labels + mb * shape_.rows());
-      if (b.packed()) segments.push_back(b.segments.data() + mb * per);
+      if (b.packed()) segments.push_back(ids + mb * per);
     }
     nn::DropoutContext dropout;
     dropout.seed = dropout_seed(cfg_.seed, state_.step());
@@ -865,6 +874,7 @@ class Trainer {
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
   std::vector<std::int32_t> local_inputs_, local_targets_;  // cp > 1: this rank's positions of the batch
+  std::vector<std::int32_t> balanced_ids_;                   // cp_balance_documents: the rows' ids reordered
   std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;

@@ -33,6 +33,9 @@ struct TrainerConfig {
   int cp = 1;
   nn::CpMode cp_mode = nn::CpMode::ring;
   int cp_ulysses = 2;  // hybrid: the Ulysses group size u (cp = u x ring size)
+  // Packed rows in per-document zig-zag order (ring, hybrid): every rank gets the same causal work
+  // from each document. The loader must pad documents to multiples of 2 cp (Options::pack_align).
+  bool cp_balance_documents = false;
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
   // with pp > 1; checked by config_problems (ranks = pp, microbatches, verify()).
@@ -138,6 +141,10 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     add("--cp-mode ", nn::to_string(c.cp_mode), " gives each of ", group, " ranks an equal share of every tp rank's ",
         m.heads / c.tp, " heads (--heads ", m.heads, " over --tp ", c.tp, "): the ", m.heads / c.tp,
         " heads must be a multiple of ", group, "; use --cp-mode ring or another --cp");
+  if (c.cp_balance_documents && (c.cp < 2 || c.cp_mode == nn::CpMode::ulysses || c.options.dropout != 0.0f))
+    add("--cp-balance-docs reorders each packed row per document for ring or hybrid context parallelism: it needs ",
+        "--cp > 1 (got ", c.cp, "), --cp-mode ring or hybrid (got ", nn::to_string(c.cp_mode), ") and --dropout 0 (got ",
+        c.options.dropout, "; masks follow positions in the row)");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
   if (m.heads >= 1 && m.width % m.heads != 0)
