@@ -4,12 +4,14 @@
 //  2. attention work per rank: each cp rank's ring blocks (nn::ring_plan, the list the layer runs)
 //     executed alone on the machine, forward + backward kernels, against cp = 1's whole-sequence
 //     attention / cp (1.0 = perfect split). Alone: ranks sharing 2 cores would time each other.
+//     2b: the same on one packed row of documents, the plain zig-zag against balanced documents
+//     (nn::balanced_document_order), with the causal pairs each rank computes.
 //  3. overlap: RingAttention forward + backward on cp thread ranks over comm::SimulatedLink (a
 //     SIMULATED link: each message held for latency + bytes / bandwidth, bandwidth chosen so one
 //     K/V block takes half of a forward ring step's compute), against the same ranks without the
 //     link, and against a link that cannot overlap (LinkModel::synchronous): the control. The
 //     three run round robin in one world; the last columns are what the ring still waited for
-//     (the dK/dV hand-off home after the last step cannot hide behind anything in the layer).
+//     (a member's slowness included: ranks share the machine's 2 cores).
 //  4. Ulysses against ring at equal cp: the attention layer (its GEMMs included) forward +
 //     backward over simulated links from none to 30 MB/s, time and bytes each rank sends, and
 //     where the faster mode changes.
@@ -77,14 +79,17 @@ struct AttentionShape {
   index_t heads = 4, head_dim = 32;
 };
 // cp rank r's ring blocks (forward: kernel + merge per block; backward: the accumulating kernel
-// per block) as a callable, or the whole sequence with cp = 1.
+// per block) as a callable, or the whole sequence with cp = 1. `ids`: one packed row's document
+// ids as stored (T of them; empty: one sequence), each block masked as RingAttention masks it.
 struct RankAttention {
   kernels::AttentionArgs args;
   std::vector<RingBlock> plan;
   std::size_t n = 0, m = 0;
   std::vector<float> q, k, v, d_o, o, lse, dq, dk, dv, part, part_lse;
+  std::vector<std::int32_t> ids;
   int cp = 1;
-  RankAttention(const AttentionShape& a, index_t T, int cp_, int r) : cp(cp_) {
+  RankAttention(const AttentionShape& a, index_t T, int cp_, int r, std::vector<std::int32_t> row_ids = {})
+      : ids(std::move(row_ids)), cp(cp_) {
     const index_t L = cp > 1 ? T / (2 * cp) : T, chunks = cp > 1 ? 2 : 1;
     args.q_heads = args.kv_heads = a.heads;
     args.head_dim = a.head_dim;
@@ -100,9 +105,14 @@ struct RankAttention {
   void operator()() {
     HostFp32 be;
     const index_t L = args.q_len;
-    for (const RingBlock& b : plan) {
+    auto block_args = [&](const RingBlock& b) {
       auto x = args;
       x.causal_offset = (b.qc - b.kc) * L;
+      if (!ids.empty()) x.q_segments = ids.data() + b.qc * L, x.kv_segments = ids.data() + b.kc * L;
+      return x;
+    };
+    for (const RingBlock& b : plan) {
+      const auto x = block_args(b);
       // The K/V of other ranks are stand-ins of the same size: the work does not depend on values.
       if (b.step == 0 && b.diagonal()) {
         be.attention_forward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, o.data() + b.qi * n,
@@ -115,8 +125,7 @@ struct RankAttention {
       }
     }
     for (const RingBlock& b : plan) {
-      auto x = args;
-      x.causal_offset = (b.qc - b.kc) * L;
+      const auto x = block_args(b);
       be.attention_backward(x, q.data() + b.qi * n, k.data() + b.ki * n, v.data() + b.ki * n, o.data() + b.qi * n,
                             d_o.data() + b.qi * n, lse.data() + b.qi * m, dq.data() + b.qi * n, dk.data() + b.ki * n,
                             dv.data() + b.ki * n, /*accumulate=*/cp > 1);
@@ -265,6 +274,51 @@ int main(int argc, char** argv) {
     row.add("cp1_ms", whole * 1e3).add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3);
     row.add("max_over_ideal", hi / (whole / cp));
     json.add(row);
+  }
+
+  // 2b. the same on one packed row: documents of 16 to 1024 tokens, plain zig-zag against balanced
+  // documents, and the causal pairs each rank computes (counted from the plan and the ids, as the
+  // kernel masks them).
+  std::vector<std::int32_t> row_ids(static_cast<std::size_t>(T_work));
+  for (index_t t = 0, d = 0; t < T_work; ++d) {
+    const index_t len = std::min(T_work - t, static_cast<index_t>(16 + splitmix64(static_cast<std::uint64_t>(d) + 5) % 1009));
+    for (index_t i = 0; i < len; ++i, ++t) row_ids[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(d);
+  }
+  std::printf("\n## attention work per rank on one PACKED row (T %lld, %d documents of 16..1024 tokens; min of %d)\n",
+              static_cast<long long>(T_work), row_ids.back() + 1, iters);
+  std::printf("%4s %-10s %12s %12s %14s %14s %16s\n", "cp", "order", "min rank ms", "max rank ms", "max/(cp1/cp)",
+              "max/min", "pairs max/min");
+  for (int cp : {2, 4, 8}) {
+    for (bool balanced : {false, true}) {
+      const auto stored = balanced ? balanced_document_ids(row_ids, T_work, cp) : row_ids;
+      std::vector<RankAttention> work;
+      work.emplace_back(shape, T_work, 1, 0, row_ids);
+      for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_work, cp, r, stored);
+      std::vector<double> pairs(static_cast<std::size_t>(cp), 0.0);  // counted as the kernel masks
+      const index_t L = T_work / (2 * cp);
+      for (int r = 0; r < cp; ++r)
+        for (const RingBlock& b : work[static_cast<std::size_t>(1 + r)].plan)
+          for (index_t i = 0; i < L; ++i)
+            for (index_t j = 0; j < L && j <= i + (b.qc - b.kc) * L; ++j)
+              pairs[static_cast<std::size_t>(r)] += stored[static_cast<std::size_t>(b.qc * L + i)] ==
+                                                    stored[static_cast<std::size_t>(b.kc * L + j)];
+      std::vector<std::function<void()>> fns;
+      for (auto& w : work) fns.push_back([&w] { w(); });
+      const auto t = bench::time_round_robin(fns, 1, iters);
+      const double whole = t[0].first;
+      double lo = 1e30, hi = 0;
+      for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
+      const auto [plo, phi] = std::minmax_element(pairs.begin(), pairs.end());
+      std::printf("%4d %-10s %12.1f %12.1f %14.3f %14.3f %16.3f   (cp 1: %.1f ms)\n", cp,
+                  balanced ? "documents" : "zig-zag", lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo, *phi / *plo,
+                  whole * 1e3);
+      bench::Row row;
+      row.add_text("table", "packed_work").add_text("order", balanced ? "documents" : "zigzag");
+      row.add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
+      row.add("cp1_ms", whole * 1e3).add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3);
+      row.add("max_over_ideal", hi / (whole / cp)).add("pairs_max_over_min", *phi / *plo);
+      json.add(row);
+    }
   }
 
   // 3. overlap on a simulated link: the three variants round robin in one world, the link's

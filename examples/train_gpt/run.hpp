@@ -136,9 +136,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                   double peak, const std::string& ranks, Outcome& outcome, double blas = 0,
                   const std::string& peak_note = "") {
   const auto cfg = trainer_config(o);
-  const index_t align = o.cp_balance_docs ? 2 * cfg.cp : 1;  // balanced documents: 2 cp pieces each
-  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp, o.pack, align});
-  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp, o.pack, align});
+  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp, o.pack});
+  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp, o.pack});
   const fs::path ckpt_root = checkpoint_root(o);
   auto save = [&]() {  // collective; then the lead prunes (--keep-last), never the one `latest` names
     trainer.save(ckpt_root, loader.state());
@@ -193,8 +192,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                   o.pack, static_cast<long long>(loader.windows()), o.context, 100.0 * loader.packing_efficiency(),
                   loader.attention_span());
     if (o.cp_balance_docs)
-      std::printf("balanced documents: each padded to a multiple of %lld tokens and cut into that many pieces, "
-                  "two per cp rank (per-document zig-zag)\n", static_cast<long long>(align));
+      std::printf("balanced documents: long documents cut into %d pieces (two per cp rank), short ones placed "
+                  "whole where the causal work is least (nn/context_parallel.hpp)\n", 2 * o.cp);
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);

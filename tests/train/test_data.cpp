@@ -1,7 +1,6 @@
 // Data: bytes-as-tokens, llm.c shards, split, unigram baselines vs hand formulas, and the loader
 // (window contents, determinism, epochs are permutations, dp shards == single-rank batch,
-// exact resume); packed mode (documents split and packed, every input once per epoch; aligned to a multiple,
-// the pad inside each document).
+// exact resume); packed mode (documents split and packed, every input once per epoch).
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -240,34 +239,6 @@ std::vector<token_t> document_stream(std::size_t n) {
   return t;
 }
 }  // namespace
-
-TEST_CASE("aligned packing pads every document to a multiple, the pad inside the document", "[data][loader][packed]") {
-  const auto stream = document_stream(3001);
-  const index_t T = 32, align = 8;
-  DataLoader loader(stream, {.batch_rows = 1, .seq_len = T, .seed = 3, .shuffle = false, .pack_separator = kSeparator,
-                             .pack_align = align});
-  index_t real = 0;
-  for (index_t r = 0; r < loader.batches_per_epoch(); ++r) {
-    const Batch b = loader.next();
-    // Runs of one id: a multiple of `align` long; real tokens first (the stream, shifted), then
-    // padding (separator input, no target) with the same id.
-    for (index_t s = 0, e = 0; s < T; s = e) {
-      for (e = s + 1; e < T && b.segments[e] == b.segments[s];) ++e;
-      CHECK((e - s) % align == 0);
-      bool padding = false;
-      for (index_t t = s; t < e; ++t) {
-        if (b.targets[t] < 0) padding = true;
-        REQUIRE((!padding || (b.targets[t] < 0 && b.inputs[t] == kSeparator)));
-        if (!padding && t > s) REQUIRE(b.targets[t - 1] == b.inputs[t]);
-        real += !padding;
-      }
-    }
-  }
-  CHECK(real == 3000);  // every input once (one epoch of one-row batches)
-  const auto plain = pack_best_fit(split_documents(std::span<const token_t>(stream), kSeparator, T), T);
-  CHECK(loader.packing_efficiency() < plain.efficiency());  // the alignment's padding is waste
-  CHECK_THROWS_WITH(pack_best_fit({}, T, 6), Catch::Contains("aligned to 6"));
-}
 
 TEST_CASE("packed rows hold whole documents once each, positions and targets inside them", "[data][loader][packed]") {
   const auto stream = document_stream(3001);

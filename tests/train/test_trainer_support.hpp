@@ -100,7 +100,7 @@ struct Layout {
   int cp = 1;              // context parallel
   trellis::nn::CpMode cp_mode = trellis::nn::CpMode::ring;
   int cp_ulysses = 2;      // hybrid: Ulysses group size
-  bool balance_documents = false;  // packed rows in per-document zig-zag order (documents padded to 2 cp)
+  bool balance_documents = false;  // packed rows reordered for equal causal work per cp rank
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -129,7 +129,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
 template <class B = trellis::backend::Host<float>>
 void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collector& weights,
                   const std::filesystem::path& load_from = {}, const std::filesystem::path& save_to = {},
-                  bool packed = false, trellis::index_t pack_align = 1) {
+                  bool packed = false) {
   const int ranks = cfg.pp * cfg.dp * cfg.tp * cfg.cp;
   std::mutex mutex;
   std::vector<double> losses, norms;
@@ -139,7 +139,7 @@ void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collect
     Trainer<ThreadComm, B> t(comm, cfg);
     const int dp_rank = t.mesh().template coord<trellis::dp>();
     trellis::train::DataLoader loader(packed ? document_tokens() : tokens(),
-                                      {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp, packed ? kPackSeparator : -1, pack_align});
+                                      {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp, packed ? kPackSeparator : -1});
     if (!load_from.empty()) loader.restore(t.load(load_from).data);
     std::vector<double> my_losses, my_norms;
     for (int s = 0; s < steps; ++s) {

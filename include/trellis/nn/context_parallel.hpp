@@ -15,15 +15,14 @@
 //
 // Packed documents under a causal mask: the zig-zag balances the row, not its documents (a short
 // document's work lands on whichever rank holds it). Balanced documents (ring and hybrid) store
-// every row in per-document zig-zag order instead (document_zigzag_rows; TokenShape says what
-// the layers read then): each document cut into 2 cp pieces, global chunk c holding piece c of
-// every document, so each rank's work is the same from every document. The loader pads every
-// document to a multiple of 2 cp (DataLoader::Options::pack_align) for this.
+// every row with its documents reordered so each rank's causal work is near-equal
+// (balanced_document_order: a packing decision, nothing the layers see).
 //
 // This header: the mode, the layer's ContextParallel (communicators), the hybrid's two
-// sub-communicators, the chunked document ids the masks read, the balanced-document order.
+// sub-communicators, the chunked document ids the masks read, the balanced document order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -90,9 +89,6 @@ struct ContextParallel {
                   " of ", s.cp_size, " but the layer's cp communicator is rank ", rank(), " of ", size());
     TRELLIS_CHECK(s.cp_size == 1 || s.seq % 2 == 0, who, ": a context-parallel rank holds two equal chunks, so its ",
                   "local sequence must be even, got ", s.seq);
-    TRELLIS_CHECK(!s.document_zigzag || s.cp_size == 1 || mode != CpMode::ulysses, who,
-                  ": balanced documents (per-document zig-zag) run with cp mode ring or hybrid; ulysses attends the ",
-                  "whole sequence in one call and is balanced by heads already");
   }
 };
 
@@ -126,32 +122,93 @@ inline std::vector<std::int32_t> chunked_segments(const TokenShape& s) {
   return out;
 }
 
-// Rows (rows, n) of `values` (tokens, targets, or the ids themselves) in per-document zig-zag
-// order for cp ranks: row by row, global chunk c (of 2 cp, n / (2 cp) long) = piece c of each
-// document of the row (its tokens [c l, (c + 1) l) for a document of 2 cp l tokens), documents in
-// row order. `ids` (rows, n): the documents, non-decreasing along each row; a document whose length
-// is not a multiple of 2 cp is refused, naming the row and the document.
-inline std::vector<std::int32_t> document_zigzag_rows(const std::vector<std::int32_t>& values,
-                                                      const std::vector<std::int32_t>& ids, index_t n, int cp) {
-  TRELLIS_CHECK(values.size() == ids.size() && n > 0 && values.size() % static_cast<std::size_t>(n) == 0 &&
-                    n % (2 * cp) == 0,
-                "document_zigzag_rows: ", values.size(), " values, ", ids.size(), " ids, rows of ", n,
-                " tokens for cp ", cp);
-  const index_t parts = 2 * static_cast<index_t>(cp), L = n / parts, rows = static_cast<index_t>(values.size()) / n;
+// Balanced documents: the order of the documents of one packed row (out[stored] = original
+// position) that evens out the cp ranks' causal attention work. Under the zig-zag split rank r
+// holds chunks r and 2 cp - 1 - r of L = n / (2 cp) tokens; a document's query at position p of
+// the document costs p + 1 (query, key) pairs, so the work depends on where the documents sit.
+// Documents stay whole and contiguous (so the kernels' tiles stay as full as in the packed row,
+// and positions, masks and the loss are those of the row): only their order changes. Hill
+// climbing from the packed order: the swap of two documents (among the 32 longest) that lowers
+// the most-worked rank's pairs most, until none does (at most 64 swaps).
+inline std::vector<double> cp_rank_work(const std::vector<index_t>& lengths, index_t n, int cp) {
+  const index_t parts = 2 * static_cast<index_t>(cp), L = n / parts;
+  std::vector<double> work(static_cast<std::size_t>(cp), 0.0);
+  index_t s = 0;
+  for (index_t len : lengths) {
+    for (index_t p = s; p < s + len;) {  // the document's tokens chunk by chunk
+      const index_t c = p / L, end = std::min(s + len, (c + 1) * L);
+      const auto a = static_cast<double>(p - s), b = static_cast<double>(end - s);
+      work[static_cast<std::size_t>(c < cp ? c : parts - 1 - c)] += (b * (b + 1) - a * (a + 1)) / 2;
+      p = end;
+    }
+    s += len;
+  }
+  return work;
+}
+inline std::vector<index_t> balanced_document_order(const std::int32_t* ids, index_t n, int cp) {
+  TRELLIS_CHECK(cp >= 1 && n > 0 && n % (2 * cp) == 0, "balanced documents: a row of ", n, " tokens in 2 cp = ",
+                2 * cp, " chunks");
+  std::vector<index_t> start, length;
+  for (index_t s = 0, e = 0; s < n; s = e) {
+    for (e = s + 1; e < n && ids[e] == ids[s];) ++e;
+    start.push_back(s), length.push_back(e - s);
+  }
+  const std::size_t D = start.size();
+  std::vector<std::size_t> order(D), by_length(D);
+  for (std::size_t d = 0; d < D; ++d) order[d] = by_length[d] = d;
+  std::stable_sort(by_length.begin(), by_length.end(), [&](std::size_t a, std::size_t b) { return length[a] > length[b]; });
+  std::vector<bool> movable(D, false);
+  for (std::size_t k = 0; k < std::min<std::size_t>(D, 32); ++k) movable[by_length[k]] = true;
+  auto cost = [&](const std::vector<std::size_t>& o) {
+    std::vector<index_t> lens(D);
+    for (std::size_t i = 0; i < D; ++i) lens[i] = length[o[i]];
+    const auto w = cp_rank_work(lens, n, cp);
+    return *std::max_element(w.begin(), w.end());
+  };
+  double current = cost(order);
+  for (int round = 0; round < 64; ++round) {
+    double best = current;
+    std::size_t bi = 0, bj = 0;
+    for (std::size_t i = 0; i < D; ++i)
+      for (std::size_t j = i + 1; j < D; ++j) {
+        if (!movable[order[i]] || !movable[order[j]] || length[order[i]] == length[order[j]]) continue;
+        std::swap(order[i], order[j]);
+        if (const double c = cost(order); c < best) best = c, bi = i, bj = j;
+        std::swap(order[i], order[j]);
+      }
+    if (!(best < current * (1 - 1e-9))) break;
+    std::swap(order[bi], order[bj]);
+    current = best;
+  }
+  std::vector<index_t> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::size_t d : order)
+    for (index_t i = 0; i < length[d]; ++i) out.push_back(start[d] + i);
+  return out;
+}
+
+// Rows (rows, n) of `values` (tokens, targets) in the balanced order of their row's documents
+// (`ids`, (rows, n), non-decreasing along each row).
+inline std::vector<std::int32_t> balanced_document_rows(const std::vector<std::int32_t>& values,
+                                                        const std::vector<std::int32_t>& ids, index_t n, int cp) {
+  TRELLIS_CHECK(values.size() == ids.size() && n > 0 && values.size() % static_cast<std::size_t>(n) == 0,
+                "balanced_document_rows: ", values.size(), " values, ", ids.size(), " ids, rows of ", n);
   std::vector<std::int32_t> out(values.size());
-  for (index_t r = 0; r < rows; ++r) {
-    const std::int32_t* id = ids.data() + r * n;
-    index_t offset = 0;  // where the current document's pieces start in each chunk
-    for (index_t s = 0, e = 0; s < n; s = e) {
-      for (e = s + 1; e < n && id[e] == id[s];) ++e;
-      TRELLIS_CHECK((e - s) % parts == 0, "balanced documents: row ", r, " document ", id[s], " (positions ", s, " to ",
-                    e - 1, ") has ", e - s, " tokens, not a multiple of 2 cp = ", parts,
-                    ": pack with DataLoader::Options::pack_align = ", parts);
-      const index_t l = (e - s) / parts;
-      for (index_t c = 0; c < parts; ++c)
-        for (index_t i = 0; i < l; ++i)
-          out[static_cast<std::size_t>(r * n + c * L + offset + i)] = values[static_cast<std::size_t>(r * n + s + c * l + i)];
-      offset += l;
+  for (std::size_t r = 0; r < values.size() / static_cast<std::size_t>(n); ++r) {
+    const std::size_t row = r * static_cast<std::size_t>(n);
+    const auto order = balanced_document_order(ids.data() + row, n, cp);
+    for (std::size_t t = 0; t < order.size(); ++t) out[row + t] = values[row + static_cast<std::size_t>(order[t])];
+  }
+  return out;
+}
+// The ids of those rows, renumbered 0, 1, ... along each row (they must not decrease).
+inline std::vector<std::int32_t> balanced_document_ids(const std::vector<std::int32_t>& ids, index_t n, int cp) {
+  auto out = balanced_document_rows(ids, ids, n, cp);
+  for (std::size_t row = 0; row < out.size(); row += static_cast<std::size_t>(n)) {
+    std::int32_t id = 0, previous = out[row];
+    for (std::size_t t = row; t < row + static_cast<std::size_t>(n); ++t) {
+      if (out[t] != previous) ++id, previous = out[t];
+      out[t] = id;
     }
   }
   return out;

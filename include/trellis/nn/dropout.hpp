@@ -57,8 +57,6 @@ class Dropout {
       return;
     }
     // Under context parallelism the rows are two chunks of the sequence, each with its own offset.
-    TRELLIS_CHECK(!shape.document_zigzag, "dropout: masks follow a token's position in the row, and balanced "
-                  "documents (per-document zig-zag) move the tokens; train with dropout 0 or without balancing");
     const index_t chunk_rows = shape.cp_chunk() * shape.batch;
     for (int c = 0; c < 2; ++c) {
       const index_t begin = std::max(row0, c * chunk_rows), end = std::min(row0 + rows, (c + 1) * chunk_rows);

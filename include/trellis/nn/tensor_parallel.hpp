@@ -43,13 +43,6 @@ namespace trellis::nn {
 // the same on every rank); `seq` is the LOCAL length (full / cp_size), local positions [0, seq/2)
 // the first chunk and [seq/2, seq) the second. Layers see local rows only; global_position()
 // says where a local position sits (embedding positions, dropout masks, the ring's masks).
-// Balanced documents (`document_zigzag`, packed and cp > 1; Megatron/TransformerEngine's THD
-// layout): the row is stored in per-document zig-zag order, global chunk c holding piece c of
-// every document (each document's length a multiple of 2 cp, its pieces in document order), so
-// every rank gets the same causal work from every document. Within a chunk the ids still never
-// decrease, and a piece of document d has the same length and offset in every chunk: the ring's
-// chunk-pair masks are unchanged. Positions follow the document; dropout is refused (its masks
-// follow the stored order); Ulysses (balanced by heads already) is refused.
 struct TokenShape {
   index_t batch = 1;
   index_t seq = 1;
@@ -58,7 +51,6 @@ struct TokenShape {
   bool train = true;         // false: no dropout
   const std::int32_t* segments = nullptr;  // (batch, full_seq()) document ids, or nullptr
   int cp_rank = 0, cp_size = 1;
-  bool document_zigzag = false;  // segments (and the row) are in per-document zig-zag order
   index_t rows() const { return batch * seq; }
   bool packed() const { return segments != nullptr; }
   index_t full_seq() const { return seq * cp_size; }
@@ -72,36 +64,27 @@ struct TokenShape {
     return global_chunk(cp_rank, p < L ? 0 : 1) * L + p % L;
   }
 
-  // Refuses ids that decrease along a sample (a document split in two), naming where; with
-  // document_zigzag, along each chunk, and pieces of a document that differ between chunks.
+  // Refuses ids that decrease along a sample (a document split in two), naming where.
   void check_segments(const char* who) const {
     if (!segments) return;
-    const index_t n = full_seq(), L = document_zigzag ? n / (2 * cp_size) : n;
+    const index_t n = full_seq();
     for (index_t b = 0; b < batch; ++b)
       for (index_t t = 1; t < n; ++t)
-        TRELLIS_CHECK(t % L == 0 || segments[b * n + t - 1] <= segments[b * n + t], who, ": document ids of sample ", b,
+        TRELLIS_CHECK(segments[b * n + t - 1] <= segments[b * n + t], who, ": document ids of sample ", b,
                       " decrease at position ", t, " (", segments[b * n + t - 1], " then ", segments[b * n + t],
-                      "): a packed document must be contiguous", document_zigzag ? " within each zig-zag chunk" : "");
-    for (index_t b = 0; document_zigzag && b < batch; ++b)
-      for (index_t t = L; t < n; ++t)
-        TRELLIS_CHECK(segments[b * n + t] == segments[b * n + t % L], who, ": sample ", b, " chunk ", t / L,
-                      " position ", t % L, " holds document ", segments[b * n + t], " where chunk 0 holds ",
-                      segments[b * n + t % L], ": per-document zig-zag needs every document in 2 cp equal pieces");
+                      "): a packed document must be contiguous");
   }
   // Position of every local token within its document, (batch, seq) row-major: the global
   // position without segments.
   std::vector<std::int32_t> positions() const {
-    const index_t n = full_seq(), L = document_zigzag ? n / (2 * cp_size) : n;
+    const index_t n = full_seq();
     std::vector<std::int32_t> full(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(batch * seq));
     for (index_t b = 0; b < batch; ++b) {
-      // Runs of one id within each chunk (the whole row without document_zigzag); with it, run
-      // [s, e) of chunk c is piece c of its document: positions c (e - s), c (e - s) + 1, ...
-      for (index_t c0 = 0; c0 < n; c0 += L)
-        for (index_t s = c0, e = c0; s < c0 + L; s = e) {
-          for (e = s + 1; e < c0 + L && (!segments || segments[b * n + e] == segments[b * n + s]);) ++e;
-          const index_t before = document_zigzag ? (c0 / L) * (e - s) : 0;
-          for (index_t t = s; t < e; ++t) full[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(before + t - s);
-        }
+      index_t start = 0;
+      for (index_t t = 0; t < n; ++t) {
+        if (segments && t > 0 && segments[b * n + t] != segments[b * n + t - 1]) start = t;
+        full[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t - start);
+      }
       for (index_t p = 0; p < seq; ++p)
         out[static_cast<std::size_t>(b * seq + p)] = full[static_cast<std::size_t>(global_position(p))];
     }

@@ -204,7 +204,6 @@ class DataLoader {
     int dp_rank = 0;
     int dp_size = 1;
     std::int64_t pack_separator = -1;  // >= 0: pack documents split before this token; -1: fixed windows
-    index_t pack_align = 1;            // packed: each document padded to a multiple (2 cp: balanced documents)
   };
 
   // `tokens` is referenced, not copied: keep it alive while the loader is used.
@@ -213,7 +212,7 @@ class DataLoader {
     TRELLIS_CHECK(o_.dp_size > 0 && o_.dp_rank >= 0 && o_.dp_rank < o_.dp_size, "DataLoader: dp rank ",
                   o_.dp_rank, " of ", o_.dp_size);
     if (packed()) {
-      packed_ = pack_best_fit(split_documents(tokens_, o_.pack_separator, o_.seq_len), o_.seq_len, o_.pack_align);
+      packed_ = pack_best_fit(split_documents(tokens_, o_.pack_separator, o_.seq_len), o_.seq_len);
       windows_ = static_cast<index_t>(packed_.rows.size());
       TRELLIS_CHECK(windows_ >= o_.batch_rows, "DataLoader: ", tokens_.size(), " tokens pack into ", windows_,
                     " rows of ", o_.seq_len, ", fewer than one batch of ", o_.batch_rows, " rows");
@@ -260,8 +259,7 @@ class DataLoader {
       const index_t window = window_of(epoch, in_epoch * o_.batch_rows + first_row_ + r);
       if (packed()) {
         fill_packed_row(tokens_, packed_.rows[static_cast<std::size_t>(window)], T, o_.pack_separator,
-                        b.inputs.data() + r * T, b.targets.data() + r * T, b.segments.data() + r * T,
-                        o_.pack_align);
+                        b.inputs.data() + r * T, b.targets.data() + r * T, b.segments.data() + r * T);
         continue;
       }
       const token_t* src = tokens_.data() + window * T;

@@ -11,11 +11,6 @@
 // that still fits it; a new row when none does). The result depends on the tokens and T only; the
 // loader shuffles the rows per epoch. Padding (the rest of a row) has the separator as input, no
 // target (-1: ignored by the loss) and a document id of its own.
-//
-// Alignment (`align` > 1, for balanced documents under context parallelism: 2 cp, see
-// nn/context_parallel.hpp): each piece takes a multiple of `align` positions; the pad after it
-// (separator input, no target) keeps the piece's document id, so it sits causally after the
-// document and no real token sees it.
 #pragma once
 
 #include <algorithm>
@@ -57,7 +52,6 @@ std::vector<DocumentPiece> split_documents(std::span<const Token> tokens, std::i
 struct PackedRows {
   std::vector<std::vector<DocumentPiece>> rows;  // each row's pieces, in placement order
   index_t row_length = 0;
-  index_t align = 1;   // every piece padded to a multiple of this
   index_t tokens = 0;  // real (non-padding) tokens over all rows
   // Real tokens / row capacity: 1 means no padding.
   double efficiency() const {
@@ -73,26 +67,20 @@ struct PackedRows {
   }
 };
 
-inline index_t aligned_length(index_t length, index_t align) { return (length + align - 1) / align * align; }
-
-// Best-fit decreasing packing of `pieces` (each at most row_length long) into rows of row_length,
-// each piece taking aligned_length(length, align) positions.
-inline PackedRows pack_best_fit(std::vector<DocumentPiece> pieces, index_t row_length, index_t align = 1) {
-  TRELLIS_CHECK(row_length > 0 && align > 0 && row_length % align == 0, "pack_best_fit: rows of ", row_length,
-                " tokens, pieces aligned to ", align, " (which must divide the row)");
+// Best-fit decreasing packing of `pieces` (each at most row_length long) into rows of row_length.
+inline PackedRows pack_best_fit(std::vector<DocumentPiece> pieces, index_t row_length) {
+  TRELLIS_CHECK(row_length > 0, "pack_best_fit: rows of ", row_length, " tokens");
   std::stable_sort(pieces.begin(), pieces.end(),
                    [](const DocumentPiece& a, const DocumentPiece& b) { return a.length > b.length; });
   PackedRows out;
   out.row_length = row_length;
-  out.align = align;
   std::multimap<index_t, std::size_t> open;  // room left -> row (rows with room > 0)
   for (const DocumentPiece& p : pieces) {
     TRELLIS_CHECK(p.length > 0 && p.length <= row_length, "pack_best_fit: a piece of ", p.length,
                   " tokens for rows of ", row_length);
-    const index_t slots = aligned_length(p.length, align);
     std::size_t row;
     index_t room;
-    if (auto it = open.lower_bound(slots); it != open.end()) {
+    if (auto it = open.lower_bound(p.length); it != open.end()) {
       row = it->second;
       room = it->first;
       open.erase(it);
@@ -103,24 +91,21 @@ inline PackedRows pack_best_fit(std::vector<DocumentPiece> pieces, index_t row_l
     }
     out.rows[row].push_back(p);
     out.tokens += p.length;
-    if (room > slots) open.emplace(room - slots, row);
+    if (room > p.length) open.emplace(room - p.length, row);
   }
   return out;
 }
 
-// Writes packed row `pieces` into inputs, targets and document ids (each row_length long), each
-// piece padded to a multiple of `align`.
+// Writes packed row `pieces` into inputs, targets and document ids (each row_length long).
 template <class Token>
 void fill_packed_row(std::span<const Token> tokens, const std::vector<DocumentPiece>& pieces, index_t row_length,
-                     std::int64_t separator, std::int32_t* inputs, std::int32_t* targets, std::int32_t* segments,
-                     index_t align = 1) {
+                     std::int64_t separator, std::int32_t* inputs, std::int32_t* targets, std::int32_t* segments) {
   index_t t = 0;
   std::int32_t id = 0;
   for (const DocumentPiece& p : pieces) {
-    for (index_t i = 0; i < aligned_length(p.length, align); ++i, ++t) {
-      const bool real = i < p.length;
-      inputs[t] = static_cast<std::int32_t>(real ? tokens[static_cast<std::size_t>(p.start + i)] : separator);
-      targets[t] = real ? static_cast<std::int32_t>(tokens[static_cast<std::size_t>(p.start + i + 1)]) : -1;
+    for (index_t i = 0; i < p.length; ++i, ++t) {
+      inputs[t] = static_cast<std::int32_t>(tokens[static_cast<std::size_t>(p.start + i)]);
+      targets[t] = static_cast<std::int32_t>(tokens[static_cast<std::size_t>(p.start + i + 1)]);
       segments[t] = id;
     }
     ++id;

@@ -177,7 +177,6 @@ class Trainer {
     shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq / cfg_.cp};
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
-    shape_.document_zigzag = cfg_.cp_balance_documents;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
     stage_->set_weight_unit_hook([this](int, int c, int u) { on_weight_unit(c, u); });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
@@ -502,13 +501,13 @@ class Trainer {
     const std::int32_t* inputs = b.inputs.data();
     const std::int32_t* labels = b.targets.data();
     const std::int32_t* ids = b.segments.data();
-    if (cfg_.cp_balance_documents && b.packed()) {  // rows in per-document zig-zag order
-      balanced_ids_ = nn::document_zigzag_rows(b.segments, b.segments, cfg_.seq, cfg_.cp);
+    if (cfg_.cp_balance_documents && b.packed()) {  // rows reordered for equal work per cp rank
+      balanced_ids_ = nn::balanced_document_ids(b.segments, cfg_.seq, cfg_.cp);
       ids = balanced_ids_.data();
     }
     if (cfg_.cp > 1) {  // this rank's zig-zag positions of every row (the ids stay whole)
       auto order = [&](const std::vector<std::int32_t>& v) {
-        return ids == b.segments.data() ? v : nn::document_zigzag_rows(v, b.segments, cfg_.seq, cfg_.cp);
+        return ids == b.segments.data() ? v : nn::balanced_document_rows(v, b.segments, cfg_.seq, cfg_.cp);
       };
       local_inputs_ = local_positions(order(b.inputs));
       local_targets_ = local_positions(order(b.targets));

@@ -33,8 +33,8 @@ struct TrainerConfig {
   int cp = 1;
   nn::CpMode cp_mode = nn::CpMode::ring;
   int cp_ulysses = 2;  // hybrid: the Ulysses group size u (cp = u x ring size)
-  // Packed rows in per-document zig-zag order (ring, hybrid): every rank gets the same causal work
-  // from each document. The loader must pad documents to multiples of 2 cp (Options::pack_align).
+  // Packed rows reordered so every cp rank gets near-equal causal attention work (ring, hybrid;
+  // nn::balanced_document_order).
   bool cp_balance_documents = false;
   std::string schedule = "1f1b";  // any pipe generator but local_learning (GPT has no per-stage loss)
   // A schedule of your own (e.g. pipe::load_schedule of a text file) used instead of `schedule`
