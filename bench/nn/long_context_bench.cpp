@@ -276,48 +276,50 @@ int main(int argc, char** argv) {
     json.add(row);
   }
 
-  // 2b. the same on one packed row: documents of 16 to 1024 tokens, plain zig-zag against balanced
-  // documents, and the causal pairs each rank computes (counted from the plan and the ids, as the
-  // kernel masks them).
-  std::vector<std::int32_t> row_ids(static_cast<std::size_t>(T_work));
-  for (index_t t = 0, d = 0; t < T_work; ++d) {
-    const index_t len = std::min(T_work - t, static_cast<index_t>(16 + splitmix64(static_cast<std::uint64_t>(d) + 5) % 1009));
-    for (index_t i = 0; i < len; ++i, ++t) row_ids[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(d);
-  }
-  std::printf("\n## attention work per rank on one PACKED row (T %lld, %d documents of 16..1024 tokens; min of %d)\n",
-              static_cast<long long>(T_work), row_ids.back() + 1, iters);
-  std::printf("%4s %-10s %12s %12s %14s %14s %16s\n", "cp", "order", "min rank ms", "max rank ms", "max/(cp1/cp)",
-              "max/min", "pairs max/min");
-  for (int cp : {2, 4, 8}) {
-    for (bool balanced : {false, true}) {
-      const auto stored = balanced ? balanced_document_ids(row_ids, T_work, cp) : row_ids;
-      std::vector<RankAttention> work;
-      work.emplace_back(shape, T_work, 1, 0, row_ids);
-      for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_work, cp, r, stored);
-      std::vector<double> pairs(static_cast<std::size_t>(cp), 0.0);  // counted as the kernel masks
-      const index_t L = T_work / (2 * cp);
-      for (int r = 0; r < cp; ++r)
-        for (const RingBlock& b : work[static_cast<std::size_t>(1 + r)].plan)
-          for (index_t i = 0; i < L; ++i)
-            for (index_t j = 0; j < L && j <= i + (b.qc - b.kc) * L; ++j)
-              pairs[static_cast<std::size_t>(r)] += stored[static_cast<std::size_t>(b.qc * L + i)] ==
-                                                    stored[static_cast<std::size_t>(b.kc * L + j)];
-      std::vector<std::function<void()>> fns;
-      for (auto& w : work) fns.push_back([&w] { w(); });
-      const auto t = bench::time_round_robin(fns, 1, iters);
-      const double whole = t[0].first;
-      double lo = 1e30, hi = 0;
-      for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
-      const auto [plo, phi] = std::minmax_element(pairs.begin(), pairs.end());
-      std::printf("%4d %-10s %12.1f %12.1f %14.3f %14.3f %16.3f   (cp 1: %.1f ms)\n", cp,
-                  balanced ? "documents" : "zig-zag", lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo, *phi / *plo,
-                  whole * 1e3);
-      bench::Row row;
-      row.add_text("table", "packed_work").add_text("order", balanced ? "documents" : "zigzag");
-      row.add("T", static_cast<long long>(T_work)).add("cp", static_cast<long long>(cp));
-      row.add("cp1_ms", whole * 1e3).add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3);
-      row.add("max_over_ideal", hi / (whole / cp)).add("pairs_max_over_min", *phi / *plo);
-      json.add(row);
+  // 2b. the same on one packed row (T and 4 T: more documents to place): documents of 16 to 1024
+  // tokens, plain zig-zag against balanced documents, and the causal pairs each rank computes
+  // (counted from the plan and the ids, as the kernel masks them).
+  for (const index_t T_row : quick ? std::vector<index_t>{T_work} : std::vector<index_t>{T_work, 4 * T_work}) {
+    std::vector<std::int32_t> row_ids(static_cast<std::size_t>(T_row));
+    for (index_t t = 0, d = 0; t < T_row; ++d) {
+      const index_t len = std::min(T_row - t, static_cast<index_t>(16 + splitmix64(static_cast<std::uint64_t>(d) + 5) % 1009));
+      for (index_t i = 0; i < len; ++i, ++t) row_ids[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(d);
+    }
+    std::printf("\n## attention work per rank on one PACKED row (T %lld, %d documents of 16..1024 tokens; min of %d)\n",
+                static_cast<long long>(T_row), row_ids.back() + 1, iters);
+    std::printf("%4s %-10s %12s %12s %14s %14s %16s\n", "cp", "order", "min rank ms", "max rank ms", "max/(cp1/cp)",
+                "max/min", "pairs max/min");
+    for (int cp : {2, 4, 8}) {
+      for (bool balanced : {false, true}) {
+        const auto stored = balanced ? balanced_document_ids(row_ids, T_row, cp) : row_ids;
+        std::vector<RankAttention> work;
+        work.emplace_back(shape, T_row, 1, 0, row_ids);
+        for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_row, cp, r, stored);
+        std::vector<double> pairs(static_cast<std::size_t>(cp), 0.0);  // counted as the kernel masks
+        const index_t L = T_row / (2 * cp);
+        for (int r = 0; r < cp; ++r)
+          for (const RingBlock& b : work[static_cast<std::size_t>(1 + r)].plan)
+            for (index_t i = 0; i < L; ++i)
+              for (index_t j = 0; j < L && j <= i + (b.qc - b.kc) * L; ++j)
+                pairs[static_cast<std::size_t>(r)] += stored[static_cast<std::size_t>(b.qc * L + i)] ==
+                                                      stored[static_cast<std::size_t>(b.kc * L + j)];
+        std::vector<std::function<void()>> fns;
+        for (auto& w : work) fns.push_back([&w] { w(); });
+        const auto t = bench::time_round_robin(fns, 1, iters);
+        const double whole = t[0].first;
+        double lo = 1e30, hi = 0;
+        for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
+        const auto [plo, phi] = std::minmax_element(pairs.begin(), pairs.end());
+        std::printf("%4d %-10s %12.1f %12.1f %14.3f %14.3f %16.3f   (cp 1: %.1f ms)\n", cp,
+                    balanced ? "documents" : "zig-zag", lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo, *phi / *plo,
+                    whole * 1e3);
+        bench::Row row;
+        row.add_text("table", "packed_work").add_text("order", balanced ? "documents" : "zigzag");
+        row.add("T", static_cast<long long>(T_row)).add("cp", static_cast<long long>(cp));
+        row.add("cp1_ms", whole * 1e3).add("min_rank_ms", lo * 1e3).add("max_rank_ms", hi * 1e3);
+        row.add("max_over_ideal", hi / (whole / cp)).add("pairs_max_over_min", *phi / *plo);
+        json.add(row);
+      }
     }
   }
 

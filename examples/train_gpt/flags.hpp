@@ -33,7 +33,7 @@ struct Options {
   int cp = 1;                   // context parallel: each sequence split over cp ranks
   std::string cp_mode = "ring";
   int cp_ulysses = 2;           // hybrid: Ulysses group size
-  bool cp_balance_docs = false; // packed rows in per-document zig-zag order (ring, hybrid)
+  bool cp_balance_docs = false; // packed rows' documents reordered for equal cp work
   bool sp = false, zero1 = false;
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
@@ -86,9 +86,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            the cp ranks while each block computes) | ulysses (an all-to-all from sequence to head
            shards and back; heads / tp a multiple of N) | hybrid (Ulysses in groups of
            --cp-ulysses U ranks, 2 by default, a ring across the groups)
-           --cp-balance-docs (with --pack, ring or hybrid, dropout 0: each packed row reordered so
-           every cp rank gets the same causal attention work: long documents cut into 2N pieces,
-           two per rank, short ones placed whole where the work is least)
+           --cp-balance-docs (with --pack, ring or hybrid, dropout 0: each packed row's documents
+           reordered, whole, so the cp ranks get near-equal causal attention work)
            --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)

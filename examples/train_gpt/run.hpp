@@ -192,8 +192,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                   o.pack, static_cast<long long>(loader.windows()), o.context, 100.0 * loader.packing_efficiency(),
                   loader.attention_span());
     if (o.cp_balance_docs)
-      std::printf("balanced documents: long documents cut into %d pieces (two per cp rank), short ones placed "
-                  "whole where the causal work is least (nn/context_parallel.hpp)\n", 2 * o.cp);
+      std::printf("balanced documents: each row's documents reordered (whole) for near-equal causal attention "
+                  "work over the %d cp ranks (nn/context_parallel.hpp)\n", o.cp);
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);
