@@ -9,6 +9,8 @@
 //   throw   throws a trellis::Error out of MpiWorld::run
 //   caught  (at step 0) never joins the reduction; the others catch the timeout inside run() and
 //           return normally, so ~MpiWorld must end the job (an operation was abandoned in flight)
+//   late_dup  (before step 0) stops (SIGSTOP) instead of constructing a second communicator over
+//           MPI_COMM_WORLD, which the others construct: its MPI_Comm_dup must time out
 // The timeout comes from TRELLIS_COMM_TIMEOUT_MS. Own main: MpiWorld must initialise MPI itself;
 // errors are caught around it and printed, as train_gpt's main does.
 #include <signal.h>
@@ -35,6 +37,15 @@ int main(int argc, char** argv) try {
       std::printf("rank %d: fault %s at %lld ns\n", comm.rank(), scenario.c_str(), test_support::monotonic_ns());
       std::fflush(stdout);
     };
+    if (scenario == "late_dup") {
+      if (inject) {
+        fault_now();
+        ::raise(SIGSTOP);
+      }
+      MpiComm second(MPI_COMM_WORLD, "second");
+      std::printf("rank %d: FAILED: constructed a communicator without rank %d\n", comm.rank(), faulty);
+      return;
+    }
     if (scenario == "caught") {
       if (inject) {
         fault_now();

@@ -1,5 +1,6 @@
 // Faults under mpirun, as a user meets them: a rank stopped (SIGSTOP), killed (SIGKILL) or throwing
-// mid-collective, a timeout caught and ignored, and train_gpt with a rank stopped mid-training.
+// mid-collective, a rank stopped instead of constructing a communicator (its MPI_Comm_dup), a
+// timeout caught and ignored, and train_gpt with a rank stopped mid-training.
 // Each case starts a 2-process mpirun job (tests/support/mpi_job.hpp) and requires: the job ends
 // on its own, non-zero, within the communication timeout plus a few seconds of the fault; the
 // output holds one clear error naming the operation, the ranks and the timeout (or the injected
@@ -42,7 +43,7 @@ const std::vector<std::pair<std::string, std::string>> kRootEnv = {
 // Seconds from the `fault <scenario> at <ns>` line a rank printed to mpirun's exit.
 double seconds_after_fault(const MpiJob& job, const std::string& out) {
   std::smatch m;
-  if (!std::regex_search(out, m, std::regex("fault [a-z]+ at ([0-9]+) ns"))) return -1;
+  if (!std::regex_search(out, m, std::regex("fault [a-z_]+ at ([0-9]+) ns"))) return -1;
   return static_cast<double>(job.exited_ns() - std::stoll(m[1].str())) * 1e-9;
 }
 
@@ -103,6 +104,24 @@ TEST_CASE("a rank stopped mid-collective: the other names it and the job ends wi
   CHECK(run.out.find("MPI_Abort") != std::string::npos);
   check_no_crash(run.out);
   CHECK(run.job.rank_ended_within(1, 3s));
+}
+
+TEST_CASE("a rank stopped instead of constructing a communicator: the dup times out and the job ends",
+          "[mpi_fault][stop]") {
+  WorkerRun run("late_dup", 2000, 20s);
+  INFO(run.out);
+  REQUIRE(run.ended);
+  const double after = seconds_after_fault(run.job, run.out);
+  INFO("mpirun exited " << after << " s after rank 1 stopped");
+  CHECK(run.job.exit_code() != 0);
+  CHECK(after > 2.0 - 0.5);
+  CHECK(after < 2.0 + 5.0);
+  CHECK(count_of(run.out, "trellis: [rank 0]") == 1);
+  CHECK(run.out.find("trellis: [rank 0] MPI_Comm_dup of communicator 'second' (collective over 2 ranks) timed out "
+                     "after 2000 ms on rank 0: a rank did not arrive") != std::string::npos);
+  CHECK(run.out.find("FAILED") == std::string::npos);
+  CHECK(run.out.find("MPI_Abort") != std::string::npos);
+  check_no_crash(run.out);
 }
 
 TEST_CASE("a rank killed mid-collective: the job ends at once, naming it", "[mpi_fault][kill]") {

@@ -16,6 +16,7 @@
 #include <source_location>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -41,7 +42,8 @@ class MpiComm {
   using request_type = MpiRequest;
   using space = Host;  // buffers are host memory
 
-  // Duplicates `comm` (collective over it). `label` names the communicator in errors and dumps.
+  // Duplicates `comm` (collective over it, with the timeout of TRELLIS_COMM_TIMEOUT_MS: a rank
+  // that never arrives raises instead of hanging). `label` names the communicator in errors.
   explicit MpiComm(MPI_Comm comm, std::string label = "mpi")
       : state_(std::make_shared<detail::MpiCommState>()) {
     int initialized = 0, finalized = 0;
@@ -49,9 +51,10 @@ class MpiComm {
     MPI_Finalized(&finalized);
     TRELLIS_CHECK(initialized && !finalized, "MpiComm needs MPI initialised and not finalised (use MpiWorld)");
     auto& s = *state_;
-    TRELLIS_CHECK_MPI(MPI_Comm_dup(comm, &s.comm));
+    const auto timeout = detail::mpi_env_timeout();
+    s.comm = dup_within(comm, timeout, label);
     TRELLIS_CHECK_MPI(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN));
-    TRELLIS_CHECK_MPI(MPI_Comm_dup(s.comm, &s.control));
+    s.control = dup_within(s.comm, timeout, label);
     TRELLIS_CHECK_MPI(MPI_Comm_set_errhandler(s.control, MPI_ERRORS_RETURN));
     init_state(std::move(label));
   }
@@ -231,7 +234,7 @@ class MpiComm {
     MPI_Comm sub = MPI_COMM_NULL;
     TRELLIS_CHECK_MPI(MPI_Comm_split(comm(), color, key, &sub));
     if (sub == MPI_COMM_NULL) return std::nullopt;
-    MpiComm result(adopt_tag{}, sub, s.recorder.label() + "/split(" + std::to_string(color) + ")");
+    MpiComm result(adopt_tag{}, sub, s.recorder.label() + "/split(" + std::to_string(color) + ")", s.timeout);
     result.set_debug(s.debug);
     result.set_timeout(s.timeout);
     return result;
@@ -240,13 +243,46 @@ class MpiComm {
  private:
   struct adopt_tag {};
   // Takes ownership of `comm` (fresh from MPI_Comm_split).
-  MpiComm(adopt_tag, MPI_Comm comm, std::string label) : state_(std::make_shared<detail::MpiCommState>()) {
+  MpiComm(adopt_tag, MPI_Comm comm, std::string label, std::chrono::milliseconds timeout)
+      : state_(std::make_shared<detail::MpiCommState>()) {
     auto& s = *state_;
     s.comm = comm;
     TRELLIS_CHECK_MPI(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN));
-    TRELLIS_CHECK_MPI(MPI_Comm_dup(s.comm, &s.control));
+    s.control = dup_within(s.comm, timeout, label);
     TRELLIS_CHECK_MPI(MPI_Comm_set_errhandler(s.control, MPI_ERRORS_RETURN));
     init_state(std::move(label));
+  }
+
+  // MPI_Comm_dup with a deadline (MPI_Comm_idup and a test loop). On a timeout the handle's slot
+  // is left allocated: MPI may still complete the duplicate into it, and the job is ending (the
+  // fault is recorded, so MpiWorld aborts instead of finalising).
+  static MPI_Comm dup_within(MPI_Comm from, std::chrono::milliseconds timeout, const std::string& label) {
+    MPI_Comm out = MPI_COMM_NULL;
+    if (timeout.count() <= 0) {
+      TRELLIS_CHECK_MPI(MPI_Comm_dup(from, &out));
+      return out;
+    }
+    auto* slot = new MPI_Comm(MPI_COMM_NULL);
+    MPI_Request request = MPI_REQUEST_NULL;
+    TRELLIS_CHECK_MPI(MPI_Comm_idup(from, slot, &request));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (int done = 0; !done;) {
+      TRELLIS_CHECK_MPI(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+      if (!done && std::chrono::steady_clock::now() > deadline) {
+        int rank = -1, size = 0;
+        MPI_Comm_rank(from, &rank);
+        MPI_Comm_size(from, &size);
+        const std::string what = trellis::detail::concat(
+            "MPI_Comm_dup of communicator '", label, "' (collective over ", size, " ranks) timed out after ",
+            timeout.count(), " ms on rank ", rank, ": a rank did not arrive (stopped, or not constructing it)");
+        detail::mpi_record_fault(what);
+        TRELLIS_THROW(what);
+      }
+      if (!done) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    out = *slot;
+    delete slot;
+    return out;
   }
 
   void init_state(std::string label) {
