@@ -95,6 +95,8 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   b.gelu_backward(i, cx, cx, x);
   b.add(i, cx, cx, x);
   b.add(i, cf, cf, f);
+  b.add(i, cx, cf, f);  // mixed: an activation-typed part into an fp32 accumulator
+  b.add(i, cx, cf, x);
   b.column_sums(i, i, i, cx, f);
   { b.sum_of_squares(grads) } -> std::convertible_to<double>;
   { b.sum(cf, n) } -> std::convertible_to<double>;

@@ -266,9 +266,10 @@ class Cuda {
   void gelu_backward(index_t n, const act_t* x, const act_t* dout, act_t* dx) const {
     kernels::cuda::gelu_backward(n, x, dout, dx, stream_);
   }
-  // out = a + b elementwise: activations (bf16) or fp32 gradients.
-  template <class T>
-  void add(index_t n, const T* a, const T* b, T* out) const {
+  // out = a + b elementwise, in fp32: activations (bf16), fp32 gradients, or mixed (a bf16 part
+  // into an fp32 accumulator).
+  template <class TA, class TB, class TO>
+  void add(index_t n, const TA* a, const TB* b, TO* out) const {
     kernels::cuda::add(n, a, b, out, stream_);
   }
   void column_sums(index_t rows, index_t cols, index_t ld, const act_t* x, float* sums) const {

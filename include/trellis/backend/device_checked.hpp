@@ -319,8 +319,8 @@ class DeviceChecked {
     device("gelu_backward", "x, dout, dx", x, dout, dx);
     inner_.gelu_backward(n, x, dout, dx);
   }
-  template <class T>
-  void add(index_t n, const T* a, const T* b, T* out) const {
+  template <class TA, class TB, class TO>
+  void add(index_t n, const TA* a, const TB* b, TO* out) const {
     device("add", "a, b, out", a, b, out);
     inner_.add(n, a, b, out);
   }

@@ -142,9 +142,10 @@ class Host {
   void gelu_backward(index_t n, const Act* x, const Act* dout, Act* dx) const {
     kernels::host::gelu_backward(n, x, dout, dx);
   }
-  // out = a + b elementwise: activations (Act) or fp32 gradients.
-  template <class T>
-  void add(index_t n, const T* a, const T* b, T* out) const {
+  // out = a + b elementwise, in fp32: activations (Act), fp32 gradients, or mixed (an Act part
+  // into an fp32 accumulator).
+  template <class TA, class TB, class TO>
+  void add(index_t n, const TA* a, const TB* b, TO* out) const {
     kernels::host::add(n, a, b, out);
   }
   // sums[j] += sum_i x[i, j]

@@ -34,11 +34,11 @@ __global__ void gelu_backward_kernel(std::int64_t n, const T* x, const T* dout, 
     dx[i] = from_float<T>(accumulate ? to_float(dx[i]) + g : g);
   }
 }
-template <class T>
-__global__ void add_kernel(std::int64_t n, const T* a, const T* b, T* out) {
+template <class TA, class TB, class TO>
+__global__ void add_kernel(std::int64_t n, const TA* a, const TB* b, TO* out) {
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+    out[i] = from_float<TO>(to_float(a[i]) + to_float(b[i]));
 }
 template <class T>
 struct MatrixElement {  // f(r, j) = x[r * ld + j]
@@ -64,8 +64,9 @@ void gelu_backward(std::int64_t n, const T* x, const T* dout, T* dx, cudaStream_
   TRELLIS_CHECK_CUDA(cudaGetLastError());
 }
 
-template <class T>
-void add(std::int64_t n, const T* a, const T* b, T* out, cudaStream_t stream) {
+// out = a + b, summed in fp32; the types may differ (a bf16 part into an fp32 accumulator).
+template <class TA, class TB, class TO>
+void add(std::int64_t n, const TA* a, const TB* b, TO* out, cudaStream_t stream) {
   TRELLIS_CHECK(n >= 0, "add: negative size ", n);
   if (n == 0) return;
   device::add_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(n, a, b, out);

@@ -45,12 +45,13 @@ void gelu_backward(std::int64_t n, const T* x, const T* dout, T* dx, bool accumu
   });
 }
 
-// out = a + b (out may alias either).
-template <class T>
-void add(std::int64_t n, const T* a, const T* b, T* out) {
+// out = a + b, summed in fp32 (out may alias either; the types may differ: a bf16 part added into
+// an fp32 accumulator).
+template <class TA, class TB, class TO>
+void add(std::int64_t n, const TA* a, const TB* b, TO* out) {
   TRELLIS_CHECK(n >= 0, "add: negative size ", n);
   detail::for_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
-    for (std::int64_t i = i0; i < i1; ++i) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+    for (std::int64_t i = i0; i < i1; ++i) out[i] = from_float<TO>(to_float(a[i]) + to_float(b[i]));
   });
 }
 

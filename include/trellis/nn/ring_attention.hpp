@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -128,7 +129,7 @@ class RingAttention {
       act_t *kn = nullptr, *vn = nullptr;
       if (step + 1 < P_) {  // the next block travels while this one is computed
         kn = next_buffer(kbuf, step), vn = next_buffer(vbuf, step);
-        pending = exchange({kc, vc}, {kn, vn}, (r_ + 1) % P_, (r_ - 1 + P_) % P_);
+        pending = exchange<act_t>({kc, vc}, {kn, vn}, (r_ + 1) % P_, (r_ - 1 + P_) % P_);
       }
       for (const RingBlock& b : plan_) {
         if (b.step != step) continue;
@@ -157,60 +158,87 @@ class RingAttention {
   // reaches the owner after the last step. The owner's own blocks are split round that: the
   // diagonal blocks run first, while the first remote block travels in; the others run last, while
   // the accumulator of its own K/V comes home. So no hop waits on an idle member when the compute
-  // of a step outlasts it.
+  // of a step outlasts it. Every block's gradients are rounded to act_t once; their sums (dQ, the
+  // dK/dV accumulators that travel, this member's own) are fp32 whatever act_t, as in
+  // ring-flash-attention, and rounded once at the end.
   void backward(const act_t* q, const act_t* k, const act_t* v, const act_t* o, const act_t* d_o, const float* lse,
                 act_t* dq, act_t* dk, act_t* dv) {
+    using acc_t = float;  // dQ's sum and the dK/dV sums, travelling ones included
     const auto all = static_cast<std::size_t>(K_ * n_);
-    be_.fill_zero(dq, all);
-    be_.fill_zero(dk, all);
-    be_.fill_zero(dv, all);
-    // This member's blocks that `take` selects, over the key block kb/vb, adding into gk/gv.
-    auto blocks = [&](auto take, const act_t* kb, const act_t* vb, act_t* gk, act_t* gv) {
-      for (const RingBlock& b : plan_)
-        if (take(b))
-          be_.attention_backward(block_args(b), q + b.qi * n_, kb + b.ki * n_, vb + b.ki * n_, o + b.qi * n_,
-                                 d_o + b.qi * n_, lse + b.qi * m_, dq + b.qi * n_, gk + b.ki * n_, gv + b.ki * n_,
-                                 /*accumulate=*/true);
+    auto sum = [&](std::size_t size) {
+      auto b = be_.template scratch<acc_t>(size);
+      be_.fill_zero(b.data(), size);
+      return b;
+    };
+    auto dq_sum = sum(all), own_k = sum(all), own_v = sum(all);
+    auto part_q = be_.template scratch<act_t>(static_cast<std::size_t>(n_));
+    auto part_k = be_.template scratch<act_t>(static_cast<std::size_t>(n_));
+    auto part_v = be_.template scratch<act_t>(static_cast<std::size_t>(n_));
+    // This member's blocks that `take` selects, over the key block kb/vb: each block's gradients
+    // into fresh parts (rounded to act_t once), added into dq_sum and the key sums gk/gv.
+    auto blocks = [&](auto take, const act_t* kb, const act_t* vb, acc_t* gk, acc_t* gv) {
+      for (const RingBlock& b : plan_) {
+        if (!take(b)) continue;
+        be_.attention_backward(block_args(b), q + b.qi * n_, kb + b.ki * n_, vb + b.ki * n_, o + b.qi * n_,
+                               d_o + b.qi * n_, lse + b.qi * m_, part_q.data(), part_k.data(), part_v.data());
+        be_.add(n_, part_q.data(), dq_sum.data() + b.qi * n_, dq_sum.data() + b.qi * n_);
+        be_.add(n_, part_k.data(), gk + b.ki * n_, gk + b.ki * n_);
+        be_.add(n_, part_v.data(), gv + b.ki * n_, gv + b.ki * n_);
+      }
     };
     const int r = r_;
+    auto finish = [&] {  // the sums, rounded once
+      be_.convert(all, dq_sum.data(), dq);
+      be_.convert(all, own_k.data(), dk);
+      be_.convert(all, own_v.data(), dv);
+    };
     if (P_ == 1) {  // a ring of one: every block is this member's own
-      blocks([](const RingBlock&) { return true; }, k, v, dk, dv);
+      blocks([](const RingBlock&) { return true; }, k, v, own_k.data(), own_v.data());
+      finish();
       return;
     }
     const int next = (r_ + 1) % P_, prev = (r_ - 1 + P_) % P_;
-    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf, dk_part, dv_part, dk_in, dv_in;
+    std::array<typename B::template buffer<act_t>, 2> kbuf, vbuf;
+    std::array<typename B::template buffer<acc_t>, 2> send_k, send_v, in_k, in_v;
+    auto step_k = be_.template scratch<acc_t>(all), step_v = be_.template scratch<acc_t>(all);
     act_t *kc = next_buffer(kbuf, 0), *vc = next_buffer(vbuf, 0);
-    std::optional<typename C::request_type> pending = exchange({k, v}, {kc, vc}, prev, next);
-    blocks([r](const RingBlock& b) { return b.src == r && b.diagonal(); }, k, v, dk, dv);
+    std::optional<typename C::request_type> pending = exchange<act_t>({k, v}, {kc, vc}, prev, next);
+    blocks([r](const RingBlock& b) { return b.src == r && b.diagonal(); }, k, v, own_k.data(), own_v.data());
     std::optional<typename C::request_type> handing;  // the accumulator handed on last step / arriving now
-    act_t *acc_k = nullptr, *acc_v = nullptr;          // where it arrives
+    acc_t *acc_k = nullptr, *acc_v = nullptr;          // where it arrives
     for (int step = 1; step < P_; ++step) {
       timed_wait(*pending, stats_.kv_wait_seconds);  // the block of member r + step
       pending.reset();
       const act_t *held_k = kc, *held_v = vc;
       if (step + 1 < P_) {
         kc = next_buffer(kbuf, step), vc = next_buffer(vbuf, step);
-        pending = exchange({held_k, held_v}, {kc, vc}, prev, next);
+        pending = exchange<act_t>({held_k, held_v}, {kc, vc}, prev, next);
       }
-      act_t* pk = next_buffer(dk_part, step);
-      act_t* pv = next_buffer(dv_part, step);
-      be_.fill_zero(pk, all);
-      be_.fill_zero(pv, all);
+      be_.fill_zero(step_k.data(), all);
+      be_.fill_zero(step_v.data(), all);
       const int src = (r_ + step) % P_;
-      blocks([src](const RingBlock& b) { return b.src == src; }, held_k, held_v, pk, pv);
-      if (handing) {  // the block's accumulator from the members after this one, then ours added
+      blocks([src](const RingBlock& b) { return b.src == src; }, held_k, held_v, step_k.data(), step_v.data());
+      // This member's part added to the block's sum from the members after it (none at step 1),
+      // into the buffer handed on.
+      acc_t* out_k = next_buffer(send_k, step);
+      acc_t* out_v = next_buffer(send_v, step);
+      if (handing) {
         timed_wait(*handing, stats_.grad_exchange_seconds);
-        be_.add(static_cast<index_t>(all), pk, acc_k, pk);
-        be_.add(static_cast<index_t>(all), pv, acc_v, pv);
+        be_.add(static_cast<index_t>(all), step_k.data(), acc_k, out_k);
+        be_.add(static_cast<index_t>(all), step_v.data(), acc_v, out_v);
+      } else {
+        be_.copy(out_k, step_k.data(), all);
+        be_.copy(out_v, step_v.data(), all);
       }
       // On to the previous member (after the last step: the block's owner).
-      acc_k = next_buffer(dk_in, step), acc_v = next_buffer(dv_in, step);
-      handing = exchange({pk, pv}, {acc_k, acc_v}, prev, next, kGradientTags);
+      acc_k = next_buffer(in_k, step), acc_v = next_buffer(in_v, step);
+      handing = exchange<acc_t>({out_k, out_v}, {acc_k, acc_v}, prev, next, kGradientTags);
     }
-    blocks([r](const RingBlock& b) { return b.src == r && !b.diagonal(); }, k, v, dk, dv);
+    blocks([r](const RingBlock& b) { return b.src == r && !b.diagonal(); }, k, v, own_k.data(), own_v.data());
     timed_wait(*handing, stats_.grad_exchange_seconds);  // every other member's part of our dK/dV
-    be_.add(static_cast<index_t>(all), dk, acc_k, dk);
-    be_.add(static_cast<index_t>(all), dv, acc_v, dv);
+    be_.add(static_cast<index_t>(all), own_k.data(), acc_k, own_k.data());
+    be_.add(static_cast<index_t>(all), own_v.data(), acc_v, own_v.data());
+    finish();
   }
 
  private:
@@ -233,22 +261,25 @@ class RingAttention {
   }
 
   // Buffers alternate by step, so a block being sent is never the one being received.
-  act_t* next_buffer(std::array<typename B::template buffer<act_t>, 2>& bufs, int step) const {
+  template <class Buffer>
+  auto next_buffer(std::array<Buffer, 2>& bufs, int step) const {
     auto& b = bufs[static_cast<std::size_t>(step % 2)];
-    if (b.empty()) b = be_.template scratch<act_t>(static_cast<std::size_t>(K_ * n_));
+    using T = std::remove_pointer_t<decltype(b.data())>;
+    if (b.empty()) b = be_.template scratch<T>(static_cast<std::size_t>(K_ * n_));
     return b.data();
   }
   // Sends two [K][n] tensors to member `to` and receives two from member `from`, together (tags:
   // K/V blocks 0 and 1, their gradient accumulators 2 and 3).
   static constexpr int kGradientTags = 2;
-  typename C::request_type exchange(std::array<const act_t*, 2> send, std::array<act_t*, 2> recv, int to, int from,
+  template <class T>
+  typename C::request_type exchange(std::array<const T*, 2> send, std::array<T*, 2> recv, int to, int from,
                                     int tag = 0) {
     const auto count = static_cast<std::size_t>(K_ * n_);
     const comm::P2POp ops[4] = {
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[0]), count, dtype_v<act_t>, to, tag},
-        {comm::P2POp::Kind::send, const_cast<act_t*>(send[1]), count, dtype_v<act_t>, to, tag + 1},
-        {comm::P2POp::Kind::recv, recv[0], count, dtype_v<act_t>, from, tag},
-        {comm::P2POp::Kind::recv, recv[1], count, dtype_v<act_t>, from, tag + 1},
+        {comm::P2POp::Kind::send, const_cast<T*>(send[0]), count, dtype_v<T>, to, tag},
+        {comm::P2POp::Kind::send, const_cast<T*>(send[1]), count, dtype_v<T>, to, tag + 1},
+        {comm::P2POp::Kind::recv, recv[0], count, dtype_v<T>, from, tag},
+        {comm::P2POp::Kind::recv, recv[1], count, dtype_v<T>, from, tag + 1},
     };
     return comm_.batch(std::span<const comm::P2POp>(ops));
   }
