@@ -133,6 +133,20 @@ struct RankAttention {
   }
 };
 
+// work[0] (cp = 1) and work[1..] (the cp ranks), round robin so that a change of machine load
+// touches all alike: seconds of cp = 1, and of the fastest and slowest rank (min over iters).
+struct RankTimes {
+  double whole, lo, hi;
+};
+RankTimes time_ranks(std::vector<RankAttention>& work, int iters) {
+  std::vector<std::function<void()>> fns;
+  for (auto& w : work) fns.push_back([&w] { w(); });
+  const auto t = bench::time_round_robin(fns, 1, iters);
+  RankTimes out{t[0].first, 1e30, 0};
+  for (std::size_t r = 1; r < t.size(); ++r) out.lo = std::min(out.lo, t[r].first), out.hi = std::max(out.hi, t[r].first);
+  return out;
+}
+
 // ---- 3. the ring's exchange behind the compute --------------------------------------------------
 // One rank's RingAttention forward + backward over communicator C (seconds per call: forward
 // alone, and forward + backward), plus where its time went (RingAttention::Stats).
@@ -257,16 +271,10 @@ int main(int argc, char** argv) {
               static_cast<long long>(shape.head_dim), iters);
   std::printf("%4s %12s %12s %14s %14s\n", "cp", "min rank ms", "max rank ms", "max/(cp1/cp)", "max/min");
   for (int cp : {2, 4, 8}) {
-    // cp = 1 and every rank of this cp, round robin: a change of machine load touches all alike.
     std::vector<RankAttention> work;
     work.emplace_back(shape, T_work, 1, 0);
     for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_work, cp, r);
-    std::vector<std::function<void()>> fns;
-    for (auto& w : work) fns.push_back([&w] { w(); });
-    const auto t = bench::time_round_robin(fns, 1, iters);
-    const double whole = t[0].first;
-    double lo = 1e30, hi = 0;
-    for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
+    const auto [whole, lo, hi] = time_ranks(work, iters);
     std::printf("%4d %12.1f %12.1f %14.3f %14.3f   (cp 1: %.1f ms)\n", cp, lo * 1e3, hi * 1e3, hi / (whole / cp),
                 hi / lo, whole * 1e3);
     bench::Row row;
@@ -303,12 +311,7 @@ int main(int argc, char** argv) {
               for (index_t j = 0; j < L && j <= i + (b.qc - b.kc) * L; ++j)
                 pairs[static_cast<std::size_t>(r)] += stored[static_cast<std::size_t>(b.qc * L + i)] ==
                                                       stored[static_cast<std::size_t>(b.kc * L + j)];
-        std::vector<std::function<void()>> fns;
-        for (auto& w : work) fns.push_back([&w] { w(); });
-        const auto t = bench::time_round_robin(fns, 1, iters);
-        const double whole = t[0].first;
-        double lo = 1e30, hi = 0;
-        for (int r = 0; r < cp; ++r) lo = std::min(lo, t[1 + r].first), hi = std::max(hi, t[1 + r].first);
+        const auto [whole, lo, hi] = time_ranks(work, iters);
         const auto [plo, phi] = std::minmax_element(pairs.begin(), pairs.end());
         std::printf("%4d %-10s %12.1f %12.1f %14.3f %14.3f %16.3f   (cp 1: %.1f ms)\n", cp,
                     balanced ? "documents" : "zig-zag", lo * 1e3, hi * 1e3, hi / (whole / cp), hi / lo, *phi / *plo,
