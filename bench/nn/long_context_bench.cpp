@@ -299,7 +299,7 @@ int main(int argc, char** argv) {
                 "max/min", "pairs max/min");
     for (int cp : {2, 4, 8}) {
       for (bool balanced : {false, true}) {
-        const auto stored = balanced ? balanced_document_ids(row_ids, T_row, cp) : row_ids;
+        const auto stored = balanced ? balance_documents(row_ids, T_row, cp) : row_ids;
         std::vector<RankAttention> work;
         work.emplace_back(shape, T_row, 1, 0, row_ids);
         for (int r = 0; r < cp; ++r) work.emplace_back(shape, T_row, cp, r, stored);

@@ -92,9 +92,7 @@ void run(const Run& o, Collector& out) {
   const GptConfig cfg = nn_test::tiny();
   Packed data = make_packed(cfg.vocab);
   if (o.balanced) {  // every row reordered the same way: tokens, targets, ids
-    data.tokens = balanced_document_rows(data.tokens, data.segments, kSeq, o.cp);
-    data.targets = balanced_document_rows(data.targets, data.segments, kSeq, o.cp);
-    data.segments = balanced_document_ids(data.segments, kSeq, o.cp);
+    data.segments = balance_documents(data.segments, kSeq, o.cp, {&data.tokens, &data.targets});
   }
   std::mutex mutex;
   std::vector<double> losses;
@@ -258,9 +256,9 @@ TEST_CASE("balanced documents: reordered rows equal the documents run alone", "[
   const std::vector<std::int32_t> ids = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1};
   std::vector<std::int32_t> values(16);
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::int32_t>(i);
-  CHECK(balanced_document_rows(values, ids, 16, 2) ==
-        std::vector<std::int32_t>{12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
-  CHECK(balanced_document_ids(ids, 16, 2) == std::vector<std::int32_t>{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  CHECK(balance_documents(ids, 16, 2, {&values}) ==
+        std::vector<std::int32_t>{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  CHECK(values == std::vector<std::int32_t>{12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
 
   Collector alone;
   run({.alone = true}, alone);
@@ -295,8 +293,8 @@ TEST_CASE("balanced documents even out the causal work of packed rows over the c
       const index_t L = T / (2 * cp);
       std::vector<double> spread;
       for (bool balanced : {false, true}) {
-        const auto row_ids = balanced ? balanced_document_ids(ids, T, cp) : ids;
-        const auto origin = balanced ? balanced_document_rows(where, ids, T, cp) : where;  // stored -> original
+        auto origin = where;  // stored -> original position
+        const auto row_ids = balanced ? balance_documents(ids, T, cp, {&origin}) : ids;
         std::vector<std::uint8_t> seen(static_cast<std::size_t>(T * T), 0);
         std::vector<double> work(static_cast<std::size_t>(cp), 0.0);
         for (int r = 0; r < cp; ++r)

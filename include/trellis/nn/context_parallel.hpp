@@ -23,7 +23,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -187,28 +189,26 @@ inline std::vector<index_t> balanced_document_order(const std::int32_t* ids, ind
   return out;
 }
 
-// Rows (rows, n) of `values` (tokens, targets) in the balanced order of their row's documents
-// (`ids`, (rows, n), non-decreasing along each row).
-inline std::vector<std::int32_t> balanced_document_rows(const std::vector<std::int32_t>& values,
-                                                        const std::vector<std::int32_t>& ids, index_t n, int cp) {
-  TRELLIS_CHECK(values.size() == ids.size() && n > 0 && values.size() % static_cast<std::size_t>(n) == 0,
-                "balanced_document_rows: ", values.size(), " values, ", ids.size(), " ids, rows of ", n);
-  std::vector<std::int32_t> out(values.size());
-  for (std::size_t r = 0; r < values.size() / static_cast<std::size_t>(n); ++r) {
-    const std::size_t row = r * static_cast<std::size_t>(n);
-    const auto order = balanced_document_order(ids.data() + row, n, cp);
-    for (std::size_t t = 0; t < order.size(); ++t) out[row + t] = values[row + static_cast<std::size_t>(order[t])];
-  }
-  return out;
-}
-// The ids of those rows, renumbered 0, 1, ... along each row (they must not decrease).
-inline std::vector<std::int32_t> balanced_document_ids(const std::vector<std::int32_t>& ids, index_t n, int cp) {
-  auto out = balanced_document_rows(ids, ids, n, cp);
-  for (std::size_t row = 0; row < out.size(); row += static_cast<std::size_t>(n)) {
-    std::int32_t id = 0, previous = out[row];
-    for (std::size_t t = row; t < row + static_cast<std::size_t>(n); ++t) {
-      if (out[t] != previous) ++id, previous = out[t];
-      out[t] = id;
+// Each row's documents (`ids`, (rows, n), non-decreasing along each row) in balanced order: every
+// vector of `values` (tokens, targets: (rows, n) each) reordered in place, and the ids returned in
+// the new order, renumbered 0, 1, ... along each row (the kernels need them non-decreasing).
+inline std::vector<std::int32_t> balance_documents(const std::vector<std::int32_t>& ids, index_t n, int cp,
+                                                   std::initializer_list<std::vector<std::int32_t>*> values = {}) {
+  TRELLIS_CHECK(n > 0 && ids.size() % static_cast<std::size_t>(n) == 0, "balance_documents: ", ids.size(),
+                " ids in rows of ", n);
+  for (const auto* v : values)
+    TRELLIS_CHECK(v->size() == ids.size(), "balance_documents: ", v->size(), " values for ", ids.size(), " ids");
+  std::vector<std::int32_t> out(ids.size()), row(static_cast<std::size_t>(n));
+  for (std::size_t r0 = 0; r0 < ids.size(); r0 += static_cast<std::size_t>(n)) {
+    const auto order = balanced_document_order(ids.data() + r0, n, cp);
+    for (auto* v : values) {
+      for (std::size_t t = 0; t < order.size(); ++t) row[t] = (*v)[r0 + static_cast<std::size_t>(order[t])];
+      std::copy(row.begin(), row.end(), v->begin() + static_cast<std::ptrdiff_t>(r0));
+    }
+    std::int32_t id = 0;
+    for (std::size_t t = 0; t < order.size(); ++t) {
+      if (t > 0 && ids[r0 + static_cast<std::size_t>(order[t])] != ids[r0 + static_cast<std::size_t>(order[t - 1])]) ++id;
+      out[r0 + t] = id;
     }
   }
   return out;

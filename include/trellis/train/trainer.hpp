@@ -501,16 +501,15 @@ class Trainer {
     const std::int32_t* inputs = b.inputs.data();
     const std::int32_t* labels = b.targets.data();
     const std::int32_t* ids = b.segments.data();
+    const std::vector<std::int32_t>*full_inputs = &b.inputs, *full_targets = &b.targets;
     if (cfg_.cp_balance_documents && b.packed()) {  // rows reordered for equal work per cp rank
-      balanced_ids_ = nn::balanced_document_ids(b.segments, cfg_.seq, cfg_.cp);
-      ids = balanced_ids_.data();
+      balanced_[0] = b.inputs, balanced_[1] = b.targets;
+      balanced_ids_ = nn::balance_documents(b.segments, cfg_.seq, cfg_.cp, {&balanced_[0], &balanced_[1]});
+      ids = balanced_ids_.data(), full_inputs = &balanced_[0], full_targets = &balanced_[1];
     }
     if (cfg_.cp > 1) {  // this rank's zig-zag positions of every row (the ids stay whole)
-      auto order = [&](const std::vector<std::int32_t>& v) {
-        return ids == b.segments.data() ? v : nn::balanced_document_rows(v, b.segments, cfg_.seq, cfg_.cp);
-      };
-      local_inputs_ = local_positions(order(b.inputs));
-      local_targets_ = local_positions(order(b.targets));
+      local_inputs_ = local_positions(*full_inputs);
+      local_targets_ = local_positions(*full_targets);
       inputs = local_inputs_.data();
       labels = local_targets_.data();
     }
@@ -873,7 +872,7 @@ class Trainer {
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
   std::vector<std::int32_t> local_inputs_, local_targets_;  // cp > 1: this rank's positions of the batch
-  std::vector<std::int32_t> balanced_ids_;                   // cp_balance_documents: the rows' ids reordered
+  std::vector<std::int32_t> balanced_ids_, balanced_[2];    // cp_balance_documents: ids, inputs, targets reordered
   std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;
