@@ -4,7 +4,9 @@
 // bfloat16 output adds its own rounding (2^-8 relative); half output 2^-11 relative.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
@@ -463,4 +465,247 @@ TEST_CASE("bf16 gemm from several threads at once gives each thread's serial bit
     INFO("thread " << t);
     REQUIRE(ok[t] == 1);
   }
+}
+
+// ---- grouped GEMM (host::grouped_gemm) ------------------------------------------------------
+// One call over many GEMMs of different sizes (the experts of an MoE layer) must give, bit for
+// bit, what one gemm call per group in order gives: the same tiles per group, the same bias-gradient
+// order; and it must agree with a triple loop in double (tolerances as above).
+
+namespace {
+
+// One group's inputs, and its outputs twice: [0] for grouped_gemm, [1] for the gemm loop.
+template <class TA, class TB, class TC>
+struct GroupData {
+  std::vector<TA> a;
+  std::vector<TB> b;
+  std::vector<TC> c[2];
+  std::vector<float> bias, pre_in, pre_out[2], bias_grad[2];
+};
+
+template <class T>
+bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
+  return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
+}
+
+// Runs the groups `shapes` (with epilogue `ep_template`, its vectors filled in per group) both
+// ways from the same inputs and requires the same bits in C, the pre-activation and the bias
+// gradients. shared_bias_grad: every group adds to one bias-gradient vector (all n equal).
+template <class TA, class TB, class TC, class E>
+void require_grouped_same_bits(const std::vector<GemmArgs>& shapes, E ep_template, host::GemmOptions options = {},
+                               bool shared_bias_grad = false) {
+  using traits = epilogue_traits<E>;
+  const std::size_t count = shapes.size();
+  std::vector<GroupData<TA, TB, TC>> data(count);
+  std::vector<GemmGroup<TA, TB, TC, E>> groups[2];
+  std::vector<float> shared_grad[2];
+  if (shared_bias_grad) shared_grad[0] = shared_grad[1] = random_vector<float>(shapes.at(0).n, 99);
+  for (std::size_t i = 0; i < count; ++i) {
+    const GemmArgs& g = shapes[i];
+    GroupData<TA, TB, TC>& d = data[i];
+    const auto seed = static_cast<std::uint32_t>(100 + 10 * i);
+    const std::int64_t a_size = storage(g.lda_or_packed(), g.a_rows(), g.a_cols(), g, 0, 1);
+    const std::int64_t b_size = storage(g.ldb_or_packed(), g.b_rows(), g.b_cols(), g, 0, 1);
+    const std::int64_t c_size = storage(g.ldc_or_packed(), g.m, g.n, g, 0, 1);
+    d.a = random_vector<TA>(std::max<std::int64_t>(a_size, 1), seed);
+    d.b = random_vector<TB>(std::max<std::int64_t>(b_size, 1), seed + 1);
+    d.c[0] = random_vector<TC>(std::max<std::int64_t>(c_size, 1), seed + 2);
+    if (g.beta == 0.0f)
+      for (auto& x : d.c[0]) x = TC(std::numeric_limits<float>::quiet_NaN());  // never read
+    d.c[1] = d.c[0];
+    d.bias = random_vector<float>(std::max<std::int64_t>(g.n, 1), seed + 3);
+    d.pre_in = random_vector<float>(d.c[0].size(), seed + 4, -3.0f, 3.0f);
+    d.pre_out[0] = d.pre_out[1] = std::vector<float>(d.c[0].size(), -7.0f);
+    d.bias_grad[0] = d.bias_grad[1] = random_vector<float>(std::max<std::int64_t>(g.n, 1), seed + 5);
+    for (int w = 0; w < 2; ++w) {
+      E ep = ep_template;
+      if constexpr (traits::has_bias) ep.bias = d.bias.data();
+      if constexpr (traits::writes_pre) ep.pre_activation = d.pre_out[w].data();
+      if constexpr (traits::reads_pre) ep.pre_activation = d.pre_in.data();
+      if constexpr (traits::bias_grad) ep.bias_grad = shared_bias_grad ? shared_grad[w].data() : d.bias_grad[w].data();
+      groups[w].push_back({g, d.a.data(), d.b.data(), d.c[w].data(), ep});
+    }
+  }
+  host::grouped_gemm(groups[0], options);
+  const host::GemmProduct grouped_product = host::last_gemm_product();
+  host::GemmProduct loop_product = host::GemmProduct::none;
+  for (const auto& g : groups[1]) {
+    host::gemm(g.args, g.a, g.b, g.c, g.ep, options);
+    if (loop_product == host::GemmProduct::none) loop_product = host::last_gemm_product();
+  }
+  REQUIRE(grouped_product == loop_product);
+  for (std::size_t i = 0; i < count; ++i) {
+    INFO("group " << i << ": m " << shapes[i].m << " n " << shapes[i].n << " k " << shapes[i].k);
+    const GroupData<TA, TB, TC>& d = data[i];
+    REQUIRE(same_bits(d.c[0], d.c[1]));
+    REQUIRE(same_bits(d.pre_out[0], d.pre_out[1]));
+    REQUIRE(same_bits(d.bias_grad[0], d.bias_grad[1]));
+  }
+  REQUIRE(same_bits(shared_grad[0], shared_grad[1]));
+}
+
+template <class TA, class TB, class TC>
+void require_grouped_same_bits_all_epilogues(const std::vector<GemmArgs>& shapes, host::GemmOptions options = {}) {
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::None{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::Bias<>{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::Relu{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::BiasRelu<>{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::Gelu{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::BiasGelu<>{}, options);
+  require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::DGelu<>{}, options);
+  for (bool accumulate : {false, true}) {
+    require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::BiasGrad<>{nullptr, accumulate}, options);
+    require_grouped_same_bits<TA, TB, TC>(shapes, epilogue::DGeluBiasGrad<>{nullptr, 0, 0, nullptr, accumulate}, options);
+  }
+}
+
+// Routed rows per expert, skewed, with empty experts.
+const std::vector<std::int64_t> skewed_rows = {0, 1, 37, 300, 5, 0, 129};
+
+// Forward / backward-data shape: m varies (rows routed to the group), n and k shared.
+std::vector<GemmArgs> row_groups(std::int64_t n, std::int64_t k, Op op_b = Op::none, float alpha = 1.0f,
+                                 float beta = 0.0f, Layout layout = Layout::row_major) {
+  std::vector<GemmArgs> shapes;
+  for (std::int64_t m : skewed_rows) shapes.push_back(gemm_args(m, n, k, Op::none, op_b, alpha, beta, layout));
+  return shapes;
+}
+
+// Weight-gradient shape dW_e = X_e^T dY_e: m = in, n = out, k = rows of each group (some 0).
+std::vector<GemmArgs> weight_grad_groups(std::int64_t in, std::int64_t out, float beta) {
+  std::vector<GemmArgs> shapes;
+  for (std::int64_t k : skewed_rows) shapes.push_back(gemm_args(in, out, k, Op::transpose, Op::none, 1.0f, beta));
+  return shapes;
+}
+
+host::GemmOptions small_tiles(std::int64_t rows, std::int64_t cols) {
+  host::GemmOptions o;
+  o.tile_rows = rows;
+  o.tile_cols = cols;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("grouped_gemm fp32: the bits of one gemm per group, skewed rows, every epilogue", "[kernels][gemm][grouped]") {
+  // n = 520: the default tiling splits the larger groups (300 rows: two tiles of 160 rows, 129
+  // rows: two tiles of 272 columns); the explicit small tiles give many ragged tiles per group.
+  require_grouped_same_bits_all_epilogues<float, float, float>(row_groups(520, 64));
+  require_grouped_same_bits_all_epilogues<float, float, float>(row_groups(70, 33), small_tiles(32, 24));
+  // alpha/beta accumulation, transposed B, column-major
+  require_grouped_same_bits_all_epilogues<float, float, float>(
+      row_groups(96, 40, Op::transpose, 0.75f, 1.0f, Layout::col_major), small_tiles(16, 40));
+  // groups adding to one shared bias-gradient vector, in group order
+  require_grouped_same_bits<float, float, float>(row_groups(96, 40), epilogue::BiasGrad<>{nullptr, true},
+                                                 small_tiles(64, 32), true);
+}
+
+TEST_CASE("grouped_gemm fp32: weight-gradient shape, k varies per group (some k = 0)", "[kernels][gemm][grouped]") {
+  for (float beta : {0.0f, 1.0f}) {
+    INFO("beta " << beta);
+    require_grouped_same_bits<float, float, float>(weight_grad_groups(48, 80, beta), epilogue::None{});
+    require_grouped_same_bits<float, float, float>(weight_grad_groups(48, 80, beta), epilogue::None{}, small_tiles(16, 32));
+    require_grouped_same_bits<float, float, float>(weight_grad_groups(300, 600, beta), epilogue::None{});
+    require_grouped_same_bits<float, float, float>(weight_grad_groups(48, 80, beta), epilogue::BiasGrad<>{nullptr, true});
+    require_grouped_same_bits<float, float, float>(weight_grad_groups(48, 80, beta), epilogue::BiasGelu<>{});
+  }
+}
+
+TEST_CASE("grouped_gemm with 16-bit operands: the bits of one gemm per group", "[kernels][gemm][grouped]") {
+  // bf16 x bf16 -> fp32 on oneDNN where native, and forced through the fp32 copies.
+  for (auto path : {host::Bf16Product::automatic, host::Bf16Product::convert_fp32}) {
+    host::GemmOptions options;
+    options.bf16_product = path;
+    INFO("bf16 path " << int(path));
+    require_grouped_same_bits<bfloat16, bfloat16, float>(row_groups(520, 64), epilogue::BiasGelu<>{}, options);
+    require_grouped_same_bits<bfloat16, bfloat16, float>(row_groups(520, 64), epilogue::DGeluBiasGrad<>{}, options);
+    require_grouped_same_bits<bfloat16, bfloat16, float>(weight_grad_groups(48, 80, 1.0f), epilogue::None{}, options);
+  }
+  // mixed 16-bit types, 16-bit C through the tile buffer
+  require_grouped_same_bits<half, bfloat16, bfloat16>(row_groups(70, 33), epilogue::BiasGrad<>{}, small_tiles(32, 24));
+  require_grouped_same_bits<bfloat16, float, half>(row_groups(70, 33, Op::transpose, 1.0f, 0.5f), epilogue::Bias<>{});
+}
+
+TEST_CASE("grouped_gemm vs a triple loop: mixed shapes, layouts, transposes, alpha/beta", "[kernels][gemm][grouped]") {
+  // Independent of gemm: each group against its own double-precision reference.
+  std::vector<GemmArgs> shapes = {
+      gemm_args(37, 29, 45),
+      gemm_args(0, 29, 45),
+      gemm_args(300, 70, 24, Op::none, Op::transpose, 0.75f, 1.0f),
+      gemm_args(33, 52, 0, Op::none, Op::none, 1.0f, 0.5f),  // k = 0: C = beta * C, then the epilogue
+      gemm_args(5, 17, 64, Op::transpose, Op::none, 1.0f, 0.0f, Layout::col_major),
+      gemm_args(129, 40, 31, Op::transpose, Op::transpose, 1.0f, 1.0f, Layout::col_major),
+  };
+  shapes[2].ldc = 75;  // padded C (and pre-activation)
+  for (int which = 0; which < 2; ++which) {
+    const std::size_t count = shapes.size();
+    std::vector<std::vector<float>> a(count), b(count), c(count), bias(count), pre(count), grad(count);
+    std::vector<std::vector<double>> want_c(count), want_pre(count), want_grad(count);
+    std::vector<GemmGroup<float, float, float, epilogue::BiasGelu<>>> fwd;
+    std::vector<GemmGroup<float, float, float, epilogue::DGeluBiasGrad<>>> bwd;
+    for (std::size_t i = 0; i < count; ++i) {
+      const GemmArgs& g = shapes[i];
+      const std::int64_t lda = g.lda_or_packed(), ldb = g.ldb_or_packed(), ldc = g.ldc_or_packed();
+      const auto seed = static_cast<std::uint32_t>(300 + 10 * i);
+      a[i] = random_vector<float>(std::max<std::int64_t>(1, storage(lda, g.a_rows(), g.a_cols(), g, 0, 1)), seed);
+      b[i] = random_vector<float>(std::max<std::int64_t>(1, storage(ldb, g.b_rows(), g.b_cols(), g, 0, 1)), seed + 1);
+      c[i] = random_vector<float>(std::max<std::int64_t>(1, storage(ldc, g.m, g.n, g, 0, 1)), seed + 2);
+      bias[i] = random_vector<float>(g.n, seed + 3);
+      pre[i] = random_vector<float>(c[i].size(), seed + 4, -3.0f, 3.0f);  // read by DGelu, written by BiasGelu
+      grad[i] = random_vector<float>(g.n, seed + 5);
+      want_c[i].assign(c[i].begin(), c[i].end());
+      want_pre[i].assign(pre[i].begin(), pre[i].end());
+      want_grad[i].assign(grad[i].begin(), grad[i].end());  // accumulate = true below
+      for (std::int64_t r = 0; r < g.m; ++r)
+        for (std::int64_t j = 0; j < g.n; ++j) {
+          double acc = 0.0;
+          for (std::int64_t p = 0; p < g.k; ++p) {
+            const double av = a[i][g.op_a == Op::none ? at(g, r, p, lda) : at(g, p, r, lda)];
+            const double bv = b[i][g.op_b == Op::none ? at(g, p, j, ldb) : at(g, j, p, ldb)];
+            acc += av * bv;
+          }
+          const std::int64_t ci = at(g, r, j, ldc);
+          double x = g.alpha * acc + (g.beta == 0.0f ? 0.0 : g.beta * want_c[i][ci]);
+          if (which == 0) {
+            want_pre[i][ci] = x + bias[i][j];
+            x = trellis_test::gelu_ref(x + bias[i][j]);
+          } else {
+            x *= trellis_test::gelu_grad_ref(pre[i][ci]);
+            want_grad[i][j] += x;
+          }
+          want_c[i][ci] = x;
+        }
+      if (which == 0) fwd.push_back({g, a[i].data(), b[i].data(), c[i].data(), {bias[i].data(), pre[i].data()}});
+      else bwd.push_back({g, a[i].data(), b[i].data(), c[i].data(), {pre[i].data(), 0, 0, grad[i].data(), true}});
+    }
+    if (which == 0) host::grouped_gemm(fwd);
+    else host::grouped_gemm(bwd);
+    for (std::size_t i = 0; i < count; ++i) {
+      INFO((which == 0 ? "BiasGelu" : "DGeluBiasGrad") << ", group " << i);
+      require_close(c[i], want_c[i], 1e-4, 1e-4, "C");
+      require_close(pre[i], want_pre[i], 1e-4, 1e-4, "pre_activation");
+      require_close(grad[i], want_grad[i], 1e-3, 1e-4, "bias_grad");
+    }
+  }
+}
+
+TEST_CASE("grouped_gemm refuses batched groups and names a bad group; no groups is a no-op", "[kernels][gemm][grouped]") {
+  std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 2.0f);
+  using G = GemmGroup<float, float, float, epilogue::None>;
+  std::vector<G> groups = {{gemm_args(4, 4, 4), a.data(), b.data(), c.data(), {}},
+                           {gemm_args(2, 4, 4), a.data(), b.data(), c.data() + 16, {}}};
+  groups[1].args.batch = 2;
+  groups[1].args.packed();
+  CHECK_THROWS_AS(host::grouped_gemm(groups), Error);
+  CHECK_THROWS_WITH(host::grouped_gemm(groups), Catch::Contains("group 1 has batch = 2"));
+  for (float x : c) REQUIRE(x == 2.0f);  // refused before anything ran
+  groups[1].args = gemm_args(2, 4, 4);
+  groups[1].args.lda = 3;  // < k
+  CHECK_THROWS_WITH(host::grouped_gemm(groups),
+                    Catch::Contains("grouped_gemm: group 1: ") && Catch::Contains("gemm: lda = 3 is smaller"));
+  groups[1].c = nullptr;
+  groups[1].args.lda = 0;
+  CHECK_THROWS_WITH(host::grouped_gemm(groups),
+                    Catch::Contains("grouped_gemm: group 1: ") && Catch::Contains("gemm: C is null"));
+  host::grouped_gemm(std::vector<G>{});
+  REQUIRE(host::last_gemm_product() == host::GemmProduct::none);
 }

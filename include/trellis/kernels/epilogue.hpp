@@ -8,6 +8,8 @@
 // with C logically m x n, op(A) m x k, op(B) k x n. `layout` is the storage order of all three
 // matrices (as in cblas/cuBLAS); a matrix stored in the other order is expressed with op = transpose.
 // With beta == 0, C is never read (it may hold NaN).
+// host::grouped_gemm(groups) applies this contract to each GemmGroup (its own sizes, operands and
+// epilogue values), as one call.
 //
 // Epilogues (bias vectors have n entries, indexed by the column j of the logical C, whatever the
 // layout; auxiliary matrices have the shape, layout and batch stride of C unless given their own ld):
@@ -76,6 +78,18 @@ struct GemmArgs {
     stride_c = ldc_or_packed() * (layout == Layout::row_major ? m : n);
     return *this;
   }
+};
+
+// One member of a grouped GEMM (host::grouped_gemm): its own sizes, operands and epilogue values
+// (bias, pre-activation, bias-gradient vector), all members sharing the operand types and the
+// epilogue kind. args.batch must be 1.
+template <class TA, class TB, class TC, class E>
+struct GemmGroup {
+  GemmArgs args;
+  const TA* a = nullptr;
+  const TB* b = nullptr;
+  TC* c = nullptr;
+  E ep{};
 };
 
 // Plain-data builders for the common cases.

@@ -14,11 +14,15 @@
 // Except bf16 x bf16 with TRELLIS_HAS_DNNL (link trellis::dnnl) on a CPU with AMX or AVX512-BF16:
 // each tile's product is then a single-threaded oneDNN matmul on the bf16 operands as stored, fp32
 // accumulation into the tile's fp32 C (kernels/gemm_dnnl.hpp); epilogues run as for fp32.
+// grouped_gemm(groups) runs many GEMMs of different sizes (GemmGroup, e.g. MoE experts) as one
+// call: every group's tiles are tasks of a single parallel_for, each group's bits those of gemm.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -329,160 +333,287 @@ struct epilogue_element<Tmpl<T>> {
   using type = T;
 };
 
+// The fp32 operands of one product (one batch of a gemm, one group of a grouped_gemm): fp32
+// matrices as the caller stored them, 16-bit ones as packed fp32 copies held here, and for the
+// fallback kernel op(B) packed row-major k x n. Unused (null) on the oneDNN path, which reads
+// the bf16 operands as stored; lda and ldb are then the caller's.
+struct Fp32Operands {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  std::int64_t lda = 0, ldb = 0;
+  std::vector<float> a32, b32, bpack;
+};
+
+// One GEMM call (all its batches), checked and prepared to run as tasks on the kernel pool, one
+// task per tile of C. host::gemm runs one plan, a parallel_for per batch; host::grouped_gemm one
+// plan per group, the tiles of all groups in a single parallel_for. The constructor checks the
+// arguments and prepares what the batches share (bias in fp32, tiling, room for the bias-gradient
+// partial sums); prepare_operands readies one batch's A and B; run_tile computes one tile
+// (product, then the epilogue while the tile is in cache), in any order and on any thread;
+// finish() writes the bias gradient, reducing the per-tile sums in a fixed order.
+template <class TA, class TB, class TC, class E>
+class GemmPlan {
+ public:
+  using traits = epilogue_traits<E>;
+  using TE = typename epilogue_element<E>::type;
+  static constexpr EpilogueKind kind = traits::kind;
+
+  GemmPlan(const GemmArgs& args, const TA* a, const TB* b, TC* c, const E& ep, const GemmOptions& options)
+      : args_(args), product_args_(args), a_(a), b_(b), c_(c), ep_(ep) {
+    check_gemm_args(args);
+    const std::int64_t m = args.m, n = args.n;
+    if constexpr (traits::bias_grad) {
+      TRELLIS_CHECK(ep.bias_grad != nullptr, "gemm: bias-grad epilogue without a bias_grad vector");
+    }
+    if (empty()) return;  // nothing to compute; finish() zeroes an overwritten bias gradient
+    TRELLIS_CHECK(a != nullptr || args.k == 0, "gemm: A is null");
+    TRELLIS_CHECK(b != nullptr || args.k == 0, "gemm: B is null");
+    TRELLIS_CHECK(c != nullptr, "gemm: C is null");
+    ldc_ = args.ldc_or_packed();
+    // Bias as fp32, once.
+    if constexpr (traits::has_bias) {
+      TRELLIS_CHECK(ep.bias != nullptr, "gemm: bias epilogue without a bias vector");
+      bias_.resize(static_cast<std::size_t>(n));
+      for (std::int64_t j = 0; j < n; ++j) bias_[j] = to_float(ep.bias[j]);
+    }
+    if constexpr (traits::reads_pre || traits::writes_pre) {
+      if constexpr (traits::reads_pre) TRELLIS_CHECK(ep.pre_activation != nullptr, "gemm: DGelu epilogue without pre_activation");
+      ld_pre_ = ep.ld_pre ? ep.ld_pre : ldc_;
+      stride_pre_ = ep.stride_pre ? ep.stride_pre : args.stride_c;
+      TRELLIS_CHECK(ld_pre_ >= args.packed_ld(m, n), "gemm: ld_pre = ", ld_pre_, " too small");
+    }
+    // Bias epilogues: the product adds to C prefilled with beta * C + bias (see prefill_bias).
+    if constexpr (traits::has_bias) product_args_.beta = 1.0f;
+    tile_ = tile_shape(args, options);
+    row_tiles_ = (m + tile_.rows - 1) / tile_.rows;
+    col_tiles_ = (n + tile_.cols - 1) / tile_.cols;
+    // (batch, row tile, n): column sums per row of tiles, reduced in order by finish()
+    if constexpr (traits::bias_grad) colsums_.assign(static_cast<std::size_t>(args.batch * row_tiles_ * n), 0.0f);
+    // bf16 x bf16 on oneDNN (no fp32 copies of A and B), when linked and native on this CPU.
+    if constexpr (std::is_same_v<TA, bfloat16> && std::is_same_v<TB, bfloat16>)
+      use_dnnl_ = options.bf16_product == Bf16Product::automatic && has_product() && dnnl_bf16_native();
+  }
+
+  const GemmArgs& args() const { return args_; }
+  // C has no element: no tile to run.
+  bool empty() const { return args_.m == 0 || args_.n == 0; }
+  // Tiles of C per batch (0 when empty).
+  std::int64_t tiles() const { return row_tiles_ * col_tiles_; }
+  // What computes the products (as last_gemm_product() reports it).
+  GemmProduct product() const {
+    if (empty() || !has_product()) return GemmProduct::none;
+    return use_dnnl_ ? GemmProduct::dnnl_bf16 : GemmProduct::fp32;
+  }
+  // Rough cost of one tile (multiply-adds, plus one per element for the passes over C), for ordering tasks.
+  double tile_cost() const {
+    return static_cast<double>(tile_.rows) * static_cast<double>(tile_.cols) * static_cast<double>(args_.k + 1);
+  }
+
+  // Readies batch `batch`'s A and B in `ops` (see Fp32Operands). fresh_a / fresh_b false: that
+  // operand is the one `ops` was last prepared with (a batch stride of 0), whose copy is reused.
+  void prepare_operands(std::int64_t batch, bool fresh_a, bool fresh_b, Fp32Operands& ops) const {
+    const GemmArgs& args = args_;
+    const TA* a_b = a_ ? a_ + batch * args.stride_a : nullptr;
+    const TB* b_b = b_ ? b_ + batch * args.stride_b : nullptr;
+    ops.lda = args.lda_or_packed();
+    ops.ldb = args.ldb_or_packed();
+    if (use_dnnl_) {  // bf16 x bf16: each tile reads the operands as stored
+      ops.a = ops.b = nullptr;
+      return;
+    }
+    if constexpr (std::is_same_v<TA, float>) {
+      ops.a = a_b;
+    } else {
+      if (fresh_a) convert_matrix(args, a_b, ops.lda, args.a_rows(), args.a_cols(), ops.a32);
+      ops.a = ops.a32.data();
+      ops.lda = args.packed_ld(args.a_rows(), args.a_cols());
+    }
+    if constexpr (std::is_same_v<TB, float>) {
+      ops.b = b_b;
+    } else {
+      if (fresh_b) convert_matrix(args, b_b, ops.ldb, args.b_rows(), args.b_cols(), ops.b32);
+      ops.b = ops.b32.data();
+      ops.ldb = args.packed_ld(args.b_rows(), args.b_cols());
+    }
+    const std::int64_t k = args.k, n = args.n;
+    if (!gemm_uses_cblas() && k > 0) {
+      // The fallback kernel streams rows of op(B): pack it row-major k x n.
+      if (fresh_b || !std::is_same_v<TB, float>) {
+        const float* bf = ops.b;
+        const std::int64_t ldb = ops.ldb;
+        ops.bpack.resize(static_cast<std::size_t>(k * n));
+        for (std::int64_t p = 0; p < k; ++p)
+          for (std::int64_t j = 0; j < n; ++j)
+            ops.bpack[p * n + j] = args.op_b == Op::none ? bf[args.offset(p, j, ldb)] : bf[args.offset(j, p, ldb)];
+      }
+      ops.b = ops.bpack.data();
+    }
+  }
+
+  // Tile `index` (tiles numbered row-major over the tile grid) of batch `batch`, whose operands
+  // `ops` holds: product, then the epilogue while the tile is in cache. Tiles write disjoint parts
+  // of C, the pre-activation and the partial column sums, so they may run concurrently.
+  void run_tile(std::int64_t batch, const Fp32Operands& ops, std::int64_t index) {
+    use_single_threaded_blas();  // OpenMP OpenBLAS: per thread
+    const GemmArgs& args = args_;
+    const std::int64_t m = args.m, n = args.n, ldc = ldc_;
+    const TA* a_b = a_ ? a_ + batch * args.stride_a : nullptr;
+    const TB* b_b = b_ ? b_ + batch * args.stride_b : nullptr;
+    TC* c_b = c_ + batch * args.stride_c;
+    const std::int64_t tile_row = index / col_tiles_, tile_col = index % col_tiles_;
+    Tile t{};
+    t.row0 = tile_row * tile_.rows;
+    t.rows = std::min(tile_.rows, m - t.row0);
+    t.col0 = tile_col * tile_.cols;
+    t.cols = std::min(tile_.cols, n - t.col0);
+    if constexpr (std::is_same_v<TC, float>) {
+      t.c = c_b + args.offset(t.row0, t.col0, ldc);
+      t.ldc = ldc;
+    } else {
+      // fp32 tile buffer in C's layout, packed; kept per thread so big tiles are not re-faulted.
+      thread_local std::vector<float> buffer;
+      t.ldc = args.packed_ld(t.rows, t.cols);
+      buffer.resize(static_cast<std::size_t>(t.rows * t.cols));
+      t.c = buffer.data();
+      if (args.beta != 0.0f)
+        for (std::int64_t r = 0; r < t.rows; ++r)
+          for (std::int64_t j = 0; j < t.cols; ++j)
+            t.c[args.offset(r, j, t.ldc)] = to_float(c_b[args.offset(t.row0 + r, t.col0 + j, ldc)]);
+    }
+    if constexpr (traits::has_bias) prefill_bias(args, t, bias_.data());
+    if (use_dnnl_) {
+      dnnl_tile_product(product_args_, a_b, ops.lda, b_b, ops.ldb, t.c, t.ldc, t.row0, t.rows, t.col0, t.cols);
+    } else {
+      tile_product(product_args_, ops.a, ops.lda, ops.b, ops.ldb, t);
+    }
+    if constexpr (kind != EpilogueKind::none && kind != EpilogueKind::bias) {
+      TE* pre = nullptr;
+      if constexpr (traits::reads_pre || traits::writes_pre) {
+        using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep_.pre_activation)>>;
+        static_assert(std::is_same_v<PreT, TE>);
+        if (ep_.pre_activation)
+          pre = const_cast<TE*>(ep_.pre_activation) + batch * stride_pre_ + args.offset(t.row0, t.col0, ld_pre_);
+      }
+      float* colsum = nullptr;
+      if constexpr (traits::bias_grad) colsum = colsums_.data() + (batch * row_tiles_ + tile_row) * n;
+      apply_epilogue_tile<kind, TE>(args, t, pre, ld_pre_, colsum);
+    }
+    if constexpr (!std::is_same_v<TC, float>) {
+      for (std::int64_t r = 0; r < t.rows; ++r)
+        for (std::int64_t j = 0; j < t.cols; ++j)
+          c_b[args.offset(t.row0 + r, t.col0 + j, ldc)] = from_float<TC>(t.c[args.offset(r, j, t.ldc)]);
+    }
+  }
+
+  // After every tile: the bias gradient (bias-grad epilogues), g[j] (+)= the tiles' column sums in
+  // (batch, row tile) order; an empty C leaves an overwritten gradient at 0.
+  void finish() {
+    if constexpr (traits::bias_grad) {
+      const std::int64_t n = args_.n;
+      if (empty()) {
+        if (!ep_.accumulate)
+          for (std::int64_t j = 0; j < n; ++j) ep_.bias_grad[j] = from_float<TE>(0.0f);
+        return;
+      }
+      for (std::int64_t j = 0; j < n; ++j) {
+        float s = ep_.accumulate ? to_float(ep_.bias_grad[j]) : 0.0f;
+        for (std::int64_t i = 0; i < args_.batch * row_tiles_; ++i) s += colsums_[i * n + j];
+        ep_.bias_grad[j] = from_float<TE>(s);
+      }
+    }
+  }
+
+ private:
+  bool has_product() const { return args_.k > 0 && args_.alpha != 0.0f; }
+
+  GemmArgs args_, product_args_;
+  const TA* a_;
+  const TB* b_;
+  TC* c_;
+  E ep_;
+  std::int64_t ldc_ = 0, ld_pre_ = 0, stride_pre_ = 0;
+  TileShape tile_{1, 1};
+  std::int64_t row_tiles_ = 0, col_tiles_ = 0;
+  bool use_dnnl_ = false;
+  std::vector<float> bias_;     // fp32 bias (bias epilogues)
+  std::vector<float> colsums_;  // (batch, row tile, n) column sums (bias-grad epilogues)
+};
+
 }  // namespace detail
 
 // C = epilogue(alpha * op(A) op(B) + beta * C), for every batch. See kernels/epilogue.hpp.
 template <class TA, class TB, class TC, GemmEpilogue E = epilogue::None>
   requires detail::GemmElement<TA> && detail::GemmElement<TB> && detail::GemmElement<TC>
 void gemm(const GemmArgs& args, const TA* a, const TB* b, TC* c, E ep = {}, GemmOptions options = {}) {
-  using traits = epilogue_traits<E>;
-  constexpr EpilogueKind kind = traits::kind;
-  using TE = typename detail::epilogue_element<E>::type;
-  detail::check_gemm_args(args);
-  const std::int64_t m = args.m, n = args.n, k = args.k;
-  const std::int64_t ldc = args.ldc_or_packed();
-  if constexpr (traits::bias_grad) {
-    TRELLIS_CHECK(ep.bias_grad != nullptr, "gemm: bias-grad epilogue without a bias_grad vector");
-  }
-  detail::last_product_slot() = GemmProduct::none;
-  if (m == 0 || n == 0) {
-    if constexpr (traits::bias_grad) {
-      if (!ep.accumulate)
-        for (std::int64_t j = 0; j < n; ++j) ep.bias_grad[j] = from_float<TE>(0.0f);
-    }
-    return;
-  }
-  TRELLIS_CHECK(a != nullptr || k == 0, "gemm: A is null");
-  TRELLIS_CHECK(b != nullptr || k == 0, "gemm: B is null");
-  TRELLIS_CHECK(c != nullptr, "gemm: C is null");
-
-  // Bias as fp32, once.
-  std::vector<float> bias;
-  if constexpr (traits::has_bias) {
-    TRELLIS_CHECK(ep.bias != nullptr, "gemm: bias epilogue without a bias vector");
-    bias.resize(static_cast<std::size_t>(n));
-    for (std::int64_t j = 0; j < n; ++j) bias[j] = to_float(ep.bias[j]);
-  }
-  std::int64_t ld_pre = 0, stride_pre = 0;
-  if constexpr (traits::reads_pre || traits::writes_pre) {
-    if constexpr (traits::reads_pre) TRELLIS_CHECK(ep.pre_activation != nullptr, "gemm: DGelu epilogue without pre_activation");
-    ld_pre = ep.ld_pre ? ep.ld_pre : ldc;
-    stride_pre = ep.stride_pre ? ep.stride_pre : args.stride_c;
-    TRELLIS_CHECK(ld_pre >= args.packed_ld(m, n), "gemm: ld_pre = ", ld_pre, " too small");
-  }
-
-  // Bias epilogues: the product adds to C prefilled with beta * C + bias (see prefill_bias).
-  GemmArgs product_args = args;
-  if constexpr (traits::has_bias) product_args.beta = 1.0f;
-
-  const detail::TileShape tile = detail::tile_shape(args, options);
-  const std::int64_t row_tiles = (m + tile.rows - 1) / tile.rows, col_tiles = (n + tile.cols - 1) / tile.cols;
-  std::vector<float> colsums;  // (batch, row tile, n): column sums per row of tiles, reduced in order
-  if constexpr (traits::bias_grad) colsums.assign(static_cast<std::size_t>(args.batch * row_tiles * n), 0.0f);
-
-  // bf16 x bf16 on oneDNN (no fp32 copies of A and B), when linked and native on this CPU.
-  constexpr bool bf16_operands = std::is_same_v<TA, bfloat16> && std::is_same_v<TB, bfloat16>;
-  bool use_dnnl = false;
-  if constexpr (bf16_operands)
-    use_dnnl = options.bf16_product == Bf16Product::automatic && k > 0 && args.alpha != 0.0f && dnnl_bf16_native();
-  if (k > 0 && args.alpha != 0.0f) detail::last_product_slot() = use_dnnl ? GemmProduct::dnnl_bf16 : GemmProduct::fp32;
-
-  std::vector<float> a32, b32, bpack;
-  for (std::int64_t batch = 0; batch < args.batch; ++batch) {
-    const TA* a_b = a ? a + batch * args.stride_a : nullptr;
-    const TB* b_b = b ? b + batch * args.stride_b : nullptr;
-    TC* c_b = c + batch * args.stride_c;
-    // fp32 operands.
-    const float* af;
-    const float* bf;
-    std::int64_t lda = args.lda_or_packed(), ldb = args.ldb_or_packed();
-    if constexpr (std::is_same_v<TA, float>) {
-      af = a_b;
-    } else if (use_dnnl) {
-      af = nullptr;
-    } else {
-      if (batch == 0 || args.stride_a != 0) detail::convert_matrix(args, a_b, lda, args.a_rows(), args.a_cols(), a32);
-      af = a32.data();
-      lda = args.packed_ld(args.a_rows(), args.a_cols());
-    }
-    if constexpr (std::is_same_v<TB, float>) {
-      bf = b_b;
-    } else if (use_dnnl) {
-      bf = nullptr;
-    } else {
-      if (batch == 0 || args.stride_b != 0) detail::convert_matrix(args, b_b, ldb, args.b_rows(), args.b_cols(), b32);
-      bf = b32.data();
-      ldb = args.packed_ld(args.b_rows(), args.b_cols());
-    }
-    if (!gemm_uses_cblas() && k > 0 && !use_dnnl) {
-      // The fallback kernel streams rows of op(B): pack it row-major k x n.
-      if (batch == 0 || args.stride_b != 0 || !std::is_same_v<TB, float>) {
-        bpack.resize(static_cast<std::size_t>(k * n));
-        for (std::int64_t p = 0; p < k; ++p)
-          for (std::int64_t j = 0; j < n; ++j)
-            bpack[p * n + j] = args.op_b == Op::none ? bf[args.offset(p, j, ldb)] : bf[args.offset(j, p, ldb)];
-      }
-      bf = bpack.data();
-    }
-
-    // One task per tile: product, then the epilogue while the tile is in cache.
-    auto run_tile = [&](std::int64_t index) {
-      detail::use_single_threaded_blas();  // OpenMP OpenBLAS: per thread
-      const std::int64_t tile_row = index / col_tiles, tile_col = index % col_tiles;
-      detail::Tile t{};
-      t.row0 = tile_row * tile.rows;
-      t.rows = std::min(tile.rows, m - t.row0);
-      t.col0 = tile_col * tile.cols;
-      t.cols = std::min(tile.cols, n - t.col0);
-      if constexpr (std::is_same_v<TC, float>) {
-        t.c = c_b + args.offset(t.row0, t.col0, ldc);
-        t.ldc = ldc;
-      } else {
-        // fp32 tile buffer in C's layout, packed; kept per thread so big tiles are not re-faulted.
-        thread_local std::vector<float> buffer;
-        t.ldc = args.packed_ld(t.rows, t.cols);
-        buffer.resize(static_cast<std::size_t>(t.rows * t.cols));
-        t.c = buffer.data();
-        if (args.beta != 0.0f)
-          for (std::int64_t r = 0; r < t.rows; ++r)
-            for (std::int64_t j = 0; j < t.cols; ++j)
-              t.c[args.offset(r, j, t.ldc)] = to_float(c_b[args.offset(t.row0 + r, t.col0 + j, ldc)]);
-      }
-      if constexpr (traits::has_bias) detail::prefill_bias(args, t, bias.data());
-      if (use_dnnl) {
-        detail::dnnl_tile_product(product_args, a_b, lda, b_b, ldb, t.c, t.ldc, t.row0, t.rows, t.col0, t.cols);
-      } else {
-        detail::tile_product(product_args, af, lda, bf, ldb, t);
-      }
-      if constexpr (kind != EpilogueKind::none && kind != EpilogueKind::bias) {
-        TE* pre = nullptr;
-        if constexpr (traits::reads_pre || traits::writes_pre) {
-          using PreT = std::remove_const_t<std::remove_pointer_t<decltype(ep.pre_activation)>>;
-          static_assert(std::is_same_v<PreT, TE>);
-          if (ep.pre_activation)
-            pre = const_cast<TE*>(ep.pre_activation) + batch * stride_pre + args.offset(t.row0, t.col0, ld_pre);
-        }
-        float* colsum = nullptr;
-        if constexpr (traits::bias_grad) colsum = colsums.data() + (batch * row_tiles + tile_row) * n;
-        detail::apply_epilogue_tile<kind, TE>(args, t, pre, ld_pre, colsum);
-      }
-      if constexpr (!std::is_same_v<TC, float>) {
-        for (std::int64_t r = 0; r < t.rows; ++r)
-          for (std::int64_t j = 0; j < t.cols; ++j)
-            c_b[args.offset(t.row0 + r, t.col0 + j, ldc)] = from_float<TC>(t.c[args.offset(r, j, t.ldc)]);
-      }
-    };
-    detail::use_single_threaded_blas();  // before any task starts (pthreads OpenBLAS: process-wide)
-    parallel_for(row_tiles * col_tiles, run_tile);
-  }
-
-  if constexpr (traits::bias_grad) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      float s = ep.accumulate ? to_float(ep.bias_grad[j]) : 0.0f;
-      for (std::int64_t i = 0; i < args.batch * row_tiles; ++i) s += colsums[i * n + j];
-      ep.bias_grad[j] = from_float<TE>(s);
+  detail::GemmPlan<TA, TB, TC, E> plan(args, a, b, c, ep, options);
+  detail::last_product_slot() = plan.product();
+  if (!plan.empty()) {
+    detail::Fp32Operands ops;
+    for (std::int64_t batch = 0; batch < args.batch; ++batch) {
+      plan.prepare_operands(batch, batch == 0 || args.stride_a != 0, batch == 0 || args.stride_b != 0, ops);
+      // One task per tile: product, then the epilogue while the tile is in cache.
+      detail::use_single_threaded_blas();  // before any task starts (pthreads OpenBLAS: process-wide)
+      parallel_for(plan.tiles(), [&](std::int64_t index) { plan.run_tile(batch, ops, index); });
     }
   }
+  plan.finish();
+}
+
+// Many GEMMs of different sizes in one call (e.g. the experts of a Mixture-of-Experts layer):
+// the same results, bit for bit, as gemm(g.args, g.a, g.b, g.c, g.ep, options) for each group g in
+// order, but the tiles of all groups are tasks of a single parallel_for, so that one big group
+// among small or empty ones keeps every thread busy and the pool is dispatched once. Each group
+// is one GEMM (args.batch == 1). The groups' outputs (C, pre-activation) must not overlap each
+// other nor any group's inputs; groups may share a bias-gradient vector (accumulate: each adds
+// its sums, in group order). 16-bit operands are converted to fp32 per group before the tiles run
+// (the copies live for the call), or read as stored on the oneDNN bf16 path.
+template <class TA, class TB, class TC, GemmEpilogue E = epilogue::None>
+  requires detail::GemmElement<TA> && detail::GemmElement<TB> && detail::GemmElement<TC>
+void grouped_gemm(std::span<const GemmGroup<TA, TB, TC, E>> groups, GemmOptions options = {}) {
+  using Plan = detail::GemmPlan<TA, TB, TC, E>;
+  const std::size_t count = groups.size();
+  std::vector<Plan> plans;
+  plans.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const GemmGroup<TA, TB, TC, E>& g = groups[i];
+    TRELLIS_CHECK(g.args.batch == 1, "grouped_gemm: group ", i, " has batch = ", g.args.batch,
+                  "; each group is a single GEMM (batch 1)");
+    try {
+      plans.emplace_back(g.args, g.a, g.b, g.c, g.ep, options);
+    } catch (const Error& e) {  // name the group
+      throw Error("grouped_gemm: group " + std::to_string(i) + ": " + e.message(), e.file(), e.line(), e.rank());
+    }
+  }
+  // Operands, then the task list: groups by decreasing cost per tile (the results do not depend
+  // on the order), so that the last tasks to start are the smallest ones.
+  std::vector<detail::Fp32Operands> ops(count);
+  std::vector<std::size_t> order;
+  GemmProduct product = GemmProduct::none;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (plans[i].empty()) continue;
+    plans[i].prepare_operands(0, true, true, ops[i]);
+    order.push_back(i);
+    if (product == GemmProduct::none) product = plans[i].product();
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t x, std::size_t y) { return plans[x].tile_cost() > plans[y].tile_cost(); });
+  std::vector<std::int64_t> first(order.size() + 1, 0);  // first task of each group in `order`
+  for (std::size_t s = 0; s < order.size(); ++s) first[s + 1] = first[s] + plans[order[s]].tiles();
+  detail::last_product_slot() = product;
+  detail::use_single_threaded_blas();  // before any task starts (pthreads OpenBLAS: process-wide)
+  parallel_for(first.back(), [&](std::int64_t task) {
+    const std::size_t s = static_cast<std::size_t>(std::upper_bound(first.begin(), first.end(), task) - first.begin()) - 1;
+    const std::size_t i = order[s];
+    plans[i].run_tile(0, ops[i], task - first[s]);
+  });
+  for (Plan& plan : plans) plan.finish();
+}
+
+// The same for groups held in a vector (a span parameter does not deduce from one).
+template <class TA, class TB, class TC, GemmEpilogue E>
+  requires detail::GemmElement<TA> && detail::GemmElement<TB> && detail::GemmElement<TC>
+void grouped_gemm(const std::vector<GemmGroup<TA, TB, TC, E>>& groups, GemmOptions options = {}) {
+  grouped_gemm(std::span<const GemmGroup<TA, TB, TC, E>>(groups), options);
 }
 
 }  // namespace trellis::kernels::host
