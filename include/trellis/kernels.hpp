@@ -14,6 +14,7 @@
 #include "trellis/kernels/epilogue.hpp"          // defines: GemmArgs, Layout, Op, epilogue::*
 #include "trellis/kernels/gemm_host.hpp"         // defines: host::gemm
 #include "trellis/kernels/host_math.hpp"         // defines: fast_exp, fast_tanh, fast_gelu
+#include "trellis/kernels/moe_host.hpp"          // defines: MoeRouteArgs, moe_route_*, moe_dispatch_plan, moe_combine*, gather_rows
 #include "trellis/kernels/norms_host.hpp"        // defines: layernorm_*, rmsnorm_*
 #include "trellis/kernels/thread_pool.hpp"       // defines: ThreadPool, parallel_for, set_num_threads
 #include "trellis/kernels/xent_host.hpp"         // defines: softmax_xent_*, xent_partial_*, xent_finish

@@ -8,10 +8,13 @@
 //  - backend::DeviceChecked: kernels refuse host pointers (naming the kernel and argument),
 //    upload/download refuse swapped sides, buffers unregister when freed, results equal the inner
 //    backend's, a kernel needing more workspace than reserved is refused, and parameters packed
-//    with it refuse host element access.
+//    with it refuse host element access; the grouped GEMM and MoE routing methods likewise (equal
+//    to Host<float>'s bit for bit, host pointers refused, the dispatch plan's workspace checked).
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <span>
+#include <type_traits>
 #include <vector>
 
 #include "trellis/backend.hpp"
@@ -151,4 +154,161 @@ TEST_CASE("DeviceChecked: packed parameters live in backend memory and refuse ho
   nn::ParameterBuffer<> host_packed(host_order);
   CHECK(h.value.host_readable());
   CHECK(h.value[3] == 0.0f);
+}
+
+TEST_CASE("DeviceChecked: grouped GEMM and MoE routing take only backend memory, and equal Host's", "[backend][device][moe]") {
+  using Checked = backend::DeviceChecked<backend::Host<float>>;
+  using Group = kernels::GemmGroup<float, float, float, kernels::epilogue::None>;
+  using BiasGroup = kernels::GemmGroup<float, float, float, kernels::epilogue::Bias<float>>;
+  Checked be;
+  backend::Host<float> host;
+  auto up = [&](const auto& v) {
+    using T = typename std::remove_cvref_t<decltype(v)>::value_type;
+    auto b = be.template allocate<T>(v.size());
+    be.upload(b.data(), v.data(), v.size());
+    return b;
+  };
+  auto values = [](std::size_t n, float scale, float shift) {
+    std::vector<float> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = scale * static_cast<float>((i * 7919 + 13) % 23) / 23.0f + shift;
+    return v;
+  };
+  const index_t rows = 7, E = 4, d = 3;
+  const int k = 2;
+  const kernels::MoeRouteArgs route{rows, E, k, true};
+  const std::size_t RE = static_cast<std::size_t>(rows * E), RK = static_cast<std::size_t>(rows * k);
+
+  // route forward
+  const auto logits_h = values(RE, 4.0f, -2.0f);
+  auto logits = up(logits_h);
+  auto probs = be.allocate<float>(RE), lse = be.allocate<float>(rows), gate = be.allocate<float>(RK);
+  auto prob_sums = be.allocate<float>(E);
+  auto expert = be.allocate<std::int32_t>(RK), routed = be.allocate<std::int32_t>(E);
+  be.moe_route_forward(route, logits.data(), probs.data(), lse.data(), expert.data(), gate.data(), routed.data(),
+                       prob_sums.data());
+  std::vector<float> probs_h(RE), lse_h(rows), gate_h(RK), prob_sums_h(E);
+  std::vector<std::int32_t> expert_h(RK), routed_h(E);
+  host.moe_route_forward(route, logits_h.data(), probs_h.data(), lse_h.data(), expert_h.data(), gate_h.data(),
+                         routed_h.data(), prob_sums_h.data());
+  CHECK(backend::download_vector(be, probs.data(), RE) == probs_h);
+  CHECK(backend::download_vector(be, lse.data(), lse.size()) == lse_h);
+  CHECK(backend::download_vector(be, expert.data(), RK) == expert_h);
+  CHECK(backend::download_vector(be, gate.data(), RK) == gate_h);
+  CHECK(backend::download_vector(be, routed.data(), routed.size()) == routed_h);
+  CHECK(backend::download_vector(be, prob_sums.data(), prob_sums.size()) == prob_sums_h);
+
+  // dispatch plan (capacity 2 of up to 14 copies: some are dropped); refused without workspace
+  const index_t capacity = 2;
+  auto slot = be.allocate<std::int32_t>(RK), source_row = be.allocate<std::int32_t>(RK), kept = be.allocate<std::int32_t>(E);
+  const std::size_t plan_bytes = be.moe_dispatch_plan_workspace(rows, k, E);
+  CHECK(plan_bytes > 0);  // a stand-in: the host kernel needs none
+  CHECK(host.moe_dispatch_plan_workspace(rows, k, E) == 0);
+  CHECK(be.moe_dispatch_plan_workspace(rows, k, 2 * E) > plan_bytes);
+  CHECK_THROWS_WITH(be.moe_dispatch_plan(rows, k, E, capacity, expert.data(), slot.data(), source_row.data(), kept.data()),
+                    Catch::Contains("moe_dispatch_plan needs") && Catch::Contains("reserve_workspace"));
+  be.reserve_workspace(plan_bytes);
+  be.moe_dispatch_plan(rows, k, E, capacity, expert.data(), slot.data(), source_row.data(), kept.data());
+  std::vector<std::int32_t> slot_h(RK), source_row_h(RK, 0), kept_h(E);
+  host.moe_dispatch_plan(rows, k, E, capacity, expert_h.data(), slot_h.data(), source_row_h.data(), kept_h.data());
+  CHECK(backend::download_vector(be, slot.data(), RK) == slot_h);
+  CHECK(backend::download_vector(be, kept.data(), kept.size()) == kept_h);
+  index_t sent = 0;
+  for (auto v : kept_h) sent += v;
+  REQUIRE(sent > 0);
+  REQUIRE(sent < rows * k);  // the capacity dropped some copies
+  source_row_h.resize(static_cast<std::size_t>(sent));
+  CHECK(backend::download_vector(be, source_row.data(), source_row_h.size()) == source_row_h);
+
+  // gather the kept copies' rows, combine, combine backward
+  const auto x_h = values(static_cast<std::size_t>(rows * d), 2.0f, -1.0f);
+  auto x = up(x_h);
+  const std::size_t SD = static_cast<std::size_t>(sent * d);
+  auto xp = be.allocate<float>(SD);
+  be.gather_rows(sent, d, x.data(), source_row.data(), xp.data());
+  std::vector<float> xp_h(SD);
+  host.gather_rows(sent, d, x_h.data(), source_row_h.data(), xp_h.data());
+  CHECK(backend::download_vector(be, xp.data(), SD) == xp_h);
+
+  const auto y_h = values(SD, 1.5f, -0.5f);
+  auto y = up(y_h);
+  auto out = up(x_h);  // accumulate onto x
+  be.moe_combine(rows, k, d, y.data(), slot.data(), gate.data(), out.data(), true);
+  std::vector<float> out_h = x_h;
+  host.moe_combine(rows, k, d, y_h.data(), slot_h.data(), gate_h.data(), out_h.data(), true);
+  CHECK(backend::download_vector(be, out.data(), out_h.size()) == out_h);
+
+  const auto dout_h = values(static_cast<std::size_t>(rows * d), 1.0f, -0.25f);
+  auto dout = up(dout_h);
+  auto dgate = be.allocate<float>(RK), dy = be.allocate<float>(SD);
+  be.moe_combine_backward(rows, k, d, dout.data(), y.data(), slot.data(), gate.data(), dgate.data(), dy.data());
+  std::vector<float> dgate_h(RK), dy_h(SD);
+  host.moe_combine_backward(rows, k, d, dout_h.data(), y_h.data(), slot_h.data(), gate_h.data(), dgate_h.data(),
+                            dy_h.data());
+  CHECK(backend::download_vector(be, dgate.data(), RK) == dgate_h);
+  CHECK(backend::download_vector(be, dy.data(), SD) == dy_h);
+
+  // route backward, with the load-balancing and z-loss terms
+  const auto aux_h = values(static_cast<std::size_t>(E), 0.1f, 0.0f);
+  auto aux = up(aux_h);
+  auto dlogits = be.allocate<float>(RE);
+  be.moe_route_backward(route, probs.data(), lse.data(), expert.data(), gate.data(), dgate.data(), aux.data(), 0.01f,
+                        dlogits.data());
+  std::vector<float> dlogits_h(RE);
+  host.moe_route_backward(route, probs_h.data(), lse_h.data(), expert_h.data(), gate_h.data(), dgate_h.data(),
+                          aux_h.data(), 0.01f, dlogits_h.data());
+  CHECK(backend::download_vector(be, dlogits.data(), RE) == dlogits_h);
+
+  // grouped GEMM: three experts' rows (one empty), bias epilogue; then an fp32 accumulation with a
+  // k = 0 group (no rows: C stays)
+  const index_t H = 5;
+  const std::vector<index_t> expert_rows = {3, 0, 4};
+  const auto w_h = values(static_cast<std::size_t>(3 * d * H), 1.0f, -0.5f), b_h = values(static_cast<std::size_t>(3 * H), 0.5f, 0.0f);
+  const auto xe_h = values(static_cast<std::size_t>(7 * d), 2.0f, -1.0f);
+  auto w = up(w_h), bias = up(b_h), xe = up(xe_h);
+  auto h = be.allocate<float>(static_cast<std::size_t>(7 * H));
+  std::vector<float> h_h(static_cast<std::size_t>(7 * H));
+  std::vector<BiasGroup> groups, groups_h;
+  for (index_t e = 0, row = 0; e < 3; row += expert_rows[e], ++e) {
+    const auto args = kernels::gemm_args(expert_rows[e], H, d);
+    groups.push_back({args, xe.data() + row * d, w.data() + e * d * H, h.data() + row * H, {bias.data() + e * H}});
+    groups_h.push_back({args, xe_h.data() + row * d, w_h.data() + e * d * H, h_h.data() + row * H, {b_h.data() + e * H}});
+  }
+  be.grouped_gemm(std::span<const BiasGroup>(groups));
+  host.grouped_gemm(std::span<const BiasGroup>(groups_h));
+  CHECK(backend::download_vector(be, h.data(), h_h.size()) == h_h);
+  auto grad = up(w_h);  // accumulate into "weight gradients"
+  std::vector<float> grad_h = w_h;
+  std::vector<Group> wgrad, wgrad_h;
+  for (index_t e = 0, row = 0; e < 3; row += expert_rows[e], ++e) {
+    const auto args = kernels::gemm_args(d, H, expert_rows[e], kernels::Op::transpose, kernels::Op::none, 1.0f, 1.0f);
+    wgrad.push_back({args, xe.data() + row * d, h.data() + row * H, grad.data() + e * d * H, {}});
+    wgrad_h.push_back({args, xe_h.data() + row * d, h_h.data() + row * H, grad_h.data() + e * d * H, {}});
+  }
+  be.grouped_gemm(std::span<const Group>(wgrad));
+  host.grouped_gemm(std::span<const Group>(wgrad_h));
+  CHECK(backend::download_vector(be, grad.data(), grad_h.size()) == grad_h);
+
+  // a host pointer in place of backend memory: refused by every new method
+  std::vector<float> hf(64);
+  std::vector<std::int32_t> hi(64);
+  CHECK_THROWS_WITH(be.moe_route_forward(route, logits.data(), probs.data(), lse.data(), hi.data(), gate.data(),
+                                         routed.data(), prob_sums.data()),
+                    Catch::Contains("moe_route_forward argument 4") && Catch::Contains("not backend memory"));
+  CHECK_THROWS_WITH(be.moe_dispatch_plan(rows, k, E, capacity, expert.data(), slot.data(), hi.data(), kept.data()),
+                    Catch::Contains("moe_dispatch_plan argument 3"));
+  CHECK_THROWS_WITH(be.gather_rows(sent, d, x.data(), hi.data(), xp.data()), Catch::Contains("gather_rows argument 2"));
+  CHECK_THROWS_WITH(be.moe_combine(rows, k, d, y.data(), slot.data(), hf.data(), out.data(), false),
+                    Catch::Contains("moe_combine argument 3"));
+  CHECK_THROWS_WITH(be.moe_combine_backward(rows, k, d, hf.data(), y.data(), slot.data(), gate.data(), dgate.data(),
+                                            dy.data()),
+                    Catch::Contains("moe_combine_backward argument 1"));
+  CHECK_THROWS_WITH(be.moe_route_backward(route, probs.data(), lse.data(), expert.data(), gate.data(), dgate.data(),
+                                          hf.data(), 0.0f, dlogits.data()),
+                    Catch::Contains("moe_route_backward argument 6"));
+  std::vector<BiasGroup> bad = groups;
+  bad[2].b = hf.data();
+  CHECK_THROWS_WITH(be.grouped_gemm(std::span<const BiasGroup>(bad)), Catch::Contains("grouped_gemm argument 2"));
+  bad = groups;
+  bad[0].ep.bias = hf.data();
+  CHECK_THROWS_WITH(be.grouped_gemm(std::span<const BiasGroup>(bad)), Catch::Contains("grouped_gemm epilogue"));
 }

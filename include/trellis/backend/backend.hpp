@@ -7,7 +7,10 @@
 //   - CUB-style workspace queries, asked at set-up for the largest shapes, then one
 //     reserve_workspace(max): no scratch grows in the middle of a step;
 //   - the kernels the layers call, with backend-neutral contracts (kernels::GemmArgs and
-//     epilogues, AttentionArgs, HeadsLayout, EmbeddingArgs, DropoutArgs, AdamWTensor/AdamWConfig).
+//     epilogues, AttentionArgs, HeadsLayout, EmbeddingArgs, DropoutArgs, AdamWTensor/AdamWConfig);
+//   - Mixture-of-Experts pieces: grouped_gemm over kernels::GemmGroup spans (one GEMM per expert)
+//     and the routing ops of kernels/moe.hpp (MoeRouteArgs; int32 expert ids, slots and counts),
+//     moe_dispatch_plan with its workspace query.
 // Backends: backend::Host<float>, backend::Host<bfloat16> (backend/host.hpp) and backend::Cuda
 // (backend/cuda.cuh, bf16). docs/backend.md says why the layers take a backend and what it owns.
 //
@@ -31,6 +34,7 @@
 #include "trellis/kernels/embedding.hpp"
 #include "trellis/kernels/epilogue.hpp"
 #include "trellis/kernels/heads.hpp"
+#include "trellis/kernels/moe.hpp"
 
 namespace trellis::backend {
 
@@ -41,7 +45,15 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
                            const kernels::HeadsLayout& heads, const kernels::EmbeddingArgs& emb,
                            const kernels::DropoutArgs& drop,
                            std::span<const std::span<const float>> grads,
-                           std::span<const kernels::AdamWTensor<float>> adamw, const kernels::AdamWConfig& cfg) {
+                           std::span<const kernels::AdamWTensor<float>> adamw, const kernels::AdamWConfig& cfg,
+                           std::int32_t* iw, const kernels::MoeRouteArgs& moe,
+                           std::span<const kernels::GemmGroup<typename B::act_t, typename B::act_t, typename B::act_t,
+                                                              kernels::epilogue::None>> groups,
+                           std::span<const kernels::GemmGroup<typename B::act_t, typename B::act_t, float,
+                                                              kernels::epilogue::None>> groups_f32,
+                           std::span<const kernels::GemmGroup<typename B::act_t, typename B::act_t, typename B::act_t,
+                                                              kernels::epilogue::BiasGelu<typename B::act_t>>>
+                               groups_bias_gelu) {
   typename B::space;
   requires MemorySpace<typename B::space>;
   typename B::act_t;
@@ -69,6 +81,7 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   { cb.attention_backward_workspace(attn) } -> std::same_as<std::size_t>;
   { cb.column_sums_workspace(i, i) } -> std::same_as<std::size_t>;
   { cb.sum_of_squares_workspace(grads) } -> std::same_as<std::size_t>;
+  { cb.moe_dispatch_plan_workspace(i, 1, i) } -> std::same_as<std::size_t>;
   b.reserve_workspace(n);
   { cb.workspace_reserved() } -> std::same_as<std::size_t>;
   // kernels
@@ -101,6 +114,16 @@ concept Backend = requires(B& b, const B& cb, std::size_t n, index_t i, const fl
   { b.sum_of_squares(grads) } -> std::convertible_to<double>;
   { b.sum(cf, n) } -> std::convertible_to<double>;
   b.adamw(adamw, cfg, std::int64_t{1}, 1.0f);
+  // Mixture of Experts: grouped GEMMs (activation or fp32 C, with or without epilogues) and routing
+  b.grouped_gemm(groups);
+  b.grouped_gemm(groups_f32);
+  b.grouped_gemm(groups_bias_gelu);
+  b.moe_route_forward(moe, cf, f, f, iw, f, iw, f);
+  b.moe_dispatch_plan(i, 1, i, i, ids, iw, iw, iw);
+  b.gather_rows(i, i, cx, ids, x);
+  b.moe_combine(i, 1, i, cx, ids, cf, x, true);
+  b.moe_combine_backward(i, 1, i, cx, cx, ids, cf, f, x);
+  b.moe_route_backward(moe, cf, cf, ids, cf, cf, cf, 1.0f, f);
 };
 
 // A communicator names the memory space its buffers live in (C::space).

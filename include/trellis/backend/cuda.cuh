@@ -1,7 +1,8 @@
 // backend::Cuda: the compute backend on one GPU, mixed precision as in llm.c: bf16 activations
 // and GEMM operands with fp32 accumulation (cuBLASLt with fused bias / GELU / dGELU epilogues),
 // our flash attention (bf16, head_dim 64 or 128), fp32 LayerNorm statistics and weights, fp32
-// master weights, gradients and AdamW moments.
+// master weights, gradients and AdamW moments; Mixture-of-Experts routing and dispatch (CUB radix
+// sort, histogram and scans) with grouped GEMMs over the experts.
 //
 //   backend::Cuda be(stream);                  // every kernel and copy is ordered on `stream`
 //   be.reserve_workspace(max of be.*_workspace(...) at the largest shapes);   // once, at set-up
@@ -36,6 +37,7 @@
 #include "trellis/kernels/embedding_cuda.cuh"
 #include "trellis/kernels/gemm_cuda.hpp"
 #include "trellis/kernels/heads.hpp"
+#include "trellis/kernels/moe_cuda.cuh"
 #include "trellis/kernels/norms_cuda.cuh"
 #include "trellis/kernels/xent_cuda.cuh"
 
@@ -162,6 +164,10 @@ class Cuda {
   std::size_t sum_of_squares_workspace(std::span<const std::span<const float>> grads) const {
     return kernels::cuda::grad_norm_workspace_bytes(grads) + 256;
   }
+  // The MoE dispatch plan's radix sort, histogram and scans (CUB's size queries) and sort buffers.
+  std::size_t moe_dispatch_plan_workspace(index_t rows, int topk, index_t experts) const {
+    return kernels::cuda::moe_dispatch_plan_workspace_bytes(rows, topk, experts);
+  }
   // Grows the shared workspace to at least `bytes` (stream-ordered); call before the first step.
   void reserve_workspace(std::size_t bytes) {
     if (state_->workspace.size() < bytes) state_->workspace = Buffer<std::byte, trellis::Cuda>(bytes, stream_, false);
@@ -275,6 +281,52 @@ class Cuda {
   void column_sums(index_t rows, index_t cols, index_t ld, const act_t* x, float* sums) const {
     const std::size_t bytes = column_sums_workspace(rows, cols);
     kernels::cuda::column_sums(rows, cols, ld, x, sums, workspace(bytes, "column_sums"), bytes, stream_, true);
+  }
+  // One call over many GEMMs (MoE experts), each as gemm() would compute it: one cuBLASLt call
+  // per non-empty group (kernels::cuda::grouped_gemm), k = 0 groups by a device pass. DGelu groups
+  // go one by one through gemm() above, which keeps its unfused fallback.
+  template <class TC, class E>
+  void grouped_gemm(std::span<const kernels::GemmGroup<act_t, act_t, TC, E>> groups) const {
+    auto zero_k = [this](const kernels::GemmGroup<act_t, act_t, TC, E>& g) {
+      kernels::cuda::gemm_without_product(g.args, g.c, g.ep, stream_);
+    };
+    if constexpr (std::is_same_v<E, kernels::epilogue::DGelu<act_t>>) {
+      kernels::cuda::detail::for_each_gemm_group(
+          groups, stream_, [this](const kernels::GemmGroup<act_t, act_t, TC, E>& g) { gemm(g.args, g.a, g.b, g.c, g.ep); },
+          zero_k);
+    } else {
+      kernels::cuda::grouped_gemm(state_->gemm, groups, stream_, zero_k);
+    }
+  }
+  // Mixture-of-Experts routing (contract: kernels/moe.hpp; kernels: kernels/moe_cuda.cuh).
+  // prob_sums' summation order is not fixed here (float atomics): it feeds only the reported
+  // load-balancing loss value.
+  void moe_route_forward(const kernels::MoeRouteArgs& a, const float* logits, float* probs, float* lse,
+                         std::int32_t* expert, float* gate, std::int32_t* routed, float* prob_sums) const {
+    kernels::cuda::moe_route_forward(a, logits, probs, lse, expert, gate, routed, prob_sums, stream_);
+  }
+  // Workspace: moe_dispatch_plan_workspace(rows, topk, experts), reserved at set-up.
+  void moe_dispatch_plan(index_t rows, int topk, index_t experts, index_t capacity, const std::int32_t* expert,
+                         std::int32_t* slot, std::int32_t* source_row, std::int32_t* kept) const {
+    const std::size_t bytes = moe_dispatch_plan_workspace(rows, topk, experts);
+    kernels::cuda::moe_dispatch_plan(rows, topk, experts, capacity, expert, slot, source_row, kept,
+                                     bytes ? workspace(bytes, "moe_dispatch_plan") : nullptr, bytes, stream_);
+  }
+  void gather_rows(index_t rows, index_t cols, const act_t* src, const std::int32_t* index, act_t* dst) const {
+    kernels::cuda::gather_rows(rows, cols, src, index, dst, stream_);
+  }
+  void moe_combine(index_t rows, int topk, index_t cols, const act_t* y, const std::int32_t* slot, const float* gate,
+                   act_t* out, bool accumulate) const {
+    kernels::cuda::moe_combine(rows, topk, cols, y, slot, gate, out, accumulate, stream_);
+  }
+  void moe_combine_backward(index_t rows, int topk, index_t cols, const act_t* dout, const act_t* y,
+                            const std::int32_t* slot, const float* gate, float* dgate, act_t* dy) const {
+    kernels::cuda::moe_combine_backward(rows, topk, cols, dout, y, slot, gate, dgate, dy, stream_);
+  }
+  void moe_route_backward(const kernels::MoeRouteArgs& a, const float* probs, const float* lse,
+                          const std::int32_t* expert, const float* gate, const float* dgate, const float* aux_grad,
+                          float z_grad, float* dlogits) const {
+    kernels::cuda::moe_route_backward(a, probs, lse, expert, gate, dgate, aux_grad, z_grad, dlogits, stream_);
   }
   double sum_of_squares(std::span<const std::span<const float>> grads) const {
     const std::size_t bytes = sum_of_squares_workspace(grads);

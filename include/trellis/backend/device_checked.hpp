@@ -212,6 +212,11 @@ class DeviceChecked {
   std::size_t sum_of_squares_workspace(std::span<const std::span<const float>> g) const {
     return or_stand_in(inner_.sum_of_squares_workspace(g), 64 + 2 * static_cast<index_t>(g.size()));
   }
+  // CUDA: the sort buffers (4 ints per assignment), per-expert counts and offsets, CUB's scratch.
+  std::size_t moe_dispatch_plan_workspace(index_t rows, int topk, index_t experts) const {
+    const index_t n = rows * topk;
+    return or_stand_in(inner_.moe_dispatch_plan_workspace(rows, topk, experts), n > 0 ? 4 * n + 3 * experts + 64 : 0);
+  }
   void reserve_workspace(std::size_t bytes) {
     inner_.reserve_workspace(bytes);
     registry_->reserve(bytes);
@@ -329,6 +334,47 @@ class DeviceChecked {
     workspace("column_sums", column_sums_workspace(rows, cols));
     inner_.column_sums(rows, cols, ld, x, sums);
   }
+  template <class TC, class E>
+  void grouped_gemm(std::span<const kernels::GemmGroup<act_t, act_t, TC, E>> groups) const {
+    for (const auto& g : groups) {
+      device("grouped_gemm", "a, b, c", g.a, g.b, g.c);
+      check_epilogue(g.ep, "grouped_gemm epilogue");
+    }
+    inner_.grouped_gemm(groups);
+  }
+  void moe_route_forward(const kernels::MoeRouteArgs& a, const float* logits, float* probs, float* lse,
+                         std::int32_t* expert, float* gate, std::int32_t* routed, float* prob_sums) const {
+    device("moe_route_forward", "logits, probs, lse, expert, gate, routed, prob_sums", logits, probs, lse, expert, gate,
+           routed, prob_sums);
+    inner_.moe_route_forward(a, logits, probs, lse, expert, gate, routed, prob_sums);
+  }
+  void moe_dispatch_plan(index_t rows, int topk, index_t experts, index_t capacity, const std::int32_t* expert,
+                         std::int32_t* slot, std::int32_t* source_row, std::int32_t* kept) const {
+    device("moe_dispatch_plan", "expert, slot, source_row, kept", expert, slot, source_row, kept);
+    workspace("moe_dispatch_plan", moe_dispatch_plan_workspace(rows, topk, experts));
+    inner_.moe_dispatch_plan(rows, topk, experts, capacity, expert, slot, source_row, kept);
+  }
+  void gather_rows(index_t rows, index_t cols, const act_t* src, const std::int32_t* index, act_t* dst) const {
+    device("gather_rows", "src, index, dst", src, index, dst);
+    inner_.gather_rows(rows, cols, src, index, dst);
+  }
+  void moe_combine(index_t rows, int topk, index_t cols, const act_t* y, const std::int32_t* slot, const float* gate,
+                   act_t* out, bool accumulate) const {
+    device("moe_combine", "y, slot, gate, out", y, slot, gate, out);
+    inner_.moe_combine(rows, topk, cols, y, slot, gate, out, accumulate);
+  }
+  void moe_combine_backward(index_t rows, int topk, index_t cols, const act_t* dout, const act_t* y,
+                            const std::int32_t* slot, const float* gate, float* dgate, act_t* dy) const {
+    device("moe_combine_backward", "dout, y, slot, gate, dgate, dy", dout, y, slot, gate, dgate, dy);
+    inner_.moe_combine_backward(rows, topk, cols, dout, y, slot, gate, dgate, dy);
+  }
+  void moe_route_backward(const kernels::MoeRouteArgs& a, const float* probs, const float* lse,
+                          const std::int32_t* expert, const float* gate, const float* dgate, const float* aux_grad,
+                          float z_grad, float* dlogits) const {
+    device("moe_route_backward", "probs, lse, expert, gate, dgate, aux_grad, dlogits", probs, lse, expert, gate, dgate,
+           aux_grad, dlogits);
+    inner_.moe_route_backward(a, probs, lse, expert, gate, dgate, aux_grad, z_grad, dlogits);
+  }
   double sum_of_squares(std::span<const std::span<const float>> grads) const {
     for (const auto& g : grads)
       if (!g.empty()) device("sum_of_squares", "grads", g.data());
@@ -371,10 +417,10 @@ class DeviceChecked {
                   " is backend memory, expected a host pointer");
   }
   template <class E>
-  void check_epilogue(const E& ep) const {
-    if constexpr (requires { ep.bias; }) device("gemm epilogue", "bias", ep.bias);
-    if constexpr (requires { ep.pre_activation; }) device("gemm epilogue", "pre_activation", ep.pre_activation);
-    if constexpr (requires { ep.bias_grad; }) device("gemm epilogue", "bias_grad", ep.bias_grad);
+  void check_epilogue(const E& ep, const char* kernel = "gemm epilogue") const {
+    if constexpr (requires { ep.bias; }) device(kernel, "bias", ep.bias);
+    if constexpr (requires { ep.pre_activation; }) device(kernel, "pre_activation", ep.pre_activation);
+    if constexpr (requires { ep.bias_grad; }) device(kernel, "bias_grad", ep.bias_grad);
   }
 
   Inner inner_;

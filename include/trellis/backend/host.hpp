@@ -24,6 +24,7 @@
 #include "trellis/kernels/embedding_host.hpp"
 #include "trellis/kernels/gemm_host.hpp"
 #include "trellis/kernels/heads.hpp"
+#include "trellis/kernels/moe_host.hpp"
 #include "trellis/kernels/norms_host.hpp"
 #include "trellis/kernels/xent_host.hpp"
 
@@ -61,6 +62,7 @@ class Host {
   std::size_t attention_backward_workspace(const kernels::AttentionArgs&) const { return 0; }
   std::size_t column_sums_workspace(index_t, index_t) const { return 0; }
   std::size_t sum_of_squares_workspace(std::span<const std::span<const float>>) const { return 0; }
+  std::size_t moe_dispatch_plan_workspace(index_t, int, index_t) const { return 0; }
   void reserve_workspace(std::size_t bytes) { reserved_ = std::max(reserved_, bytes); }
   std::size_t workspace_reserved() const { return reserved_; }
 
@@ -151,6 +153,36 @@ class Host {
   // sums[j] += sum_i x[i, j]
   void column_sums(index_t rows, index_t cols, index_t ld, const Act* x, float* sums) const {
     kernels::host::column_sums(rows, cols, ld, x, sums, true);
+  }
+  // One call over many GEMMs (MoE experts), each as gemm() would compute it.
+  template <class TC, class E>
+  void grouped_gemm(std::span<const kernels::GemmGroup<Act, Act, TC, E>> groups) const {
+    kernels::host::grouped_gemm(groups);
+  }
+  // Mixture-of-Experts routing (contract: kernels/moe.hpp).
+  void moe_route_forward(const kernels::MoeRouteArgs& a, const float* logits, float* probs, float* lse,
+                         std::int32_t* expert, float* gate, std::int32_t* routed, float* prob_sums) const {
+    kernels::host::moe_route_forward(a, logits, probs, lse, expert, gate, routed, prob_sums);
+  }
+  void moe_dispatch_plan(index_t rows, int topk, index_t experts, index_t capacity, const std::int32_t* expert,
+                         std::int32_t* slot, std::int32_t* source_row, std::int32_t* kept) const {
+    kernels::host::moe_dispatch_plan(rows, topk, experts, capacity, expert, slot, source_row, kept);
+  }
+  void gather_rows(index_t rows, index_t cols, const Act* src, const std::int32_t* index, Act* dst) const {
+    kernels::host::gather_rows(rows, cols, src, index, dst);
+  }
+  void moe_combine(index_t rows, int topk, index_t cols, const Act* y, const std::int32_t* slot, const float* gate,
+                   Act* out, bool accumulate) const {
+    kernels::host::moe_combine(rows, topk, cols, y, slot, gate, out, accumulate);
+  }
+  void moe_combine_backward(index_t rows, int topk, index_t cols, const Act* dout, const Act* y,
+                            const std::int32_t* slot, const float* gate, float* dgate, Act* dy) const {
+    kernels::host::moe_combine_backward(rows, topk, cols, dout, y, slot, gate, dgate, dy);
+  }
+  void moe_route_backward(const kernels::MoeRouteArgs& a, const float* probs, const float* lse,
+                          const std::int32_t* expert, const float* gate, const float* dgate, const float* aux_grad,
+                          float z_grad, float* dlogits) const {
+    kernels::host::moe_route_backward(a, probs, lse, expert, gate, dgate, aux_grad, z_grad, dlogits);
   }
   double sum_of_squares(std::span<const std::span<const float>> grads) const {
     return kernels::host::grad_norm_squared<float>(grads);

@@ -8,12 +8,14 @@
 // stride (0 = shared by all batches, as on the host). Inputs are fp32, fp16 or bf16 (A and B the
 // same type), C is fp32 or the input type; accumulation is fp32 (TF32 only when asked for).
 //
-// Two front ends:
+// Front ends:
 //   - gemm(handle, args, A, B, C, ep, stream) with the host epilogue types (epilogue::None, Bias,
 //     Relu, BiasRelu, Gelu, BiasGelu, DGelu, DGeluBiasGrad): same meaning as kernels/gemm_host.hpp,
 //     bias vectors indexed by the column j of C. Vector epilogues need row-major matrices here
 //     (cuBLASLt's vectors run along the contiguous dimension of C); BiasGrad (column sums of C
 //     without a GELU) has no cuBLASLt epilogue and is refused.
+//   - grouped_gemm(handle, span<GemmGroup>, stream[, zero_k]): many GEMMs (MoE experts), one
+//     cuBLASLt call per non-empty group (see the comment above it).
 //   - GemmHandle::run(args, types, pointers, LtEpilogueArgs, stream): every cuBLASLt epilogue by
 //     name, including BGRADA/BGRADB. Row-major problems run as the transposed column-major problem
 //     C^T = op(B)^T op(A)^T, so for row-major C: bias and dgelu bias_grad have n entries (one per
@@ -36,8 +38,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/dtype.hpp"
@@ -464,6 +469,89 @@ void gemm(GemmHandle& handle, const GemmArgs& args, const TIn* a, const TIn* b, 
                 "cuBLASLt GEMM inputs are float, half or bfloat16");
   static_assert(std::is_same_v<TOut, float> || std::is_same_v<TOut, TIn>, "C is float or the input type");
   handle.run(args, dtype_v<TIn>, dtype_v<TOut>, a, b, c, detail::to_lt_epilogue<TOut>(ep, args), stream);
+}
+
+// ---- grouped GEMM ----------------------------------------------------------------------------
+// Many GEMMs of different sizes in one call (kernels::GemmGroup, e.g. the experts of a
+// Mixture-of-Experts layer), the host's grouped_gemm contract (kernels/gemm_host.hpp): each group
+// exactly as gemm(g.args, g.a, g.b, g.c, g.ep), in order; each group one GEMM (batch 1).
+//
+// Implementation: one cuBLASLt matmul per non-empty group through gemm() above, so each group
+// keeps its fused epilogue (bias, GELU with the pre-activation saved, dGELU) and the plan cache
+// (experts of equal row counts share a plan). cuBLAS' own grouped API (cublasGemmGroupedBatchedEx)
+// would run all groups in one launch but has no epilogues: bias, GELU and dGELU would then be
+// separate passes over every output. The per-group Lt path is the one that can fuse them; which
+// is faster for MoE shapes is for the GPU benchmark to decide later.
+// Groups the product does not cover, as on the host:
+//   - m = 0 or n = 0: nothing to compute; a bias-gradient epilogue zeroes its vector unless
+//     accumulate (where gemm() alone leaves it untouched);
+//   - k = 0 (an expert that received no rows): C = epilogue(beta C). cuBLASLt refuses k = 0, and
+//     this header is host code (no kernels): epilogue::None with beta 1 (the weight gradients'
+//     accumulation) is a no-op and with beta 0 a memset; anything else goes to `zero_k(group)`,
+//     a device pass the caller supplies (kernels::cuda::gemm_without_product in moe_cuda.cuh;
+//     backend::Cuda passes it). Without one such a group is refused.
+namespace detail {
+struct RefuseZeroK {
+  template <class G>
+  void operator()(const G&) const {
+    TRELLIS_THROW("grouped_gemm (CUDA): a group with k = 0 and an epilogue or beta other than 0 or 1 needs a device "
+                  "pass: pass zero_k (kernels::cuda::gemm_without_product, moe_cuda.cuh)");
+  }
+};
+
+// The grouped-GEMM loop shared by grouped_gemm and backend::Cuda: checks each group, handles the
+// empty and k = 0 ones, and hands every other group to product(group).
+template <class TIn, class TOut, class E, class Product, class ZeroK>
+void for_each_gemm_group(std::span<const GemmGroup<TIn, TIn, TOut, E>> groups, cudaStream_t stream, Product&& product,
+                         ZeroK&& zero_k) {
+  using traits = epilogue_traits<E>;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const GemmGroup<TIn, TIn, TOut, E>& g = groups[i];
+    const GemmArgs& args = g.args;
+    try {
+      TRELLIS_CHECK(args.batch == 1, "batch = ", args.batch, "; each group is a single GEMM (batch 1)");
+      TRELLIS_CHECK(args.m >= 0 && args.n >= 0 && args.k >= 0, "negative size m=", args.m, " n=", args.n, " k=", args.k);
+      if (args.m == 0 || args.n == 0) {
+        if constexpr (traits::bias_grad) {
+          TRELLIS_CHECK(g.ep.bias_grad != nullptr, "bias-grad epilogue without a bias_grad vector");
+          if (!g.ep.accumulate && args.n > 0)
+            TRELLIS_CHECK_CUDA(cudaMemsetAsync(g.ep.bias_grad, 0, static_cast<std::size_t>(args.n) * sizeof(TOut), stream));
+        }
+        continue;
+      }
+      if (args.k == 0) {
+        if constexpr (traits::kind == EpilogueKind::none) {
+          if (args.beta == 1.0f) continue;  // C = C
+          if (args.beta == 0.0f) {          // C = 0 (C is not read: it may hold NaN)
+            TRELLIS_CHECK(g.c != nullptr, "C is null");
+            const bool row = args.layout == Layout::row_major;
+            const std::int64_t ldc = args.ldc_or_packed();
+            TRELLIS_CHECK(ldc >= args.packed_ld(args.m, args.n), "ldc ", ldc, " too small");
+            TRELLIS_CHECK_CUDA(cudaMemset2DAsync(g.c, static_cast<std::size_t>(ldc) * sizeof(TOut), 0,
+                                                 static_cast<std::size_t>(row ? args.n : args.m) * sizeof(TOut),
+                                                 static_cast<std::size_t>(row ? args.m : args.n), stream));
+            continue;
+          }
+        }
+        zero_k(g);
+        continue;
+      }
+      product(g);
+    } catch (const Error& e) {  // name the group
+      throw Error("grouped_gemm: group " + std::to_string(i) + ": " + e.message(), e.file(), e.line(), e.rank());
+    }
+  }
+}
+}  // namespace detail
+
+template <class TIn, class TOut, class E, class ZeroK = detail::RefuseZeroK>
+  requires kernels::GemmEpilogue<E>
+void grouped_gemm(GemmHandle& handle, std::span<const GemmGroup<TIn, TIn, TOut, E>> groups, cudaStream_t stream,
+                  ZeroK&& zero_k = {}) {
+  detail::for_each_gemm_group(
+      groups, stream,
+      [&](const GemmGroup<TIn, TIn, TOut, E>& g) { gemm(handle, g.args, g.a, g.b, g.c, stream, g.ep); },
+      std::forward<ZeroK>(zero_k));
 }
 
 }  // namespace trellis::kernels::cuda
