@@ -13,6 +13,7 @@
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/linear.hpp"
 #include "trellis/nn/mlp.hpp"
+#include "trellis/nn/moe.hpp"
 #include "trellis/nn/operand.hpp"
 #include "trellis/nn/parameter.hpp"
 #include "trellis/nn/pipeline_stage.hpp"

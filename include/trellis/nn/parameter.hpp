@@ -47,16 +47,19 @@
 
 namespace trellis::nn {
 
-// The mesh axes a parameter is described over, in this order.
+// The mesh axes a parameter is described over, in this order. ep (expert parallel) is a
+// sub-axis of dp: a Mixture-of-Experts layer's experts are Shard(0) over it (nn/moe.hpp), and
+// their gradients are then summed over the rest of dp only (the ranks holding the same experts).
 inline constexpr int dp_axis = 0;
 inline constexpr int tp_axis = 1;
-using ParamPlacements = std::array<shard::PlacementCode, 2>;
+inline constexpr int ep_axis = 2;
+using ParamPlacements = std::array<shard::PlacementCode, 3>;
 
 // A parameter's sharding: placements of its value and of the gradient backward leaves in `grad`,
-// over (dp, tp), and the unit a sharded dimension splits in.
+// over (dp, tp, ep), and the unit a sharded dimension splits in.
 struct ParamSharding {
-  ParamPlacements value{shard::replicate_code(), shard::replicate_code()};
-  ParamPlacements grad{shard::partial_code(comm::ReduceOp::sum), shard::replicate_code()};
+  ParamPlacements value{shard::replicate_code(), shard::replicate_code(), shard::replicate_code()};
+  ParamPlacements grad{shard::partial_code(comm::ReduceOp::sum), shard::replicate_code(), shard::replicate_code()};
   index_t unit = 1;
 
   // Whole on every tp rank; `tp_partial_grad`: each tp rank's gradient is a term of the sum.
@@ -72,11 +75,18 @@ struct ParamSharding {
     s.unit = unit;
     return s;
   }
+  // An expert's tensor: dimension 0 (experts) split over ep, on top of `s`.
+  static ParamSharding expert(ParamSharding s) {
+    s.value[ep_axis] = s.grad[ep_axis] = shard::shard_code(0);
+    return s;
+  }
   bool operator==(const ParamSharding&) const = default;
 };
 
 inline std::string sharding_string(const ParamPlacements& p) {
-  return "(dp " + shard::placement_string(p[dp_axis]) + ", tp " + shard::placement_string(p[tp_axis]) + ")";
+  std::string s = "(dp " + shard::placement_string(p[dp_axis]) + ", tp " + shard::placement_string(p[tp_axis]);
+  if (!p[ep_axis].is_replicate()) s += ", ep " + shard::placement_string(p[ep_axis]);
+  return s + ")";
 }
 
 // The fp32 elements of a parameter's value or gradient: an owned, zeroed host array, or a view
@@ -180,6 +190,8 @@ struct Parameter {
   bool replicated() const { return sharding.value[tp_axis].is_replicate(); }
   // Whether backward leaves a term of a sum over tp in `grad` (to be all-reduced over tp).
   bool tp_partial_grad() const { return sharding.grad[tp_axis].is_partial(); }
+  // Whether this is an expert's tensor, split over ep (its dp reduction skips the ep ranks).
+  bool expert() const { return sharding.value[ep_axis].is_shard(); }
   void zero_grad() { grad.fill(0.0f); }
 
   // This rank's shard as boxes of the global tensor: one box, or for a grouped view (the last
@@ -250,7 +262,7 @@ inline Parameter make_parameter(std::string name, std::vector<index_t> global_sh
     TRELLIS_CHECK(v[tp_axis].dim < rank && p.sharded_shape[v[tp_axis].dim] % sharding.unit == 0, "parameter ",
                   p.name, ": tp shard of dimension ", v[tp_axis].dim, " in units of ", sharding.unit,
                   " does not fit its sharded shape");
-  const std::array<int, 2> sizes{1, tp_size}, coords{0, tp_rank};
+  const std::array<int, 3> sizes{1, tp_size, 1}, coords{0, tp_rank, 0};
   p.shard_offsets.resize(static_cast<std::size_t>(rank));
   p.shard_shape.resize(static_cast<std::size_t>(rank));
   for (int d = 0; d < rank; ++d) {
