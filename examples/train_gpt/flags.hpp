@@ -27,6 +27,9 @@ namespace train_gpt {
 struct Options {
   // model
   int layers = 4, heads = 4, width = 128, vocab = 256, context = 64;
+  // Mixture of Experts: every --moe-every-th block (0, N, 2N, ...) has --experts experts
+  int experts = 0, topk = 1, moe_every = 0, ep = 1;
+  double capacity = 0.0, aux_loss = 0.01, z_loss = 0.0;
   // batch and layout
   int batch = 16, microbatches = 2;
   int dp = 1, tp = 1, pp = 1;
@@ -79,6 +82,11 @@ usage: train_gpt [flags]            (ranks are threads of this process)
        mpirun -np N train_gpt --mpi [flags]   (one rank per process)
 
 model:     --layers N (4) --heads N (4) --width N (128) --vocab N (256) --context T (64)
+moe:       --experts E (0: dense) --topk K (1 or 2) --moe-every N (2 with --experts: blocks 0, N, 2N, ...
+           get an MoE MLP) --ep P (1; experts split over groups of P consecutive dp ranks; divides
+           --dp and E) --capacity F (0: dropless; else each expert keeps ceil(F tokens k / E) copies
+           per microbatch, the rest dropped) --aux-loss X (0.01, Switch load balancing)
+           --z-loss X (0, router z-loss)
 batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
@@ -171,6 +179,20 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.context);
     else if (f == "--batch")
       int_flag(o.batch);
+    else if (f == "--experts")
+      int_flag(o.experts);
+    else if (f == "--topk")
+      int_flag(o.topk);
+    else if (f == "--moe-every")
+      int_flag(o.moe_every);
+    else if (f == "--ep")
+      int_flag(o.ep);
+    else if (f == "--capacity")
+      dbl_flag(o.capacity);
+    else if (f == "--aux-loss")
+      dbl_flag(o.aux_loss);
+    else if (f == "--z-loss")
+      dbl_flag(o.z_loss);
     else if (f == "--microbatches")
       int_flag(o.microbatches);
     else if (f == "--dp")
@@ -281,6 +303,15 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.model.width = o.width;
   c.model.vocab = o.vocab;
   c.model.positions = o.context;
+  if (o.experts > 0) {
+    c.model.experts = o.experts;
+    c.model.moe_every = o.moe_every > 0 ? o.moe_every : 2;
+    c.model.moe_topk = o.topk;
+    c.options.moe_capacity = static_cast<float>(o.capacity);
+    c.options.moe_aux_loss = static_cast<float>(o.aux_loss);
+    c.options.moe_z_loss = static_cast<float>(o.z_loss);
+  }
+  c.ep = o.ep;
   c.options.sequence_parallel = o.sp;
   c.options.overlap_chunks = o.overlap;
   c.options.recompute = o.recompute;
@@ -384,6 +415,9 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     out.push_back("--pack names the token that starts each document: it must be in [0, --vocab), got " +
                   std::to_string(o.pack));
   if (o.cp_balance_docs && o.pack < 0) out.push_back("--cp-balance-docs reorders packed documents: it needs --pack");
+  if (o.experts < 0) out.push_back("--experts must be >= 0 (0: a dense model)");
+  if (o.experts == 0 && (o.moe_every != 0 || o.topk != 1 || o.capacity != 0.0))
+    out.push_back("--moe-every, --topk and --capacity shape Mixture-of-Experts blocks: they need --experts E");
   if (o.eval_every < 1) out.push_back("--eval-every must be >= 1");
   if (o.ckpt_every < 0) out.push_back("--ckpt-every must be >= 0");
   if (o.resume && o.ckpt_dir.empty()) out.push_back("--resume needs --ckpt-dir (where the checkpoints are)");

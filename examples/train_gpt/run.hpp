@@ -124,7 +124,19 @@ struct Outcome {
   double seconds = 0;
   std::string checkpoint;
   double activation_peak_bytes = 0;  // saved activations held at once, the largest over the ranks (measured)
+  std::vector<std::pair<int, std::vector<double>>> expert_load;  // MoE: tokens routed per expert, per MoE layer
 };
+
+// Parameters a token's forward uses: an MoE layer's token reaches k of its E experts (for the
+// FLOPs of MFU; the router's E x width are counted whole).
+inline double active_parameters(double n_params, const Options& o) {
+  if (o.experts <= 0) return n_params;
+  const auto cfg = trainer_config(o).model;
+  double moe_layers = 0;
+  for (index_t i = 0; i < cfg.layers; ++i) moe_layers += cfg.is_moe_layer(i) ? 1 : 0;
+  const double W = o.width, per_expert = 8.0 * W * W + 5.0 * W;  // c_fc + c_proj weights and biases
+  return n_params - moe_layers * per_expert * (o.experts - o.topk);
+}
 
 // The training loop of one rank, for any trainer with Trainer's step / evaluate / save / load /
 // step_count (train::Trainer over thread, MPI or NCCL ranks, any backend). `lead`: the rank
@@ -165,7 +177,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     if (lead) std::cout << "initialised from " << o.init_from << " (fresh optimizer, step 0)\n";
   }
   // Useful work only: packed rows count their real tokens, attending over their documents.
-  const double flops_per_token = train::gpt_flops_per_token(n_params, o.layers, o.width, loader.attention_span());
+  const double flops_per_token =
+      train::gpt_flops_per_token(active_parameters(n_params, o), o.layers, o.width, loader.attention_span());
   const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq) * loader.packing_efficiency();
   std::unique_ptr<train::MetricsWriter> metrics;
   std::unique_ptr<report::ProgressBar> bar;
@@ -177,6 +190,12 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     bar = std::make_unique<report::ProgressBar>(std::cout);
     std::printf("model: %d layers, %d heads, width %d, vocab %d, context %d: %.3gM parameters\n", o.layers,
                 o.heads, o.width, o.vocab, o.context, n_params / 1e6);
+    if (o.experts > 0)
+      std::printf("experts: %d per MoE block (every %d blocks from block 0), top-%d, %s, ep %d; %.3gM parameters "
+                  "active per token; load-balancing loss x %g, z-loss x %g (shown as aux)\n",
+                  o.experts, static_cast<int>(cfg.model.moe_every), o.topk,
+                  o.capacity > 0 ? ("capacity factor " + std::to_string(o.capacity)).c_str() : "dropless", o.ep,
+                  active_parameters(n_params, o) / 1e6, o.aux_loss, o.z_loss);
     const std::string schedule = o.pp == 1                  ? "(none, pp=1)"
                                  : o.schedule_file.empty() ? o.schedule
                                                            : cfg.custom_schedule->name + " from " + o.schedule_file;
@@ -247,6 +266,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
       m.mfu = train::model_flops_utilization(flops_per_token, m.tokens_per_s, peak);
       const double mfu_blas = blas > 0 ? train::model_flops_utilization(flops_per_token, m.tokens_per_s, blas) : 0.0;
       if (blas > 0) m.extra["mfu_sgemm"] = io::json::Value(mfu_blas);
+      if (o.experts > 0) m.extra["moe_aux_loss"] = io::json::Value(r.moe_aux_loss);
       m.elapsed_s = elapsed;
       m.val_loss = val_now;
       if (metrics) metrics->write(m);
@@ -259,6 +279,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
       p.mfu_blas = mfu_blas;
       p.elapsed_s = elapsed;
       p.first_step = first_step;
+      if (o.experts > 0) p.aux_loss = r.moe_aux_loss;
       bar->update(p);
       if (val_now && bar->is_terminal()) {
         std::ostringstream s;
@@ -268,6 +289,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     }
   }
   if (val < 0) val = validate_now();
+  if (o.experts > 0) {  // tokens per expert over the run's steps (a collective)
+    const auto load = trainer.take_expert_load();
+    if (lead) outcome.expert_load = load;
+  }
   save();
   // Saved activations: the most bytes any rank's arena held at once (a collective max).
   const double act_peak = trainer.peak_activation_bytes_over_ranks();
@@ -325,6 +350,18 @@ inline std::string summary(const Options& o, const Data& data, const Outcome& ou
                   "%.4f (%s)",
                   out.steps_done, out.seconds, out.first_loss, out.last_loss, out.val_loss, data.unigram, verdict);
   std::string line = buf;
+  for (const auto& [layer, counts] : out.expert_load) {  // the expert load histogram
+    double total = 0;
+    for (double c : counts) total += c;
+    std::snprintf(buf, sizeof buf, "\nexpert load, block %d (share of the tokens' routed copies over the run):", layer);
+    line += buf;
+    for (std::size_t e = 0; e < counts.size(); ++e) {
+      const double share = total > 0 ? counts[e] / total : 0.0;
+      std::snprintf(buf, sizeof buf, "\n  expert %2zu %5.1f %% %s", e, 100.0 * share,
+                    std::string(static_cast<std::size_t>(std::lround(share * 100)), '#').c_str());
+      line += buf;
+    }
+  }
   if (out.activation_peak_bytes > 0) {
     std::snprintf(buf, sizeof buf, "\nsaved activations: peak %.1f MiB per rank (the largest rank, measured in its arena)",
                   out.activation_peak_bytes / (1024.0 * 1024.0));

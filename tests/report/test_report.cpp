@@ -80,6 +80,9 @@ TEST_CASE("progress text: durations, rates, bar and plain lines", "[progress]") 
   with_blas.mfu_blas = 0.2456;
   REQUIRE(progress_plain_line(with_blas) ==
           "step 120/500 | loss 2.3456 | 12.3k tok/s | MFU 31.2% (24.6% of sgemm) | elapsed 12s | ETA 38s");
+  ProgressInfo moe = p;  // Mixture-of-Experts runs: the auxiliary losses after the loss
+  moe.aux_loss = 0.0123;
+  REQUIRE(progress_plain_line(moe) == "step 120/500 | loss 2.3456 | aux 0.0123 | 12.3k tok/s | MFU 31.2% | elapsed 12s | ETA 38s");
   ProgressInfo resumed = p;
   resumed.first_step = 100;  // 20 steps in 12 s since the resume
   REQUIRE(eta_seconds(resumed) == Approx(228.0));

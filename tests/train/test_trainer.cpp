@@ -12,7 +12,9 @@
 // ulysses and hybrid included) against
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there;
 // two bf16 steps within the GPU test's tolerances of fp32.
-// DeviceChecked (device-memory discipline on the host): seven layouts equal host fp32 bitwise.
+// DeviceChecked (device-memory discipline on the host): eight layouts (one MoE: dp4.tp2+sp ep2
+// ZeRO-1 with capacity and the load-balancing loss) equal host fp32 bitwise.
+// Mixture of Experts: expert-parallel layouts against one rank or against the same layout without ep.
 // Context parallel (ring attention): cp2, cp4, dp2.cp2 ZeRO-1, tp2+sp.cp2, pp2.cp2 zb_v, dp2 m2.cp2
 // with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank; Ulysses cp4,
 // tp2+sp.cp2 ZeRO-1 packed, pp2.cp2 zb_h1; hybrid pp2.cp4, dp2 m2.cp4 with dropout, tp2+sp.cp4 packed.
@@ -86,6 +88,28 @@ void check_against_reference(const Layout& l, const char* label) {
     // Cooperlake ones (dp2.tp2+sp.pp2 with dropout, h.2.mlp.c_proj.bias: 7e-7 absolute), since
     // the bias gradients are summed in 64-row blocks (kernels/elementwise_host.hpp column_sums).
     CHECK(nn_test::rel_error(weights.get(name), ref.weights.get(name)) <= 5e-5);
+  }
+}
+
+// Layout l against layout ref (both trained here), with the tolerances above.
+void check_layouts(const Layout& l, const Layout& ref_layout, const char* label) {
+  INFO("layout " << label);
+  nn_test::Collector weights, ref_weights;
+  RunResult got, ref;
+  train(with_layout(tiny_config(), l), kSteps, got, weights);
+  train(with_layout(tiny_config(), ref_layout), kSteps, ref, ref_weights);
+  REQUIRE(got.losses.size() == ref.losses.size());
+  for (std::size_t s = 0; s < got.losses.size(); ++s) {
+    INFO("step " << s << " loss " << got.losses[s] << " reference " << ref.losses[s]);
+    CHECK(std::fabs(got.losses[s] - ref.losses[s]) <= 1e-5 * std::fabs(ref.losses[s]));
+    CHECK(std::fabs(got.norms[s] - ref.norms[s]) <= 1e-5 * std::fabs(ref.norms[s]));
+  }
+  CHECK(got.replica_diff <= 1e-6f);
+  REQUIRE(got.names == ref.names);
+  for (const auto& name : got.names) {
+    INFO("tensor " << name);
+    CHECK(weights.complete(name));
+    CHECK(nn_test::rel_error(weights.get(name), ref_weights.get(name)) <= 5e-5);
   }
 }
 
@@ -307,8 +331,10 @@ TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host
                           Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 4, .batch_p2p = true},
                           Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v",
                                  .microbatches = 2, .batch_p2p = true},
-                          Layout{.dp = 2, .dropout = kDropout, .recompute = true}}) {
-    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " " << l.schedule);
+                          Layout{.dp = 2, .dropout = kDropout, .recompute = true},
+                          Layout{.dp = 4, .tp = 2, .sp = true, .zero1 = true, .moe = true, .ep = 2, .capacity = 1.0f,
+                                 .aux_loss = 0.01f}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " " << l.schedule << " ep " << l.ep);
     nn_test::Collector host_w, checked_w;
     RunResult host, checked;
     train(with_layout(tiny_config(), l), 3, host, host_w);
@@ -541,5 +567,37 @@ TEST_CASE("data-parallel buckets start while backward compute remains", "[train]
       // pp = 1: exactly two are not: wpe's (the last unit, 16 x 32 elements: one bucket) and wte's
       if (cfg.pp == 1) RANK_CHECK(r.buckets - r.buckets_overlapped == 2);
     });
+  }
+}
+
+// Mixture of Experts (blocks 0 and 2: 4 experts, top-2, z-loss). Dropless routing without the
+// load-balancing loss is per token, so every layout equals one rank; the load-balancing loss and
+// the capacity are per forward (each rank's microbatch), so with them a layout with ep equals the
+// same layout without ep.
+TEST_CASE("MoE: expert parallel layouts equal one rank (dropless) or the same layout without ep", "[train][trainer][parity][moe]") {
+  const Layout one{.moe = true};
+  check_layouts({.dp = 2, .moe = true, .ep = 2}, one, "dp2 ep2");
+  check_layouts({.dp = 4, .moe = true, .ep = 4}, one, "dp4 ep4");
+  check_layouts({.dp = 4, .moe = true, .ep = 2}, one, "dp4 ep2 (two replicas of each expert)");
+  check_layouts({.dp = 2, .tp = 2, .sp = true, .moe = true, .ep = 2}, one, "dp2.tp2+sp ep2");
+  check_layouts({.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 2, .moe = true, .ep = 2}, one, "dp2.pp2 zb_h1 ep2");
+  check_layouts({.dp = 4, .zero1 = true, .moe = true, .ep = 2}, one, "dp4 ep2 zero1");
+  check_layouts({.dp = 2, .microbatches = 2, .cp = 2, .moe = true, .ep = 2}, one, "dp2 m2.cp2 ep2");
+  // One rank's microbatches hold the rows of the dp ranks: the same forwards, so the per-forward
+  // losses and capacities agree, and the auxiliary losses' weight (a mean over microbatches and
+  // replicas) is checked across the two.
+  check_layouts({.dp = 2, .moe = true, .ep = 2, .capacity = 1.0f, .aux_loss = 0.01f},
+                {.microbatches = 2, .moe = true, .capacity = 1.0f, .aux_loss = 0.01f}, "dp2 ep2 aux capacity 1 vs m2");
+  check_layouts({.dp = 4, .moe = true, .ep = 4, .aux_loss = 0.01f}, {.microbatches = 4, .moe = true, .aux_loss = 0.01f},
+                "dp4 ep4 aux vs m4");
+  for (float capacity : {0.0f, 1.0f}) {
+    const std::string cap = capacity > 0 ? " capacity 1" : " dropless";
+    check_layouts({.dp = 2, .moe = true, .ep = 2, .capacity = capacity, .aux_loss = 0.01f},
+                  {.dp = 2, .moe = true, .capacity = capacity, .aux_loss = 0.01f}, ("dp2 ep2 aux" + cap).c_str());
+    check_layouts({.dp = 4, .moe = true, .ep = 4, .capacity = capacity, .aux_loss = 0.01f},
+                  {.dp = 4, .moe = true, .capacity = capacity, .aux_loss = 0.01f}, ("dp4 ep4 aux" + cap).c_str());
+    check_layouts({.pp = 2, .dp = 2, .tp = 2, .microbatches = 2, .moe = true, .ep = 2, .capacity = capacity, .aux_loss = 0.01f},
+                  {.pp = 2, .dp = 2, .tp = 2, .microbatches = 2, .moe = true, .capacity = capacity, .aux_loss = 0.01f},
+                  ("dp2.tp2.pp2 ep2 aux" + cap).c_str());
   }
 }

@@ -252,3 +252,29 @@ TEST_CASE("files and directories are checked before any work, naming the flag an
   CHECK(paths({"--data", corpus}).empty());
   CHECK(paths({}).empty());  // the default corpus
 }
+
+TEST_CASE("Mixture-of-Experts flags reach the trainer; bad ones are refused", "[train][flags][moe]") {
+  auto o = parse_flags({"--experts", "8", "--topk", "2", "--moe-every", "1", "--ep", "2", "--dp", "2", "--capacity",
+                        "1.25", "--aux-loss", "0.02", "--z-loss", "0.001"});
+  const auto c = train_gpt::trainer_config(o);
+  CHECK(c.model.experts == 8);
+  CHECK(c.model.moe_topk == 2);
+  CHECK(c.model.moe_every == 1);
+  CHECK(c.ep == 2);
+  CHECK(c.options.moe_capacity == 1.25f);
+  CHECK(c.options.moe_aux_loss == 0.02f);
+  CHECK(c.options.moe_z_loss == 0.001f);
+  CHECK(error_of({"--experts", "8", "--topk", "2", "--moe-every", "1", "--ep", "2", "--dp", "2"}).empty());
+  CHECK(train_gpt::trainer_config(parse_flags({"--experts", "4"})).model.moe_every == 2);  // the default
+  CHECK(train_gpt::trainer_config(parse_flags({})).model.moe_every == 0);                  // dense
+  CHECK(contains(error_of({"--ep", "2", "--dp", "2"}), "it needs an MoE model"));
+  CHECK(contains(error_of({"--experts", "4", "--ep", "2"}), "must divide --dp 1"));
+  CHECK(contains(error_of({"--experts", "6", "--ep", "4", "--dp", "4", "--batch", "16"}), "do not split evenly over --ep 4"));
+  CHECK(contains(error_of({"--experts", "4", "--topk", "3"}), "top-1 or top-2"));
+  CHECK(contains(error_of({"--experts", "1", "--topk", "2"}), "top-1 or top-2"));
+  CHECK(contains(error_of({"--topk", "2"}), "they need --experts E"));
+  CHECK(contains(error_of({"--experts", "4", "--capacity", "-1"}), "--capacity"));
+  CHECK(contains(error_of({"--experts", "-1"}), "--experts must be >= 0"));
+  for (const char* u : {"--experts", "--topk", "--moe-every", "--ep", "--capacity", "--aux-loss", "--z-loss"})
+    CHECK(contains(train_gpt::usage(), u));
+}

@@ -5,6 +5,8 @@
 //  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
 //    as the straight run (other layouts sum in another order, so not bitwise);
+//  - an MoE checkpoint (dp4 ep2 ZeRO-1) resumes bitwise and continues the same under one rank,
+//    dp2 ep2, dp4 ep4 and dp2.tp2.pp2 ep2;
 //  - refusals: another model shape or configuration; ranks that saved different data positions
 //    or cannot open the checkpoint (every rank throws the same error).
 #include <catch2/catch.hpp>
@@ -108,6 +110,40 @@ TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads 
   RunResult r;
   train(with_layout(tiny_config(), Layout{}), 3, r, w, *trellis::train::latest_checkpoint(dir.path));
   check_continues(s, r, w);
+}
+
+TEST_CASE("an MoE checkpoint saved under ep (dp4 ep2 ZeRO-1) resumes bitwise and loads into other layouts",
+          "[train][trainer][reshard][moe]") {
+  // Dropless, no load-balancing loss: the routing is per token, so layouts continue the same.
+  const Layout saved{.dp = 4, .zero1 = true, .moe = true, .ep = 2};
+  Straight s;
+  straight(saved, s);
+  TempDir dir("trainer-reshard-moe");
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
+  }
+  const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
+  {  // the same layout: bitwise
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), saved), 3, r, w, ckpt);
+    for (int i = 0; i < 3; ++i) CHECK(r.losses[i] == s.run.losses[3 + i]);
+    for (const auto& name : s.run.names) {
+      INFO("tensor " << name);
+      CHECK(w.get(name) == s.weights.get(name));
+    }
+  }
+  for (const Layout& l : {Layout{.moe = true}, Layout{.dp = 2, .moe = true, .ep = 2},
+                          Layout{.dp = 4, .moe = true, .ep = 4},
+                          Layout{.pp = 2, .dp = 2, .tp = 2, .microbatches = 2, .moe = true, .ep = 2}}) {
+    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " ep " << l.ep);
+    nn_test::Collector w;
+    RunResult r;
+    train(with_layout(tiny_config(), l), 3, r, w, ckpt);
+    check_continues(s, r, w);
+  }
 }
 
 namespace {

@@ -101,6 +101,11 @@ struct Layout {
   trellis::nn::CpMode cp_mode = trellis::nn::CpMode::ring;
   int cp_ulysses = 2;      // hybrid: Ulysses group size
   bool balance_documents = false;  // packed rows reordered for equal causal work per cp rank
+  // Mixture of Experts: blocks 0 and 2 get 4 experts, top-2 (the z-loss on), split over ep.
+  bool moe = false;
+  int ep = 1;
+  float capacity = 0.0f;  // 0: dropless
+  float aux_loss = 0.0f;  // load-balancing coefficient
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -120,6 +125,15 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.custom_schedule = l.custom_schedule;
   if (l.batch_p2p) c.p2p = trellis::pipe::ExecuteOptions::P2P::batch;
   c.poison_activations = true;  // a saved activation read before it is written turns the loss NaN
+  if (l.moe) {
+    c.model.moe_every = 2;
+    c.model.experts = 4;
+    c.model.moe_topk = 2;
+    c.options.moe_capacity = l.capacity;
+    c.options.moe_aux_loss = l.aux_loss;
+    c.options.moe_z_loss = 1e-3f;
+    c.ep = l.ep;
+  }
   return c;
 }
 

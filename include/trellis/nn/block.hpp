@@ -1,4 +1,6 @@
-// Pre-norm transformer block (GPT-2):  x2 = x + attn(ln_1(x));  y = x2 + mlp(ln_2(x2)).
+// Pre-norm transformer block (GPT-2):  x2 = x + attn(ln_1(x));  y = x2 + mlp(ln_2(x2)), where mlp is
+// the dense GPT-2 MLP or, with BlockConfig::moe, a Mixture-of-Experts MLP (nn/moe.hpp) whose
+// experts are split over the expert-parallel group.
 // With `dropout` > 0 the attention and MLP outputs are dropped before the residual add (masks in
 // nn/dropout.hpp: TokenShape's seed and first_sample pick the masks; TokenShape::train = false
 // turns dropout off).
@@ -9,6 +11,8 @@
 // memory (the residual stream rounds to act_t after each add, as llm.c's bf16 residual).
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -17,6 +21,7 @@
 #include "trellis/nn/dropout.hpp"
 #include "trellis/nn/layernorm.hpp"
 #include "trellis/nn/mlp.hpp"
+#include "trellis/nn/moe.hpp"
 #include "trellis/nn/ranges.hpp"
 
 namespace trellis::nn {
@@ -28,6 +33,7 @@ struct BlockConfig {
   float ln_eps = 1e-5f;
   bool recompute = false;
   float dropout = 0.0f;  // residual dropout after attn and mlp (GPT-2 resid_pdrop); 0: none
+  std::optional<MoeConfig> moe{};  // a Mixture-of-Experts MLP instead of the dense one
 };
 
 template <comm::Communicator C, backend::Backend B = backend::Host<float>>
@@ -37,32 +43,40 @@ class TransformerBlock {
   using act_t = typename B::act_t;
 
   // name: e.g. "h.3".
-  // cp: the context-parallel communicator (attention's ring); default: none.
+  // cp: the context-parallel communicator (attention's ring); ep: the expert-parallel group of an
+  // MoE block's experts; default: none.
   TransformerBlock(const std::string& name, const BlockConfig& cfg, TensorParallel<C> tp, B be = {},
-                   ContextParallel<C> cp = {})
+                   ContextParallel<C> cp = {}, ExpertParallel<C> ep = {})
       : cfg_(cfg),
         tp_(tp),
         be_(be),
         ln_1_(name + ".ln_1", cfg.width, tp, cfg.ln_eps, be),
         attn_(name + ".attn", cfg.width, cfg.heads, tp, be, cp),
         ln_2_(name + ".ln_2", cfg.width, tp, cfg.ln_eps, be),
-        mlp_(name + ".mlp", cfg.width, cfg.hidden ? cfg.hidden : 4 * cfg.width, tp, be),
         drop_attn_(cfg.dropout, name + ".attn"),
         drop_mlp_(cfg.dropout, name + ".mlp"),
         names_(name),
         attn_names_(name + ".attn"),
-        mlp_names_(name + ".mlp") {}
+        mlp_names_(name + ".mlp") {
+    const index_t hidden = cfg.hidden ? cfg.hidden : 4 * cfg.width;
+    if (cfg.moe) moe_ = std::make_unique<MoeMlp<C, B>>(name + ".mlp", cfg.width, hidden, *cfg.moe, tp, ep, be);
+    else mlp_ = std::make_unique<Mlp<C, B>>(name + ".mlp", cfg.width, hidden, tp, be);
+  }
 
   LayerNorm<C, B>& ln_1() { return ln_1_; }
   CausalSelfAttention<C, B>& attn() { return attn_; }
   LayerNorm<C, B>& ln_2() { return ln_2_; }
-  Mlp<C, B>& mlp() { return mlp_; }
+  Mlp<C, B>& mlp() {
+    TRELLIS_CHECK(mlp_ != nullptr, names_.forward, ": a Mixture-of-Experts block has no dense MLP");
+    return *mlp_;
+  }
+  MoeMlp<C, B>* moe() { return moe_.get(); }
   bool recompute() const { return cfg_.recompute; }
   template <class F> void for_each_parameter(F&& f) {
     ln_1_.for_each_parameter(f);
     attn_.for_each_parameter(f);
     ln_2_.for_each_parameter(f);
-    mlp_.for_each_parameter(f);
+    feed_forward([&](auto& m) { m.for_each_parameter(f); });
   }
 
   // Incremental forward for decoding (nn/kv_cache.hpp): the rows of the new positions of `step`
@@ -74,7 +88,7 @@ class TransformerBlock {
     attn_.decode(step, cache, h.data(), x2.data());
     be_.add(n, x2.data(), x, x2.data());  // x2 = x + attn(ln_1(x))
     ln_2_.infer(rows, x2.data(), h.data());
-    mlp_.infer(rows, h.data(), y);
+    feed_forward([&](auto& m) { m.infer(rows, h.data(), y); });
     be_.add(n, y, x2.data(), y);          // y = x2 + mlp(ln_2(x2))
   }
 
@@ -115,7 +129,7 @@ class TransformerBlock {
     }
     {
       auto r = be_.range(mlp_names_.backward_input.c_str());
-      mlp_.backward_input(mb, shape, dmlp, dh.data());
+      feed_forward([&](auto& m) { m.backward_input(mb, shape, dmlp, dh.data()); });
     }
     ln_2_.backward_input(mb, shape, dh.data(), dx2.data());
     be_.add(n, dx2.data(), dy, dx2.data());
@@ -145,7 +159,7 @@ class TransformerBlock {
     ln_2_.backward_weight(mb);
     {
       auto r = be_.range(mlp_names_.backward_weight.c_str());
-      mlp_.backward_weight(mb);
+      feed_forward([&](auto& m) { m.backward_weight(mb); });
     }
     store_.erase(mb);
   }
@@ -157,7 +171,7 @@ class TransformerBlock {
   // Microbatches with saved state anywhere in the block (for leak checks).
   std::size_t saved_microbatches() const {
     return store_.size() + ln_1_.saved_microbatches() + attn_.saved_microbatches() + ln_2_.saved_microbatches() +
-           mlp_.saved_microbatches();
+           feed_forward([](const auto& m) { return m.saved_microbatches(); });
   }
 
   // Where saved tensors go (nn/activation_arena.hpp). With recompute only the block input is
@@ -169,12 +183,13 @@ class TransformerBlock {
     ln_1_.set_saved_memory(m);
     attn_.set_saved_memory(m);
     ln_2_.set_saved_memory(m);
-    mlp_.set_saved_memory(m);
+    feed_forward([&](auto& f) { f.set_saved_memory(m); });
   }
   // Bytes one microbatch saves in the arena (forward and backward_input together).
   std::size_t saved_bytes(const TokenShape& shape) const {
     if (cfg_.recompute) return saved_size<act_t>(tp_.local_rows(shape) * cfg_.width);
-    return ln_1_.saved_bytes(shape) + attn_.saved_bytes(shape) + ln_2_.saved_bytes(shape) + mlp_.saved_bytes(shape);
+    return ln_1_.saved_bytes(shape) + attn_.saved_bytes(shape) + ln_2_.saved_bytes(shape) +
+           feed_forward([&](const auto& m) { return m.saved_bytes(shape); });
   }
 
  private:
@@ -182,6 +197,16 @@ class TransformerBlock {
     index_t rows = 0;
     SavedTensor<B, act_t> input;  // with recompute: the block input
   };
+
+  // f(the dense MLP or the MoE MLP): the one place that knows which this block has.
+  template <class F>
+  decltype(auto) feed_forward(F&& f) {
+    return moe_ ? f(*moe_) : f(*mlp_);
+  }
+  template <class F>
+  decltype(auto) feed_forward(F&& f) const {
+    return moe_ ? f(std::as_const(*moe_)) : f(std::as_const(*mlp_));
+  }
 
   // Temporaries of one call, written in full before they are read: not zeroed.
   typename B::template buffer<act_t> allocate(index_t n) const {
@@ -201,7 +226,7 @@ class TransformerBlock {
     ln_2_.forward(mb, shape, x2.data(), h.data());
     {
       auto r = be_.range(mlp_names_.forward.c_str());
-      mlp_.forward(mb, shape, h.data(), y);
+      feed_forward([&](auto& m) { m.forward(mb, shape, h.data(), y); });
     }
     drop_mlp_.apply(be_, shape, row0, rows, cfg_.width, y);
     be_.add(n, y, x2.data(), y);
@@ -210,7 +235,7 @@ class TransformerBlock {
     ln_1_.release(mb);
     attn_.release(mb);
     ln_2_.release(mb);
-    mlp_.release(mb);
+    feed_forward([&](auto& m) { m.release(mb); });
   }
 
   BlockConfig cfg_;
@@ -219,7 +244,8 @@ class TransformerBlock {
   LayerNorm<C, B> ln_1_;
   CausalSelfAttention<C, B> attn_;
   LayerNorm<C, B> ln_2_;
-  Mlp<C, B> mlp_;
+  std::unique_ptr<Mlp<C, B>> mlp_;     // dense, or
+  std::unique_ptr<MoeMlp<C, B>> moe_;  // Mixture of Experts
   Dropout drop_attn_, drop_mlp_;
   PassNames names_, attn_names_, mlp_names_;  // backend ranges (NVTX on CUDA)
   SavedMemory<B> saved_;

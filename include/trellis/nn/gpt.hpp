@@ -53,6 +53,13 @@ struct GptConfig {
   index_t heads = 12;
   index_t width = 768;       // n_embd
   float ln_eps = 1e-5f;
+  // Mixture of Experts (nn/moe.hpp): block i's MLP is an MoE MLP of `experts` experts with top-k
+  // routing when moe_every > 0 and i % moe_every == 0 (Megatron's moe_layer_freq); 0: dense.
+  index_t moe_every = 0;
+  index_t experts = 0;
+  index_t moe_topk = 1;
+
+  bool is_moe_layer(index_t i) const { return moe_every > 0 && i % moe_every == 0; }
 };
 
 struct GptOptions {
@@ -63,6 +70,21 @@ struct GptOptions {
   std::uint64_t seed = 1234;
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
   std::size_t pack_alignment = 16;  // floats; each parameter's start in the packed buffers (nn/parameter_buffer.hpp)
+  // MoE blocks (GptConfig::moe_every): capacity factor (0: dropless) and the auxiliary losses' coefficients.
+  float moe_capacity = 0.0f;
+  float moe_aux_loss = 0.01f;
+  float moe_z_loss = 0.0f;
+
+  // The MoE configuration of a model's MoE blocks.
+  MoeConfig moe(const GptConfig& c) const {
+    MoeConfig m;
+    m.experts = static_cast<int>(c.experts);
+    m.topk = static_cast<int>(c.moe_topk);
+    m.capacity_factor = moe_capacity;
+    m.aux_loss_coef = moe_aux_loss;
+    m.z_loss_coef = moe_z_loss;
+    return m;
+  }
 };
 
 // Which part of the model this rank's stage holds.
@@ -106,8 +128,9 @@ class GptModel {
   // LM head then reads and adds into it; the parameter is not this model's); nullptr: own copy.
   // cp: the context-parallel communicator and mode (nn/context_parallel.hpp); default: none. The
   // microbatches' TokenShape must then carry this rank's split (cp_rank, cp_size).
+  // ep: the expert-parallel group MoE blocks split their experts over (default: none).
   GptModel(const GptConfig& cfg, C& tp_comm, const GptOptions& opt = {}, GptStage stage = {}, B be = {},
-           Parameter* tied_wte = nullptr, ContextParallel<C> cp = {})
+           Parameter* tied_wte = nullptr, ContextParallel<C> cp = {}, ExpertParallel<C> ep = {})
       : cfg_(cfg), opt_(opt), stage_(stage), be_(std::move(be)), cp_(cp) {
     if (stage_.end_layer < 0) stage_.end_layer = static_cast<int>(cfg.layers);
     TRELLIS_CHECK(0 <= stage_.first_layer && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.layers,
@@ -118,10 +141,15 @@ class GptModel {
     tp_.check();
     const auto vocab_rows = shard::chunk(cfg.vocab, tp_.size(), tp_.rank());
     if (stage_.embedding) embedding_ = std::make_unique<VocabParallelEmbedding<C, B>>(cfg.vocab, cfg.positions, cfg.width, tp_, be_);
-    BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute, opt.dropout};
+    BlockConfig bc{cfg.width, cfg.heads, 4 * cfg.width, cfg.ln_eps, opt.recompute, opt.dropout, {}};
     drop_embedding_ = Dropout(opt.dropout, "wte+wpe");
-    for (int i = stage_.first_layer; i < stage_.end_layer; ++i)
-      blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), bc, tp_, be_, cp_));
+    TRELLIS_CHECK(cfg.moe_every >= 0 && (cfg.moe_every == 0 || cfg.experts >= 1), "GptModel: moe_every ",
+                  cfg.moe_every, " with ", cfg.experts, " experts");
+    for (int i = stage_.first_layer; i < stage_.end_layer; ++i) {
+      BlockConfig block = bc;
+      if (cfg.is_moe_layer(i)) block.moe = opt.moe(cfg);
+      blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), block, tp_, be_, cp_, ep));
+    }
     if (stage_.head) {
       ln_f_ = std::make_unique<LayerNorm<C, B>>("ln_f", cfg.width, tp_, cfg.ln_eps, be_);
       Parameter* wte = nullptr;
@@ -183,6 +211,14 @@ class GptModel {
   void reduce_tp_partial_grads() { nn::reduce_tp_partial_grads(*tp_.comm, parameters()); }
   // This stage's parameters as two flat buffers (values, gradients), in backward order.
   ParameterBuffer<B>& parameter_buffer() { return buffer_; }
+
+  // This stage's Mixture-of-Experts MLPs with their layer index, first block to last.
+  std::vector<std::pair<int, MoeMlp<C, B>*>> moe_layers() {
+    std::vector<std::pair<int, MoeMlp<C, B>*>> out;
+    for (std::size_t i = 0; i < blocks_.size(); ++i)
+      if (blocks_[i]->moe()) out.emplace_back(stage_.first_layer + static_cast<int>(i), blocks_[i]->moe());
+    return out;
+  }
 
   VocabParallelEmbedding<C, B>* embedding() { return embedding_.get(); }
   TransformerBlock<C, B>& block(int i) { return *blocks_.at(static_cast<std::size_t>(i - stage_.first_layer)); }
@@ -286,8 +322,8 @@ class GptModel {
 
   // Scratch the backend's kernels need for microbatches of `shape` (CUB style, asked at set-up):
   // the largest of the norms' backward (rows x width), the attention backward (this rank's heads,
-  // and the layer's own call: under cp ulysses the whole sequence over heads / cp of them)
-  // and the bias-gradient column sums (rows x 4 width, the widest bias). Full rows and full widths
+  // and the layer's own call: under cp ulysses the whole sequence over heads / cp of them),
+  // the bias-gradient column sums (rows x 4 width, the widest bias) and MoE blocks' own. Full rows and full widths
   // bound every layer's call from above (sequence-parallel and tp-local calls are smaller; the
   // queries grow with both). reserve_workspace(shape) reserves it before the first step.
   std::size_t workspace_bytes(const TokenShape& shape) const {
@@ -303,6 +339,8 @@ class GptModel {
       bytes = std::max(bytes, be_.attention_backward_workspace(a));
       bytes = std::max(bytes, be_.attention_backward_workspace(blocks_.front()->attn().attention_call(shape)));
     }
+    for (auto& b : blocks_)  // MoE blocks: the dispatch plan, the experts' bias sums (nn/moe.hpp)
+      if (b->moe()) bytes = std::max(bytes, b->moe()->workspace_bytes(shape));
     return bytes;
   }
   void reserve_workspace(const TokenShape& shape) { be_.reserve_workspace(workspace_bytes(shape)); }

@@ -30,6 +30,7 @@ struct ProgressInfo {
   double mfu_blas = 0.0;   // fraction of a measured GEMM rate (shown as "(x% of sgemm)" when > 0)
   double elapsed_s = 0.0;  // since the run (or the resume) started
   std::int64_t first_step = 0;  // step the timing started from (for the ETA after a resume)
+  std::optional<double> aux_loss{};  // Mixture-of-Experts models: the load-balancing (+ z) loss
 };
 
 // "59s", "1:23" (m:ss), "2:03:04" (h:mm:ss); "?" when unknown.
@@ -63,9 +64,13 @@ inline double eta_seconds(const ProgressInfo& p) {
 }
 
 inline std::string progress_fields(const ProgressInfo& p, const char* sep) {
-  char buf[192];
-  int n = std::snprintf(buf, sizeof buf, "loss %.4f%s%s tok/s%sMFU %.1f%%", p.loss, sep,
-                        format_rate(p.tokens_per_s).c_str(), sep, 100.0 * p.mfu);
+  char buf[224];
+  int n = std::snprintf(buf, sizeof buf, "loss %.4f%s", p.loss, sep);
+  if (p.aux_loss && n > 0 && n < static_cast<int>(sizeof buf))
+    n += std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), "aux %.4f%s", *p.aux_loss, sep);
+  if (n > 0 && n < static_cast<int>(sizeof buf))
+    n += std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), "%s tok/s%sMFU %.1f%%",
+                       format_rate(p.tokens_per_s).c_str(), sep, 100.0 * p.mfu);
   if (p.mfu_blas > 0 && n > 0 && n < static_cast<int>(sizeof buf))
     std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), " (%.1f%% of sgemm)", 100.0 * p.mfu_blas);
   return buf;

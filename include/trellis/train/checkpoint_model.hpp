@@ -1,6 +1,7 @@
 // The model configuration a checkpoint was saved with, and the check that a resume loads it into
 // the same model. Saved as metadata (every rank; index.json "metadata"):
-//   "model.vocab", "model.positions", "model.layers", "model.heads", "model.width"
+//   "model.vocab", "model.positions", "model.layers", "model.heads", "model.width",
+//   "model.moe_every", "model.experts", "model.moe_topk"
 // check_model_config refuses (naming the checkpoint and, per field, both values) a checkpoint
 // whose recorded configuration differs, and, for checkpoints written before it was recorded too,
 // one holding tensors this model would not load (another layer count leaves "h.1.*" behind,
@@ -76,26 +77,35 @@ void read_parameter_shaped(const Checkpoint& ck, const std::string& name, const 
 }
 
 
-inline constexpr std::array<std::pair<const char*, index_t nn::GptConfig::*>, 5> model_config_fields{{
-    {"vocab", &nn::GptConfig::vocab},
-    {"positions", &nn::GptConfig::positions},
-    {"layers", &nn::GptConfig::layers},
-    {"heads", &nn::GptConfig::heads},
-    {"width", &nn::GptConfig::width},
+using GptConfigMember = index_t nn::GptConfig::*;  // an alias: nvcc's host pass would parenthesise the declarator
+struct ModelConfigField {
+  const char* name;
+  GptConfigMember member;
+  index_t min;  // smallest legal value
+};
+inline constexpr std::array<ModelConfigField, 8> model_config_fields{{
+    {"vocab", &nn::GptConfig::vocab, 1},
+    {"positions", &nn::GptConfig::positions, 1},
+    {"layers", &nn::GptConfig::layers, 1},
+    {"heads", &nn::GptConfig::heads, 1},
+    {"width", &nn::GptConfig::width, 1},
+    {"moe_every", &nn::GptConfig::moe_every, 0},
+    {"experts", &nn::GptConfig::experts, 0},
+    {"moe_topk", &nn::GptConfig::moe_topk, 1},
 }};
 inline std::string model_config_key(const char* field) { return std::string("model.") + field; }
 
 inline void save_model_config(CheckpointWriter& w, const nn::GptConfig& c) {
-  for (const auto& [field, member] : model_config_fields) w.set_metadata(model_config_key(field), std::to_string(c.*member));
+  for (const auto& [field, member, min] : model_config_fields) w.set_metadata(model_config_key(field), std::to_string(c.*member));
 }
 
 inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c) {
   const std::string where = "checkpoint " + ck.directory().string();
   std::string differ;
-  for (const auto& [field, member] : model_config_fields) {
+  for (const auto& [field, member, min] : model_config_fields) {
     auto it = ck.metadata().find(model_config_key(field));
     if (it == ck.metadata().end()) continue;  // written before the configuration was recorded
-    const auto saved = io::parse_integer<index_t>(it->second, 1, std::numeric_limits<index_t>::max(),
+    const auto saved = io::parse_integer<index_t>(it->second, min, std::numeric_limits<index_t>::max(),
                                                   where + "/index.json, metadata \"" + model_config_key(field) + "\"");
     if (saved != c.*member)
       differ += std::string("\n  - ") + field + ": " + std::to_string(saved) + " in the checkpoint, " +
@@ -107,7 +117,9 @@ inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c) {
   const auto params = gpt2_parameters({.n_layer = static_cast<int>(c.layers),
                                        .n_embd = static_cast<int>(c.width),
                                        .vocab_size = static_cast<int>(c.vocab),
-                                       .n_ctx = static_cast<int>(c.positions)});
+                                       .n_ctx = static_cast<int>(c.positions),
+                                       .moe_every = static_cast<int>(c.moe_every),
+                                       .experts = static_cast<int>(c.experts)});
   for (const auto& p : params) {
     loaded.insert(p.name);
     loaded.insert(optim::adamw_m_name(p.name));

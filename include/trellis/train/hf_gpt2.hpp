@@ -31,7 +31,10 @@
 
 namespace trellis::train {
 
+// Hugging Face GPT-2 has no experts: a Mixture-of-Experts model (GptConfig::moe_every) is refused.
 inline Gpt2Config gpt2_config_of(const nn::GptConfig& c) {
+  TRELLIS_CHECK(c.moe_every == 0, "Hugging Face GPT-2 files hold dense models; this model has Mixture-of-Experts ",
+                "blocks (moe_every ", c.moe_every, ", ", c.experts, " experts)");
   return {.n_layer = static_cast<int>(c.layers),
           .n_embd = static_cast<int>(c.width),
           .vocab_size = static_cast<int>(c.vocab),

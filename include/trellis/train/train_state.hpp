@@ -284,12 +284,15 @@ inline void read_adamw_moments(const Checkpoint& ck, std::string_view param, con
 }
 
 // GPT-2's parameters, in the order and shapes of the reference checkpoints (Hugging Face
-// "gpt2" safetensors, Conv1D weights stored (in, out)); the output head is tied to wte.
+// "gpt2" safetensors, Conv1D weights stored (in, out)); the output head is tied to wte. With
+// moe_every > 0, the MoE blocks' router and experts (trellis' names; not a Hugging Face model).
 struct Gpt2Config {
   int n_layer = 12;
   int n_embd = 768;
   int vocab_size = 50257;
   int n_ctx = 1024;
+  int moe_every = 0;  // > 0: block i % moe_every == 0 has `experts` experts instead of the dense MLP
+  int experts = 0;
 };
 struct ParameterSpec {
   std::string name;
@@ -311,6 +314,15 @@ inline std::vector<ParameterSpec> gpt2_parameters(const Gpt2Config& c) {
     p.push_back({h + "attn.c_proj.bias", {C}, false});
     p.push_back({h + "ln_2.weight", {C}, false});
     p.push_back({h + "ln_2.bias", {C}, false});
+    if (c.moe_every > 0 && i % c.moe_every == 0) {  // nn/moe.hpp
+      const index_t E = c.experts;
+      p.push_back({h + "mlp.router.weight", {C, E}, true});
+      p.push_back({h + "mlp.experts.c_fc.weight", {E, C, 4 * C}, true});
+      p.push_back({h + "mlp.experts.c_fc.bias", {E, 4 * C}, false});
+      p.push_back({h + "mlp.experts.c_proj.weight", {E, 4 * C, C}, true});
+      p.push_back({h + "mlp.experts.c_proj.bias", {E, C}, false});
+      continue;
+    }
     p.push_back({h + "mlp.c_fc.weight", {C, 4 * C}, true});
     p.push_back({h + "mlp.c_fc.bias", {4 * C}, false});
     p.push_back({h + "mlp.c_proj.weight", {4 * C, C}, true});

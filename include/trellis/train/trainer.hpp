@@ -37,6 +37,11 @@
 //     the whole world with ZeRO-1, where dp ranks hold different partitions); clip factor fused
 //     into AdamW; lr from warm-up + cosine at the optimizer's step count.
 // The reported loss is the global mean (sum over pp and dp of the last stage's contributions).
+// Mixture of Experts (model.moe_every > 0, nn/moe.hpp): experts split over ep groups of
+// consecutive dp ranks; an expert tensor's buckets reduce over the ranks holding the same experts
+// (dp / ep x cp), in their own buckets (and ZeRO-1 partitions); the norm adds the expert squares
+// over the world, once per such replica; each MoE layer's auxiliary losses enter the loss as a
+// mean over microbatches and replicas (StepResult::moe_aux_loss reports it).
 // Dropout (options.dropout): step s uses dropout_seed(seed, s), and a token's mask depends on its
 // global sample index, so every layout of the same global batch drops the same elements and a
 // resumed run draws the uninterrupted run's masks; evaluate() runs without dropout.
@@ -86,6 +91,8 @@
 #include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
 #include "trellis/train/hf_gpt2.hpp"
+#include "trellis/train/host_scalars.hpp"
+#include "trellis/train/moe_stats.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer_config.hpp"
@@ -121,7 +128,14 @@ class Trainer {
     // A device communicator's operations are ordered after the kernels that produce their data:
     // on a stream of its own, after the backend's stream by events, which waits for them in turn
     // (overlap, cfg.comm_stream), or on the backend's stream itself. Sets `world`'s streams too.
-    for (C* c : {&mesh_.world(), pp_comm_, replica_comm_, tp_comm_, cp_comm_, pp_replica_comm_, pp_tp_comm_}) {
+    if (cfg_.ep > 1) {  // ep groups: consecutive dp ranks; expert replicas: the same ep coordinate
+      const int d = mesh_.template coord<trellis::dp>();
+      ep_comm_ = std::make_unique<C>(mesh_.template comm<trellis::dp>().split(d / cfg_.ep, d));
+      expert_replica_comm_ = std::make_unique<C>(replica_comm_->split(d % cfg_.ep, replica_rank()));
+    }
+    std::vector<C*> comms{&mesh_.world(), pp_comm_, replica_comm_, tp_comm_, cp_comm_, pp_replica_comm_, pp_tp_comm_};
+    if (ep_comm_) comms.insert(comms.end(), {ep_comm_.get(), expert_replica_comm_.get()});
+    for (C* c : comms) {
       if constexpr (requires(C& x, typename B::stream_type st) { x.set_compute_stream(st); }) {
         if (cfg_.comm_stream) {
           c->set_compute_stream(be_.stream());
@@ -169,7 +183,8 @@ class Trainer {
       const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
       auto& m = models_[static_cast<std::size_t>(c)];
       m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied,
-                                  context_parallel());
+                                  context_parallel(), nn::ExpertParallel<C>{ep_comm_.get()});
+      for (auto [layer, moe] : m->moe_layers()) moe_stats_.add(layer, moe, cfg_.microbatches * replicas());
       if (st.embedding) tied = &m->embedding()->wte();
     }
     std::vector<Model*> raw;
@@ -214,12 +229,13 @@ class Trainer {
         if (norm_weight_[pc.param] != 0.0f) norm_spans_.push_back(zgrad(pc));
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i)
-        if (norm_weight_[i] != 0.0f) norm_spans_.emplace_back(params_[i]->grad.elements());
+        if (norm_weight_[i] != 0.0f)
+          (params_[i]->expert() ? expert_norm_spans_ : norm_spans_).emplace_back(params_[i]->grad.elements());
     }
     setup_activation_arena(pp_rank);
     // Scratch reserved once, before the first step (CUB style; backend::Cuda refuses growth later).
     for (auto& m : models_) m->reserve_workspace(shape_);
-    be_.reserve_workspace(be_.sum_of_squares_workspace(norm_spans_));
+    be_.reserve_workspace(std::max(be_.sum_of_squares_workspace(norm_spans_), be_.sum_of_squares_workspace(expert_norm_spans_)));
   }
 
   const TrainerConfig& config() const { return cfg_; }
@@ -241,18 +257,25 @@ class Trainer {
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
 
-  // Parameters counted once over the whole model (for MFU): a collective over (pp, tp).
+  // Parameters counted once over the whole model (all experts; for MFU): a collective over the world.
   double global_parameter_count() {
-    double n = 0;
+    double dense = 0, expert = 0;
     for (std::size_t i = 0; i < params_.size(); ++i)
-      n += norm_weight_[i] * static_cast<double>(params_[i]->numel());
-    return reduce_scalar(*pp_tp_comm_, n);
+      (params_[i]->expert() ? expert : dense) += norm_weight_[i] * static_cast<double>(params_[i]->numel());
+    return reduce_scalar(*pp_tp_comm_, dense) + expert_sum(expert);
+  }
+  // Tokens routed to each expert of every MoE layer in the steps since the last call (all
+  // ranks' tokens; before capacity drops): (layer, counts of its E experts), first layer first.
+  // A collective over the world.
+  std::vector<std::pair<int, std::vector<double>>> take_expert_load() {
+    return moe_stats_.take_load(be_, mesh_.world(), cfg_.model, mesh_.template coord<trellis::tp>() == 0);
   }
 
   // One optimizer step on this dp rank's rows (batch.rows = global batch / dp, seq = cfg.seq).
   StepResult step(const Batch& batch) {
     check_batch(batch);
     for (auto& m : models_) m->zero_grad();
+    moe_stats_.begin_step();
     const double token_count = global_token_count(batch);
     set_microbatches(batch, token_count, true);
     w_done_.assign(models_.size(), 0);
@@ -276,6 +299,7 @@ class Trainer {
     stage_->all_reduce_tied_wte_grad(*pp_comm_);
     StepResult r;
     r.loss = reduce_scalar(*pp_replica_comm_, stage_->loss());
+    if (cfg_.model.moe_every > 0) r.moe_aux_loss = moe_stats_.step_loss(be_, *pp_replica_comm_);
     finish_dp_reduction();
     if (cfg_.zero1)
       zero1_update(r);
@@ -447,6 +471,7 @@ class Trainer {
   };
   struct Bucket {
     int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
+    C* comm = nullptr;                // the ranks holding the same values: dp x cp, or its expert replicas
     std::vector<std::size_t> params;  // indices into params_
     std::span<float> grads, values;   // their gradients and values: one padded range of the chunk's packed buffers
     std::size_t shard_begin = 0;      // ZeRO-1: this rank's reduced shard of grads, at zgrads_[shard_begin]
@@ -465,6 +490,14 @@ class Trainer {
   // The ranks holding the same parameters: dp x cp (context-parallel ranks see other positions of
   // the same samples), and this rank's index among them.
   int replicas() const { return cfg_.dp * cfg_.cp; }
+  // The ranks holding the same experts (dp / ep x cp; all replicas without ep).
+  C& expert_replicas() const { return expert_replica_comm_ ? *expert_replica_comm_ : *replica_comm_; }
+  // A sum over every expert tensor once (MoE models; a collective over the world then): each
+  // rank's part, summed over the world, counts every expert once per replica holding it.
+  double expert_sum(double local) {
+    if (cfg_.model.moe_every == 0) return 0.0;
+    return reduce_scalar(mesh_.world(), local) / (replicas() / cfg_.ep);
+  }
   int replica_rank() const { return mesh_.template coord<trellis::dp>() * cfg_.cp + mesh_.template coord<trellis::cp>(); }
 
   void check_batch(const Batch& b) const {
@@ -583,7 +616,8 @@ class Trainer {
         for (nn::Parameter* p : m.weight_unit_parameters(u)) {
           const std::size_t i = param_index(p);
           const auto sz = static_cast<std::size_t>(p->numel());
-          if (!run.empty() && n + sz > cfg_.bucket_elements) close();
+          // experts reduce over other ranks than the rest (Bucket::comm): their own buckets
+          if (!run.empty() && (n + sz > cfg_.bucket_elements || params_[run.back()]->expert() != p->expert())) close();
           run.push_back(i);
           n += sz;
         }
@@ -593,6 +627,7 @@ class Trainer {
     if (primary_wte_) {
       Bucket b;
       b.chunk = -1;  // after the tied reduction
+      b.comm = replica_comm_;
       b.params.push_back(param_index(primary_wte_));
       auto& buffer = models_[static_cast<std::size_t>(chunk_of_[b.params.front()])]->parameter_buffer();
       b.grads = buffer.grad_range(*primary_wte_, *primary_wte_);
@@ -615,6 +650,7 @@ class Trainer {
     Bucket b;
     b.chunk = c;
     b.unit = u;
+    b.comm = params_[run.front()]->expert() ? &expert_replicas() : replica_comm_;
     b.params = run;
     b.grads = buffer.grad_range(*params_[run.front()], *params_[run.back()]);
     b.values = buffer.value_range(*params_[run.front()], *params_[run.back()]);
@@ -628,15 +664,16 @@ class Trainer {
     return cfg_.zero1 ? shard::shard_code(0) : shard::replicate_code();
   }
   void start_bucket(Bucket& b) {
-    b.request = shard::start_flat_redistribute(*replica_comm_, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
+    b.request = shard::start_flat_redistribute(*b.comm, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
                                                b.grads.data(), zgrads_.data() + b.shard_begin, b.grads.size());
   }
   // Whether this rank holds the first copy of parameter p: coordinate 0 of tp, and of dp and cp
   // when `over_dp`, where p's value is replicated over that axis. The norm counts first copies
   // over tp (it is summed over pp and tp; dp and cp replicas are equal); a checkpoint writes them
-  // over all three.
+  // over all three (an expert tensor: coordinate 0 among the ranks holding the same experts).
   bool first_copy(const nn::Parameter& p, bool over_dp) const {
-    return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || replica_rank() == 0) &&
+    const int replica = p.expert() ? expert_replicas().rank() : replica_rank();
+    return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || replica == 0) &&
            (!p.sharding.value[nn::tp_axis].is_replicate() || mesh_.template coord<trellis::tp>() == 0);
   }
   // Unit u of chunk c finished one microbatch's W; after the last, its gradients are final on
@@ -678,62 +715,19 @@ class Trainer {
   }
   float lr_now() const { return static_cast<float>(cfg_.lr(state_.step())); }
 
-  // Host values over a communicator of device buffers (NCCL): each collective staged through B's
-  // memory. What checkpoint agreement (save_collectively, open_checkpoint_collectively,
-  // agree_on_train_state) needs of a communicator.
-  struct HostScalars {
-    const Trainer* t;
-    C* c;
-    int rank() const { return c->rank(); }
-    int size() const { return c->size(); }
-    template <class T>
-    void all_reduce(const T* in, T* out, std::size_t n, comm::ReduceOp op) {
-      auto staged = t->be_.template allocate<T>(n);
-      t->be_.upload(staged.data(), in, n);
-      c->all_reduce(staged.data(), staged.data(), n, op);
-      t->be_.download(out, staged.data(), n);
-    }
-    template <class T>
-    void all_gather(const T* in, T* out, std::size_t n) {
-      const std::size_t total = n * static_cast<std::size_t>(c->size());
-      auto staged_in = t->be_.template allocate<T>(n), staged_out = t->be_.template allocate<T>(total);
-      t->be_.upload(staged_in.data(), in, n);
-      c->all_gather(staged_in.data(), staged_out.data(), n);
-      t->be_.download(out, staged_out.data(), total);
-    }
-    template <class T>
-    void broadcast(T* x, std::size_t n, int root) {
-      auto staged = t->be_.template allocate<T>(n);
-      t->be_.upload(staged.data(), x, n);
-      c->broadcast(staged.data(), n, root);
-      t->be_.download(x, staged.data(), n);
-    }
-  };
-  // f(world) for the checkpoint agreement (host flags, strings): the world itself where B's memory
-  // is the host's, else the world through HostScalars.
+  // f(world) for the checkpoint agreement (host flags, strings; train/host_scalars.hpp).
   template <class F>
   decltype(auto) with_host_world(F&& f) {
-    if constexpr (B::host_readable) {
-      return f(mesh_.world());
-    } else {
-      HostScalars staged{this, &mesh_.world()};
-      return f(staged);
-    }
+    return with_host_comm(be_, mesh_.world(), std::forward<F>(f));
   }
-  // A host scalar reduced over `c`, staged through B's memory when B's memory is not the host's
-  // (NCCL reduces device buffers only).
   double reduce_scalar(C& c, double x, comm::ReduceOp op = comm::ReduceOp::sum) const {
-    double out = 0;
-    if constexpr (B::host_readable) {
-      c.all_reduce(&x, &out, 1, op);
-    } else {
-      HostScalars{this, &c}.all_reduce(&x, &out, 1, op);
-    }
-    return out;
+    return train::reduce_scalar(be_, c, x, op);
   }
 
   void plain_update(StepResult& r) {
-    finish_update(r, reduce_scalar(*pp_tp_comm_, be_.sum_of_squares(norm_spans_)), [&](float lr, float scale) {
+    const double squares = reduce_scalar(*pp_tp_comm_, be_.sum_of_squares(norm_spans_)) +
+                           expert_sum(cfg_.model.moe_every > 0 ? be_.sum_of_squares(expert_norm_spans_) : 0.0);
+    finish_update(r, squares, [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (nn::Parameter* p : params_) {
@@ -760,14 +754,14 @@ class Trainer {
   // rest of the backward, as dp buckets do); AdamW runs on this rank's shards only (moments for
   // them only); an all-gather per bucket, in place in the packed values, rebuilds the parameters.
   void setup_zero1() {
-    const int r = replica_rank();
     std::vector<index_t> piece_sizes;
     std::size_t shards = 0;
     for (std::size_t k = 0; k < buckets_.size(); ++k) {
       Bucket& b = buckets_[k];
-      const auto n = b.grads.size() / static_cast<std::size_t>(replicas());
-      TRELLIS_CHECK(n * static_cast<std::size_t>(replicas()) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
-                    b.grads.size(), " elements does not split over dp x cp = ", replicas());
+      const int r = b.comm->rank(), parts = b.comm->size();
+      const auto n = b.grads.size() / static_cast<std::size_t>(parts);
+      TRELLIS_CHECK(n * static_cast<std::size_t>(parts) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
+                    b.grads.size(), " elements does not split over its ", parts, " replicas");
       b.shard_begin = shards;
       shards += n;
       optim::FlatLayout layout;  // the bucket's parameters at their offsets in the range
@@ -806,11 +800,11 @@ class Trainer {
     // The updated values go from the optimizer's placement, Shard(0) over dp, back to the
     // parameters' (Replicate): an all-gather per bucket, in place (this rank's shard is already at
     // r L/dp), all started, then all waited for.
-    const auto r_dp = static_cast<std::size_t>(replica_rank());
     for (auto& b : buckets_) {
-      const auto n = b.values.size() / static_cast<std::size_t>(replicas());
-      b.request = shard::start_flat_redistribute(*replica_comm_, optimizer_placement(), shard::replicate_code(),
-                                                 b.values.data(), b.values.data() + r_dp * n, b.values.size());
+      const auto n = b.values.size() / static_cast<std::size_t>(b.comm->size());
+      b.request = shard::start_flat_redistribute(*b.comm, optimizer_placement(), shard::replicate_code(), b.values.data(),
+                                                 b.values.data() + static_cast<std::size_t>(b.comm->rank()) * n,
+                                                 b.values.size());
     }
     for (auto& b : buckets_)
       if (b.request) {
@@ -835,11 +829,11 @@ class Trainer {
       return;
     }
     // ZeRO-1: per bucket, gather every rank's moment shard, then cut out each parameter
-    const auto dp = static_cast<std::size_t>(replicas());
     for (int which = 0; which < 2; ++which) {
       auto& out = which == 0 ? m : v;
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
         const Bucket& b = buckets_[k];
+        const auto dp = static_cast<std::size_t>(b.comm->size());
         const std::size_t n = b.grads.size() / dp;
         std::vector<float> mine(n, 0.0f), all(n * dp);
         for (std::size_t q = 0; q < zpieces_.size(); ++q)
@@ -847,7 +841,7 @@ class Trainer {
             auto src = which == 0 ? state_.m(q) : state_.v(q);
             be_.download(mine.data() + zpieces_[q].shard_offset, src.data(), src.size());
           }
-        replica_comm_->all_gather(mine.data(), all.data(), n);
+        b.comm->all_gather(mine.data(), all.data(), n);
         for (std::size_t i : b.params) {
           const auto at = static_cast<std::size_t>(params_[i]->grad.data() - b.grads.data());
           std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), out[i].size(), out[i].begin());
@@ -865,6 +859,7 @@ class Trainer {
   C* pp_replica_comm_;  // pp x dp x cp: the loss and token counts
   std::unique_ptr<nn::HybridComms<C>> hybrid_;  // cp_mode hybrid: the Ulysses groups and the ring across them
   C* pp_tp_comm_;
+  std::unique_ptr<C> ep_comm_, expert_replica_comm_;  // ep > 1: an MoE layer's group; ranks with the same experts
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
   std::optional<pipe::Schedule> schedule_;
@@ -879,7 +874,9 @@ class Trainer {
   nn::Parameter* primary_wte_ = nullptr;
   bool holds_embedding_ = false;
   std::vector<float> norm_weight_, decay_;
-  std::vector<std::span<const float>> norm_spans_;  // the gradients the global norm sums
+  std::vector<std::span<const float>> norm_spans_;  // the gradients the global norm sums (experts apart, no ZeRO)
+  std::vector<std::span<const float>> expert_norm_spans_;
+  MoeStats<C, B> moe_stats_;  // this rank's MoE layers: auxiliary losses, expert load
   optim::AdamWState<B> state_;
   std::vector<Bucket> buckets_;
   std::vector<int> w_done_;                   // W actions done per chunk, this step

@@ -31,6 +31,9 @@ struct TrainerConfig {
   // Context parallelism: every sample's sequence split over cp ranks (zig-zag chunks; attention by
   // cp_mode, nn/context_parallel.hpp). Gradients are then reduced over dp x cp.
   int cp = 1;
+  // Expert parallelism: a Mixture-of-Experts model's experts (model.moe_every > 0) split over
+  // groups of ep consecutive dp ranks (ep divides dp and the expert count).
+  int ep = 1;
   nn::CpMode cp_mode = nn::CpMode::ring;
   int cp_ulysses = 2;  // hybrid: the Ulysses group size u (cp = u x ring size)
   // Packed rows reordered so every cp rank gets near-equal causal attention work (ring, hybrid;
@@ -145,6 +148,18 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     add("--cp-balance-docs reorders each packed row per document for ring or hybrid context parallelism: it needs ",
         "--cp > 1 (got ", c.cp, "), --cp-mode ring or hybrid (got ", nn::to_string(c.cp_mode), ") and --dropout 0 (got ",
         c.options.dropout, "; masks follow positions in the row)");
+  if (c.ep < 1) add("--ep must be >= 1 (got ", c.ep, ")");
+  if (m.moe_every < 0) add("--moe-every must be >= 0 (0: dense; got ", m.moe_every, ")");
+  if (m.moe_every > 0 && (m.experts < 1 || (m.moe_topk != 1 && m.moe_topk != 2) || m.moe_topk > m.experts))
+    add("--experts ", m.experts, " --topk ", m.moe_topk, ": an MoE block needs >= 1 expert and top-1 or top-2 routing ",
+        "of at most that many experts");
+  if (m.moe_every == 0 && c.ep > 1) add("--ep ", c.ep, " splits experts over ranks: it needs an MoE model (--experts, --moe-every)");
+  if (c.ep > 1 && c.dp >= 1 && c.dp % c.ep != 0)
+    add("--ep ", c.ep, " groups consecutive dp ranks: it must divide --dp ", c.dp);
+  if (m.moe_every > 0 && c.ep >= 1 && m.experts >= 1 && m.experts % c.ep != 0)
+    add("--experts ", m.experts, " do not split evenly over --ep ", c.ep);
+  if (m.moe_every > 0 && !(c.options.moe_capacity >= 0.0f && c.options.moe_aux_loss >= 0.0f && c.options.moe_z_loss >= 0.0f))
+    add("--capacity, the load-balancing and the z-loss coefficients must be >= 0");
   if (m.layers < 1 || m.heads < 1 || m.width < 1 || m.vocab < 1 || m.positions < 1)
     add("--layers, --heads, --width, --vocab and --context must be >= 1");
   if (m.heads >= 1 && m.width % m.heads != 0)
@@ -224,6 +239,9 @@ struct StepResult {
   // (tests/train/test_overlap_timing.cpp), not by this count.
   int buckets = 0;
   int buckets_overlapped = 0;
+  // MoE models: the auxiliary losses (load balancing + z-loss, with their coefficients) summed
+  // over the MoE layers, each a mean over microbatches and replicas; not part of `loss`.
+  double moe_aux_loss = 0;
 };
 
 }  // namespace trellis::train
