@@ -292,6 +292,13 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
   run({.cp = 2}, ref, ref_w, split, "bf16 cp2 ring");
   run({.cp = 4, .cp_mode = CpMode::ulysses}, ref, ref_w, split, "bf16 cp4 ulysses");
   run({.cp = 4, .cp_mode = CpMode::hybrid}, ref, ref_w, split, "bf16 cp4 hybrid");
+  // Mixture of Experts (dropless, no load-balancing loss): ep over dp cuts along samples, so each
+  // token meets the same bf16 values and routing as on one bf16 rank.
+  nn_test::Collector moe_w;
+  RunResult moe;
+  train<Bf16>(with_layout(tiny_config(), {.moe = true}), kSteps, moe, moe_w);
+  run({.dp = 2, .moe = true, .ep = 2}, moe, moe_w, cut, "bf16 dp2 ep2");
+  run({.dp = 4, .zero1 = true, .moe = true, .ep = 2}, moe, moe_w, cut, "bf16 dp4 ep2 zero1");
 }
 
 // The tolerances tests/gpu/test_trainer_cuda.cu gives backend::Cuda (two steps: losses within 5e-3
