@@ -608,3 +608,40 @@ TEST_CASE("MoE: expert parallel layouts equal one rank (dropless) or the same la
                   ("dp2.tp2.pp2 ep2 aux" + cap).c_str());
   }
 }
+
+// The reported auxiliary loss and expert load count each microbatch once, also when a block's
+// forward runs again in its backward (recompute) or a forward only evaluates.
+TEST_CASE("MoE: recompute and evaluation leave the reported aux loss and expert load as they are", "[train][trainer][moe]") {
+  struct Report {
+    std::vector<double> aux;
+    std::vector<std::pair<int, std::vector<double>>> load;
+  };
+  auto run = [](bool recompute) {
+    Report out;
+    const TrainerConfig cfg =
+        with_layout(tiny_config(), {.microbatches = 2, .recompute = recompute, .moe = true, .capacity = 1.0f, .aux_loss = 0.01f});
+    nn_test::run_ranks(1, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, cfg);
+      trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
+      for (int s = 0; s < 3; ++s) {
+        out.aux.push_back(t.step(loader.next()).moe_aux_loss);
+        t.evaluate(loader.next());  // forward only: not counted
+      }
+      out.load = t.take_expert_load();
+    });
+    return out;
+  };
+  const Report plain = run(false), recomputed = run(true);
+  REQUIRE(plain.aux.size() == 3);
+  for (std::size_t s = 0; s < plain.aux.size(); ++s) {
+    CHECK(plain.aux[s] > 0.0);
+    CHECK(recomputed.aux[s] == Approx(plain.aux[s]).epsilon(1e-6));
+  }
+  REQUIRE(plain.load.size() == 2);
+  for (std::size_t l = 0; l < plain.load.size(); ++l) {
+    double total = 0;
+    for (double n : plain.load[l].second) total += n;
+    CHECK(total == 3.0 * tiny_config().batch * tiny_config().seq * 2);  // 3 steps of top-2 copies, once each
+    CHECK(recomputed.load[l].second == plain.load[l].second);
+  }
+}

@@ -211,9 +211,9 @@ class MoeMlp {
     for (index_t e = 0; e < E; ++e) kept_total += s.kept[static_cast<std::size_t>(e)];
     s.sent = kept_total;
     if (shape.train) {
-      for (index_t e = 0; e < E; ++e) load_[static_cast<std::size_t>(e)] += s.routed[static_cast<std::size_t>(e)];
-      dropped_ += rows * k - kept_total;
-      loss_sum_ += last_aux_ + last_z_;
+      s.counted_loss = last_aux_ + last_z_;
+      s.counted = true;
+      count(s, +1);
     }
 
     // Permute, send to the experts, regroup by expert.
@@ -360,7 +360,12 @@ class MoeMlp {
     phases.next(&MoePhaseSeconds::experts);  // the router's dW too (E columns: small)
     store_.erase(mb);
   }
-  void release(int mb) { store_.erase(mb); }
+  // Drops a microbatch's state without gradients. Its forward leaves the statistics again: a
+  // recomputed block (forward, release, forward again in its backward) counts each microbatch once.
+  void release(int mb) {
+    if (store_.contains(mb) && store_.at(mb, "MoeMlp::release").counted) count(store_.at(mb, "MoeMlp::release"), -1);
+    store_.erase(mb);
+  }
 
   // Seconds spent per phase (forward and backward together) since timing was switched on: what
   // bench/nn/moe_bench reports. Each phase ends with a backend synchronize(), so this is for
@@ -387,6 +392,8 @@ class MoeMlp {
   struct Saved {
     index_t rows = 0;
     bool backward_done = false;
+    bool counted = false;    // in load(), dropped() and loss_sum() (a training forward)
+    double counted_loss = 0;  // its auxiliary losses there
     std::vector<std::int32_t> routed, kept;  // per expert (all E), this rank's tokens
     std::vector<index_t> expert_rows;        // rows of each local expert after the exchange
     index_t sent = 0, received = 0;          // kept copies of this rank's tokens; copies at its experts
@@ -425,6 +432,17 @@ class MoeMlp {
     for (index_t e = 0, row = 0; e < local_experts_; row += s.expert_rows[e], ++e)
       groups.push_back(member(e, row, s.expert_rows[e]));
     be_.grouped_gemm(std::span<const Group<Ep, TC>>(groups));
+  }
+
+  // Adds (sign +1) or takes back (-1) a training forward's statistics.
+  void count(const Saved& s, int sign) {
+    std::int64_t kept = 0;
+    for (std::size_t e = 0; e < load_.size(); ++e) {
+      load_[e] += sign * static_cast<std::int64_t>(s.routed[e]);
+      kept += s.kept[e];
+    }
+    dropped_ += sign * (s.rows * cfg_.topk - kept);
+    loss_sum_ += sign * s.counted_loss;
   }
 
   kernels::MoeRouteArgs route_args(index_t rows) const {
