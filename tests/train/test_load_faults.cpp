@@ -44,7 +44,8 @@ void corrupt_tensor(const fs::path& step_dir, const std::string& file, const std
     if (s.file == file) key = s.key;
   REQUIRE(!key.empty());
   const fs::path path = step_dir / file;
-  const auto* entry = trellis::io::SafetensorsFile(path).find(key);
+  const trellis::io::SafetensorsFile shard(path);  // alive while `entry` points into it
+  const auto* entry = shard.find(key);
   REQUIRE(entry != nullptr);
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   unsigned char header[8] = {};

@@ -225,19 +225,25 @@ class SafetensorsFile {
   }
 
   const std::filesystem::path& path() const { return file_.path(); }
-  const std::vector<SafetensorsEntry>& entries() const { return entries_; }
-  const Metadata& metadata() const { return metadata_; }
+  // These return references into the file object: on a temporary they would dangle (a test once
+  // read a freed entry this way and failed only on another machine), so they are refused there.
+  const std::vector<SafetensorsEntry>& entries() const& { return entries_; }
+  const std::vector<SafetensorsEntry>& entries() const&& = delete;
+  const Metadata& metadata() const& { return metadata_; }
+  const Metadata& metadata() const&& = delete;
 
-  const SafetensorsEntry* find(std::string_view name) const {
+  const SafetensorsEntry* find(std::string_view name) const& {
     for (const auto& e : entries_)
       if (e.name == name) return &e;
     return nullptr;
   }
-  const SafetensorsEntry& entry(std::string_view name) const {
+  const SafetensorsEntry* find(std::string_view name) const&& = delete;
+  const SafetensorsEntry& entry(std::string_view name) const& {
     const auto* e = find(name);
     if (!e) TRELLIS_THROW(path(), ": no tensor \"", name, "\"");
     return *e;
   }
+  const SafetensorsEntry& entry(std::string_view name) const&& = delete;
 
   // Reads the whole tensor into `out` (entry.bytes() bytes) and verifies its CRC32C if stored.
   void read(std::string_view name, void* out) const {
