@@ -246,7 +246,7 @@ int layout_main(int argc, char** argv) {
     ck.dp = k.dp;
     ck.tp = k.tp;
     ck.microbatches = k.microbatches;
-    ck.zero1 = k.zero1;
+    ck.zero = k.zero1 ? 1 : 0;
     ck.schedule = schedule;
     if (auto problems = train::config_problems(ck); !problems.empty()) {
       for (auto& p : problems) std::fprintf(stderr, "%s: %s\n", k.name.c_str(), p.c_str());

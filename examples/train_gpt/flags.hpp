@@ -37,7 +37,8 @@ struct Options {
   std::string cp_mode = "ring";
   int cp_ulysses = 2;           // hybrid: Ulysses group size
   bool cp_balance_docs = false; // packed rows' documents reordered for equal cp work
-  bool sp = false, zero1 = false;
+  bool sp = false;
+  int zero = 0;  // ZeRO stage over the dp x cp replicas
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
@@ -96,7 +97,9 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --cp-ulysses U ranks, 2 by default, a ring across the groups)
            --cp-balance-docs (with --pack, ring or hybrid, dropout 0: each packed row's documents
            reordered, whole, so the cp ranks get near-equal causal attention work)
-           --sp (sequence parallelism with tp) --zero1 (ZeRO-1 optimizer sharding over dp)
+           --sp (sequence parallelism with tp)
+           --zero 0|1|2 (0; ZeRO over the dp x cp replicas: 1 shards the AdamW state, 2 the
+           gradients too, reduce-scattered every microbatch; --zero1 is --zero 1)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
@@ -212,7 +215,9 @@ inline Options parse_flags(const std::vector<std::string>& args) {
     else if (f == "--sp")
       o.sp = true;
     else if (f == "--zero1")
-      o.zero1 = true;
+      o.zero = 1;
+    else if (f == "--zero")
+      int_flag(o.zero);
     else if (f == "--schedule") {
       o.schedule = value();
       o.schedule_given = true;
@@ -330,7 +335,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.microbatches = o.microbatches;
   c.batch = o.batch;
   c.seq = o.context;
-  c.zero1 = o.zero1;
+  c.zero = o.zero;
   c.adamw.lr = static_cast<float>(o.lr);
   c.adamw.weight_decay = static_cast<float>(o.weight_decay);
   c.lr.max_lr = o.lr;
@@ -350,7 +355,10 @@ inline double state_bytes(const Options& o, bool per_mpi_rank) {
   const double W = o.width, L = o.layers, V = o.vocab, P = o.context;
   const double params = V * W + P * W + L * (12.0 * W * W + 13.0 * W) + 2.0 * W;
   const double tp_pp = std::max(1.0, static_cast<double>(o.tp)) * std::max(1.0, static_cast<double>(o.pp));
-  return 16.0 * (per_mpi_rank ? params / tp_pp : params * std::max(1, o.dp) * std::max(1, o.cp));
+  const double R = std::max(1, o.dp) * std::max(1, o.cp);  // replicas; ZeRO shards over them
+  // every replica's weights (4 bytes), gradients (4) and moments (8), or one copy of what is sharded
+  const double all = params * (4.0 * R + (o.zero >= 2 ? 4.0 : 4.0 * R) + (o.zero >= 1 ? 8.0 : 8.0 * R));
+  return per_mpi_rank ? all / (R * tp_pp) : all;
 }
 inline double physical_memory_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
@@ -426,7 +434,8 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
-  if (o.zero1 && o.dp == 1) out.push_back("--zero1 shards the optimizer over dp ranks: it needs --dp > 1");
+  if (o.zero >= 1 && o.dp * o.cp == 1)
+    out.push_back("--zero " + std::to_string(o.zero) + " shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1");
   if (o.overlap > 1 && o.tp == 1)
     out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
   for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);

@@ -201,8 +201,9 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                                                            : cfg.custom_schedule->name + " from " + o.schedule_file;
     const char* dtype = o.backend == "cuda" || o.dtype == "bf16" ? "bf16 compute, fp32 master weights" : "fp32";
     const std::string cp = o.cp > 1 ? " x cp " + std::to_string(o.cp) + " (" + o.cp_mode + ")" : "";
+    const std::string zero = o.zero > 0 ? " +zero" + std::to_string(o.zero) : "";
     std::printf("layout: dp %d x tp %d x pp %d%s%s%s, schedule %s, %d microbatches of %lld rows; %s ranks; %s\n",
-                o.dp, o.tp, o.pp, cp.c_str(), o.sp ? " +sp" : "", o.zero1 ? " +zero1" : "", schedule.c_str(), o.microbatches,
+                o.dp, o.tp, o.pp, cp.c_str(), o.sp ? " +sp" : "", zero.c_str(), schedule.c_str(), o.microbatches,
                 static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
     if (loader.packed())
       std::printf("packing: documents start at token %d; %lld rows of %d tokens, %.1f %% of them real tokens "

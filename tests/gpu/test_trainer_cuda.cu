@@ -147,7 +147,7 @@ TEST_CASE("CUDA Trainer on NCCL: dp, ZeRO-1, tp+sp and pp over GPUs equal one GP
     check_close(got, got_w, one, one_w, tol, label);
   };
   run({.dp = 2, .microbatches = 2}, cut, "dp2 m2");
-  run({.dp = 2, .zero1 = true}, cut, "dp2 zero1");
+  run({.dp = 2, .zero = 1}, cut, "dp2 zero1");
   run({.tp = 2, .sp = true}, split, "tp2+sp");
   run({.pp = 2, .schedule = "1f1b", .microbatches = 4}, cut, "pp2 1f1b");
 }

@@ -295,8 +295,8 @@ TEST_CASE("the export of any layout's checkpoint is byte-identical to the one-ra
   const auto one = *train::latest_checkpoint(dir.path / "one");
   train::export_hf_gpt2(train::Checkpoint(one), tiny_config().model, dir.path / "hf-one");
   const std::string want = file_bytes(dir.path / "hf-one" / "model.safetensors");
-  for (const Layout& l : {Layout{.pp = 2, .tp = 2, .microbatches = 2}, Layout{.dp = 2, .tp = 2, .zero1 = true}}) {
-    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1);
+  for (const Layout& l : {Layout{.pp = 2, .tp = 2, .microbatches = 2}, Layout{.dp = 2, .tp = 2, .zero = 1}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero);
     const std::string tag = "pp" + std::to_string(l.pp) + "dp" + std::to_string(l.dp);
     nn_test::Collector w;
     RunResult r;

@@ -118,7 +118,7 @@ double smallest(ThreadComm& world, double v) {
 // 6 blocks (one dp bucket each, plus wte), width 96.
 TrainerConfig dp_config(bool overlap, bool zero1) {
   TrainerConfig c = tiny_config();
-  c.zero1 = zero1;
+  c.zero = zero1 ? 1 : 0;
   c.model.layers = 6;
   c.model.width = 96;
   c.model.heads = 4;

@@ -141,9 +141,9 @@ TEST_CASE("pp2 with every schedule equals one rank", "[train][trainer][parity][p
 
 TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]") {
   check_against_reference({.pp = 2, .dp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 2}, "dp2.tp2.pp2");
-  check_against_reference({.dp = 2, .zero1 = true}, "dp2 zero1");
+  check_against_reference({.dp = 2, .zero = 1}, "dp2 zero1");
   check_against_reference(
-      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2},
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v", .microbatches = 2},
       "dp2.tp2+sp.pp2 zero1 zb_v");
 }
 
@@ -156,7 +156,7 @@ TEST_CASE("packed documents: every layout equals one packed rank", "[train][trai
   check_against_reference({.tp = 2, .sp = true, .recompute = true, .packed = true}, "tp2+sp recompute packed");
   check_against_reference({.pp = 2, .schedule = "zb_h1", .microbatches = 4, .packed = true}, "pp2 zb_h1 packed");
   check_against_reference(
-      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "interleaved_1f1b", .microbatches = 2,
+      {.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "interleaved_1f1b", .microbatches = 2,
        .packed = true},
       "dp2.tp2+sp.pp2 zero1 interleaved packed");
 }
@@ -164,7 +164,7 @@ TEST_CASE("packed documents: every layout equals one packed rank", "[train][trai
 TEST_CASE("context parallel (ring) in every layout equals one rank", "[train][trainer][parity][cp]") {
   check_against_reference({.cp = 2}, "cp2");
   check_against_reference({.cp = 4}, "cp4");
-  check_against_reference({.dp = 2, .zero1 = true, .cp = 2}, "dp2.cp2 zero1");
+  check_against_reference({.dp = 2, .zero = 1, .cp = 2}, "dp2.cp2 zero1");
   check_against_reference({.tp = 2, .sp = true, .cp = 2}, "tp2+sp.cp2");
   check_against_reference({.pp = 2, .schedule = "zb_v", .microbatches = 2, .cp = 2}, "pp2.cp2 zb_v");
   check_against_reference({.dp = 2, .microbatches = 2, .dropout = kDropout, .recompute = true, .cp = 2},
@@ -190,7 +190,7 @@ TEST_CASE("balanced documents (rows reordered per document) equal one packed ran
 TEST_CASE("context parallel by Ulysses and hybrid equals one rank", "[train][trainer][parity][cp]") {
   using trellis::nn::CpMode;
   check_against_reference({.cp = 4, .cp_mode = CpMode::ulysses}, "cp4 ulysses");
-  check_against_reference({.tp = 2, .sp = true, .zero1 = true, .packed = true, .cp = 2, .cp_mode = CpMode::ulysses},
+  check_against_reference({.tp = 2, .sp = true, .zero = 1, .packed = true, .cp = 2, .cp_mode = CpMode::ulysses},
                           "tp2+sp.cp2 ulysses zero1 packed");
   check_against_reference({.pp = 2, .schedule = "1f1b", .microbatches = 2, .cp = 4, .cp_mode = CpMode::hybrid},
                           "pp2.cp4 hybrid (ulysses 2 x ring 2)");
@@ -277,10 +277,10 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
   };
   run({.dp = 2, .microbatches = 2}, ref, ref_w, cut, "bf16 dp2 m2");
   run({.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}, ref, ref_w, cut, "bf16 pp2 interleaved");
-  run({.dp = 2, .zero1 = true}, ref, ref_w, cut, "bf16 dp2 zero1");
+  run({.dp = 2, .zero = 1}, ref, ref_w, cut, "bf16 dp2 zero1");
   run({.tp = 2}, ref, ref_w, split, "bf16 tp2");
   run({.tp = 2, .sp = true}, ref, ref_w, split, "bf16 tp2+sp");
-  run({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v", .microbatches = 2}, ref, ref_w, split,
+  run({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v", .microbatches = 2}, ref, ref_w, split,
       "bf16 dp2.tp2+sp.pp2 zero1 zb_v");
   run({.dp = 2, .dropout = kDropout, .recompute = true}, drop, drop_w, cut, "bf16 dp2 dropout recompute");
   run({.tp = 2, .sp = true, .dropout = kDropout}, drop, drop_w, split, "bf16 tp2+sp dropout");
@@ -298,7 +298,7 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
   RunResult moe;
   train<Bf16>(with_layout(tiny_config(), {.moe = true}), kSteps, moe, moe_w);
   run({.dp = 2, .moe = true, .ep = 2}, moe, moe_w, cut, "bf16 dp2 ep2");
-  run({.dp = 4, .zero1 = true, .moe = true, .ep = 2}, moe, moe_w, cut, "bf16 dp4 ep2 zero1");
+  run({.dp = 4, .zero = 1, .moe = true, .ep = 2}, moe, moe_w, cut, "bf16 dp4 ep2 zero1");
 }
 
 // The tolerances tests/gpu/test_trainer_cuda.cu gives backend::Cuda (two steps: losses within 5e-3
@@ -333,15 +333,15 @@ TEST_CASE("host bf16: two steps within the GPU test's tolerances of fp32", "[tra
 TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
           "[train][trainer][device]") {
   using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
-  for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero1 = true}, Layout{.tp = 2, .sp = true},
+  for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero = 1}, Layout{.tp = 2, .sp = true},
                           Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4, .batch_p2p = true},
                           Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 4, .batch_p2p = true},
-                          Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero1 = true, .schedule = "zb_v",
+                          Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v",
                                  .microbatches = 2, .batch_p2p = true},
                           Layout{.dp = 2, .dropout = kDropout, .recompute = true},
-                          Layout{.dp = 4, .tp = 2, .sp = true, .zero1 = true, .moe = true, .ep = 2, .capacity = 1.0f,
+                          Layout{.dp = 4, .tp = 2, .sp = true, .zero = 1, .moe = true, .ep = 2, .capacity = 1.0f,
                                  .aux_loss = 0.01f}}) {
-    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " " << l.schedule << " ep " << l.ep);
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " " << l.schedule << " ep " << l.ep);
     nn_test::Collector host_w, checked_w;
     RunResult host, checked;
     train(with_layout(tiny_config(), l), 3, host, host_w);
@@ -361,7 +361,7 @@ TEST_CASE("device discipline: checkpoints save and load through the backend", "[
   // a DeviceChecked run resumed from the host run's checkpoint and a host run resumed from the
   // DeviceChecked one continue bit for bit alike.
   using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
-  const TrainerConfig cfg = with_layout(tiny_config(), {.dp = 2, .zero1 = true});
+  const TrainerConfig cfg = with_layout(tiny_config(), {.dp = 2, .zero = 1});
   TempDir host_dir("device-save-host"), checked_dir("device-save-checked");
   nn_test::Collector w1, w2, w3, w4;
   RunResult a, b, from_host, from_checked;
@@ -588,7 +588,7 @@ TEST_CASE("MoE: expert parallel layouts equal one rank (dropless) or the same la
   check_layouts({.dp = 4, .moe = true, .ep = 2}, one, "dp4 ep2 (two replicas of each expert)");
   check_layouts({.dp = 2, .tp = 2, .sp = true, .moe = true, .ep = 2}, one, "dp2.tp2+sp ep2");
   check_layouts({.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 2, .moe = true, .ep = 2}, one, "dp2.pp2 zb_h1 ep2");
-  check_layouts({.dp = 4, .zero1 = true, .moe = true, .ep = 2}, one, "dp4 ep2 zero1");
+  check_layouts({.dp = 4, .zero = 1, .moe = true, .ep = 2}, one, "dp4 ep2 zero1");
   check_layouts({.dp = 2, .microbatches = 2, .cp = 2, .moe = true, .ep = 2}, one, "dp2 m2.cp2 ep2");
   // One rank's microbatches hold the rows of the dp ranks: the same forwards, so the per-forward
   // losses and capacities agree, and the auxiliary losses' weight (a mean over microbatches and

@@ -35,7 +35,7 @@ TEST_CASE("flags parse into options", "[train][flags]") {
   CHECK(o.tp == 2);
   CHECK(o.pp == 2);
   CHECK(o.sp);
-  CHECK(o.zero1);
+  CHECK(o.zero == 1);
   CHECK(o.schedule == "zb_v");
   CHECK(o.lr == Approx(1e-3));
   CHECK(o.layers == 6);
@@ -69,7 +69,10 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}),
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));
-  CHECK(contains(error_of({"--zero1"}), "--zero1 shards the optimizer over dp ranks"));
+  CHECK(contains(error_of({"--zero1"}), "--zero 1 shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1"));
+  CHECK(contains(error_of({"--dp", "2", "--zero", "3"}), "--zero 3 is not a ZeRO stage this trainer has"));
+  CHECK(parse_flags({"--dp", "2", "--zero", "2"}).zero == 2);
+  CHECK(error_of({"--cp", "2", "--context", "64", "--zero", "2"}).empty());
   CHECK(contains(error_of({"--backend", "cuda"}), "use --backend host"));  // this test is built without CUDA
   CHECK(contains(error_of({"--backend", "cuda"}), "head size 64 or 128"));   // width 128 / 4 heads = 32
   // every layout runs on CUDA (train::Trainer<NcclComm, backend::Cuda>): only the flag is refused here
@@ -92,7 +95,7 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   // several problems are all listed at once
   auto e = error_of({"--tp", "3", "--zero1"});
   CHECK(contains(e, "--tp 3 does not divide"));
-  CHECK(contains(e, "--zero1 shards"));
+  CHECK(contains(e, "--zero 1 shards"));
 }
 
 TEST_CASE("check_config counts the ranks", "[train][flags][errors]") {

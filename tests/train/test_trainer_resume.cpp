@@ -46,10 +46,10 @@ void check_continues(const Straight& s, const RunResult& r, const nn_test::Colle
 
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   for (const Layout& l :
-       {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero1 = true},
+       {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero = 1},
         Layout{.pp = 2, .tp = 2, .sp = true, .schedule = "zb_h1", .microbatches = 2, .dropout = 0.1f},
         Layout{.dp = 2, .microbatches = 2, .dropout = 0.1f}}) {
-    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero1 " << l.zero1 << " dropout " << l.dropout);
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " dropout " << l.dropout);
     Straight s;
     straight(l, s);
     TempDir dir("trainer-resume");
@@ -84,10 +84,10 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   }
   const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
   for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
-                          Layout{.dp = 2, .zero1 = true},
+                          Layout{.dp = 2, .zero = 1},
                           Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2},
-                          Layout{.dp = 2, .zero1 = true, .cp = 2}, Layout{.tp = 2, .sp = true, .cp = 2}}) {
-    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " cp " << l.cp << " zero1 " << l.zero1);
+                          Layout{.dp = 2, .zero = 1, .cp = 2}, Layout{.tp = 2, .sp = true, .cp = 2}}) {
+    INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " cp " << l.cp << " zero " << l.zero);
     nn_test::Collector w;
     RunResult r;
     train(with_layout(tiny_config(), l), 3, r, w, ckpt);
@@ -97,7 +97,7 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
 
 TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads into one rank",
           "[train][trainer][reshard][cp]") {
-  const Layout saved{.dp = 2, .zero1 = true, .cp = 2};
+  const Layout saved{.dp = 2, .zero = 1, .cp = 2};
   Straight s;
   straight(Layout{}, s);
   TempDir dir("trainer-reshard-cp");
@@ -115,7 +115,7 @@ TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads 
 TEST_CASE("an MoE checkpoint saved under ep (dp4 ep2 ZeRO-1) resumes bitwise and loads into other layouts",
           "[train][trainer][reshard][moe]") {
   // Dropless, no load-balancing loss: the routing is per token, so layouts continue the same.
-  const Layout saved{.dp = 4, .zero1 = true, .moe = true, .ep = 2};
+  const Layout saved{.dp = 4, .zero = 1, .moe = true, .ep = 2};
   Straight s;
   straight(saved, s);
   TempDir dir("trainer-reshard-moe");

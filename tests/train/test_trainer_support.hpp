@@ -89,7 +89,8 @@ struct RunResult {
 
 struct Layout {
   int pp = 1, dp = 1, tp = 1;
-  bool sp = false, zero1 = false;
+  bool sp = false;
+  int zero = 0;  // ZeRO stage
   std::string schedule = "1f1b";
   int microbatches = 1;
   float dropout = 0.0f;
@@ -117,7 +118,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.cp_ulysses = l.cp_ulysses;
   c.cp_balance_documents = l.balance_documents;
   c.options.sequence_parallel = l.sp;
-  c.zero1 = l.zero1;
+  c.zero = l.zero;
   c.schedule = l.schedule;
   c.microbatches = l.microbatches;
   c.options.dropout = l.dropout;

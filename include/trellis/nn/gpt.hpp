@@ -12,9 +12,10 @@
 // stage's wte (`tied_wte` argument) and both add into its one gradient: no copy.
 //
 // Weight units: backward_weight runs the head (ln_f and the LM head), the blocks last to first,
-// then the embedding; a caller's hook hears when each unit is done, so a trainer can start a
-// unit's gradient reduction as soon as its last microbatch's W finished (weight_unit_parameters
-// lists each unit's parameters, wte excluded: its gradient comes from two units).
+// then the embedding; a caller's hook hears when each unit starts (UnitPhase::begin: a trainer may
+// bind the unit's gradient storage) and is done (end), so a trainer can start a unit's gradient
+// reduction as soon as its last microbatch's W finished (weight_unit_parameters lists each unit's
+// parameters, wte excluded: its gradient comes from two units).
 //
 // Stage I/O: activations between stages are the norm-region rows (local_rows x width; with sp
 // only this rank's sequence shard), rows in sequence-major order (row = t * batch + b).
@@ -46,6 +47,9 @@
 
 namespace trellis::nn {
 
+// A weight unit's hook hears each unit twice per microbatch: before its W and after it.
+enum class UnitPhase { begin, end };
+
 struct GptConfig {
   index_t vocab = 50257;
   index_t positions = 1024;  // n_positions (learned)
@@ -70,6 +74,9 @@ struct GptOptions {
   std::uint64_t seed = 1234;
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
   std::size_t pack_alignment = 16;  // floats; each parameter's start in the packed buffers (nn/parameter_buffer.hpp)
+  // false: gradients get no packed storage; the caller binds them around each weight unit's W
+  // (the hook's UnitPhase::begin; the Trainer's ZeRO-2 slots).
+  bool packed_gradients = true;
   // MoE blocks (GptConfig::moe_every): capacity factor (0: dropless) and the auxiliary losses' coefficients.
   float moe_capacity = 0.0f;
   float moe_aux_loss = 0.01f;
@@ -172,7 +179,9 @@ class GptModel {
     // first come first, so a dp bucket of consecutive parameters is one range of grads().
     auto order = parameters();
     std::reverse(order.begin(), order.end());
-    buffer_ = ParameterBuffer<B>(order, opt.pack_alignment, be_);
+    buffer_ = ParameterBuffer<B>(order, opt.pack_alignment, be_,
+                                 opt.packed_gradients ? ParameterBuffer<B>::Gradients::packed
+                                                      : ParameterBuffer<B>::Gradients::external);
   }
 
   const GptConfig& config() const { return cfg_; }
@@ -261,43 +270,46 @@ class GptModel {
   // doutput: gradient of this stage's output (ignored on the last stage, whose output is the
   // loss, seeded with d loss = 1); dinput: gradient of its input (not written on the first stage).
   void backward_input(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput) {
-    run_backward(mb, shape, doutput, dinput, false, [](int) {});
+    run_backward(mb, shape, doutput, dinput, false, [](int, UnitPhase) {});
   }
   // backward_input and backward_weight fused unit by unit (each unit's W right after its B, the
   // order of a plain backward pass): the gradients of the last units become final while the
   // first ones still run, so a trainer's reductions overlap the rest of the backward.
-  // unit_done(u) as in backward_weight; the results equal backward_input + backward_weight.
+  // unit_hook(u, phase) as in backward_weight; the results equal backward_input + backward_weight.
   template <class F>
-  void backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, F&& unit_done) {
-    run_backward(mb, shape, doutput, dinput, true, unit_done);
+  void backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, F&& unit_hook) {
+    run_backward(mb, shape, doutput, dinput, true, unit_hook);
   }
 
   // Adds microbatch mb's weight gradients and frees its saved activations, unit by unit (head,
-  // blocks last to first, embedding); unit_done(u) after unit u.
+  // blocks last to first, embedding); unit_hook(u, begin) before unit u, (u, end) after it.
   void backward_weight(int mb) {
-    backward_weight(mb, [](int) {});
+    backward_weight(mb, [](int, UnitPhase) {});
   }
   template <class F>
-  void backward_weight(int mb, F&& unit_done) {
+  void backward_weight(int mb, F&& unit_hook) {
     int unit = 0;
     if (head_) {
+      unit_hook(unit, UnitPhase::begin);
       {
         auto r = be_.range("head backward_weight");
         head_->backward_weight(mb);
         ln_f_->backward_weight(mb);
       }
-      unit_done(unit++);
+      unit_hook(unit++, UnitPhase::end);
     }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      unit_hook(unit, UnitPhase::begin);
       (*it)->backward_weight(mb);
-      unit_done(unit++);
+      unit_hook(unit++, UnitPhase::end);
     }
     if (embedding_) {
+      unit_hook(unit, UnitPhase::begin);
       {
         auto r = be_.range("embedding backward_weight");
         embedding_->backward_weight(mb);
       }
-      unit_done(unit++);
+      unit_hook(unit++, UnitPhase::end);
     }
     saved_.release(mb);
   }
@@ -435,7 +447,7 @@ class GptModel {
  private:
   template <class F>
   void run_backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, bool with_weights,
-                    F&& unit_done) {
+                    F&& unit_hook) {
     const index_t n = tp_.local_rows(shape) * cfg_.width;
     auto g = allocate(n), h = allocate(n);
     int unit = 0;
@@ -446,12 +458,13 @@ class GptModel {
         ln_f_->backward_input(mb, shape, h.data(), g.data());
       }
       if (with_weights) {
+        unit_hook(unit, UnitPhase::begin);
         {
           auto r = be_.range("head backward_weight");
           head_->backward_weight(mb);
           ln_f_->backward_weight(mb);
         }
-        unit_done(unit++);
+        unit_hook(unit++, UnitPhase::end);
       }
     } else {
       TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
@@ -461,8 +474,9 @@ class GptModel {
       (*it)->backward_input(mb, shape, g.data(), h.data());
       std::swap(g, h);
       if (with_weights) {
+        unit_hook(unit, UnitPhase::begin);
         (*it)->backward_weight(mb);
-        unit_done(unit++);
+        unit_hook(unit++, UnitPhase::end);
       }
     }
     if (embedding_) {
@@ -472,11 +486,12 @@ class GptModel {
         embedding_->backward_input(mb, shape, g.data());
       }
       if (with_weights) {
+        unit_hook(unit, UnitPhase::begin);
         {
           auto r = be_.range("embedding backward_weight");
           embedding_->backward_weight(mb);
         }
-        unit_done(unit++);
+        unit_hook(unit++, UnitPhase::end);
       }
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");

@@ -149,6 +149,8 @@ class ParamArray {
 
  private:
   float* host() const {
+    TRELLIS_CHECK(data_ != nullptr || size_ == 0,
+                  "ParamArray: elements not bound (a gradient with external storage, outside its weight unit's W)");
     TRELLIS_CHECK(host_readable_ || size_ == 0,
                   "ParamArray: host access to parameter elements that live in device memory (use the backend's "
                   "upload/download)");

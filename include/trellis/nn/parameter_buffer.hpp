@@ -11,6 +11,11 @@
 // copies), and "this block's gradients" or "this rank's ZeRO partition" are ranges too. The
 // padding between parameters is zero in both buffers and nothing writes it, so reducing a range
 // that spans padding adds zeros.
+//
+// Gradients::external packs the values only: the gradients get no storage here, and their views
+// stay unbound (null) until the owner binds each parameter's gradient where it wants it (the
+// Trainer's ZeRO-2 binds a weight unit's gradients to a short-lived slot around its W). The
+// packed layout (packed_range) is the same either way.
 #pragma once
 
 #include <algorithm>
@@ -30,11 +35,13 @@ template <backend::Backend B = backend::Host<float>>
 class ParameterBuffer {
  public:
   static constexpr std::size_t default_alignment = 16;  // floats: 64 bytes
+  enum class Gradients { packed, external };
 
   ParameterBuffer() = default;
   // Packs `order` (distinct parameters with their own storage) in that order.
-  explicit ParameterBuffer(std::span<Parameter* const> order, std::size_t alignment = default_alignment, B be = {})
-      : be_(std::move(be)), order_(order.begin(), order.end()), alignment_(alignment) {
+  explicit ParameterBuffer(std::span<Parameter* const> order, std::size_t alignment = default_alignment, B be = {},
+                           Gradients gradients = Gradients::packed)
+      : be_(std::move(be)), order_(order.begin(), order.end()), alignment_(alignment), gradients_(gradients) {
     TRELLIS_CHECK(alignment > 0 && alignment % default_alignment == 0, "ParameterBuffer: alignment ", alignment,
                   " floats is not a positive multiple of ", default_alignment);
     std::size_t n = 0;
@@ -46,13 +53,17 @@ class ParameterBuffer {
       n = round_up(n + p->value.size());
     }
     values_ = be_.template allocate<float>(n);  // zeroed, padding included
-    grads_ = be_.template allocate<float>(n);
+    if (gradients_ == Gradients::packed) grads_ = be_.template allocate<float>(n);
     for (std::size_t i = 0; i < order_.size(); ++i) {
       Parameter& p = *order_[i];
       be_.upload(values_.data() + offsets_[i], p.value.data(), p.value.size());
-      be_.upload(grads_.data() + offsets_[i], p.grad.data(), p.grad.size());
       p.value.rebind(values_.data() + offsets_[i], B::host_readable);
-      p.grad.rebind(grads_.data() + offsets_[i], B::host_readable);
+      if (gradients_ == Gradients::packed) {
+        be_.upload(grads_.data() + offsets_[i], p.grad.data(), p.grad.size());
+        p.grad.rebind(grads_.data() + offsets_[i], B::host_readable);
+      } else {
+        p.grad.rebind(nullptr, B::host_readable);
+      }
     }
   }
 
@@ -60,17 +71,28 @@ class ParameterBuffer {
   std::span<float> grads() { return {grads_.data(), grads_.size()}; }
   std::size_t parameters() const { return order_.size(); }
   std::size_t alignment() const { return alignment_; }
-  void zero_grads() { be_.fill_zero(grads_.data(), grads_.size()); }
+  Gradients gradients() const { return gradients_; }
+  void zero_grads() {
+    if (gradients_ == Gradients::packed) be_.fill_zero(grads_.data(), grads_.size());
+  }
 
   // The range from the start of `first` to the padded end of `last` (both packed here, first not
   // after last): every parameter packed between them and the padding, a multiple of alignment().
   std::span<float> grad_range(const Parameter& first, const Parameter& last) {
-    const auto [at, n] = range(first, last);
+    TRELLIS_CHECK(gradients_ == Gradients::packed, "ParameterBuffer: gradients of ", first.name, "..", last.name,
+                  " are external (not packed here)");
+    const auto [at, n] = packed_range(first, last);
     return {grads_.data() + at, n};
   }
   std::span<float> value_range(const Parameter& first, const Parameter& last) {
-    const auto [at, n] = range(first, last);
+    const auto [at, n] = packed_range(first, last);
     return {values_.data() + at, n};
+  }
+  // (offset, size) of that range in the packed layout, in floats.
+  std::pair<std::size_t, std::size_t> packed_range(const Parameter& first, const Parameter& last) const {
+    const std::size_t a = index_of(first), b = index_of(last);
+    TRELLIS_CHECK(a <= b, "ParameterBuffer: ", first.name, " is packed after ", last.name);
+    return {offsets_[a], round_up(offsets_[b] + last.value.size()) - offsets_[a]};
   }
   // Position of p in the packing order (error if p is not packed here).
   std::size_t index_of(const Parameter& p) const {
@@ -81,15 +103,11 @@ class ParameterBuffer {
 
  private:
   std::size_t round_up(std::size_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
-  std::pair<std::size_t, std::size_t> range(const Parameter& first, const Parameter& last) const {
-    const std::size_t a = index_of(first), b = index_of(last);
-    TRELLIS_CHECK(a <= b, "ParameterBuffer: ", first.name, " is packed after ", last.name);
-    return {offsets_[a], round_up(offsets_[b] + last.grad.size()) - offsets_[a]};
-  }
 
   B be_;
   std::vector<Parameter*> order_;
   std::size_t alignment_ = default_alignment;
+  Gradients gradients_ = Gradients::packed;
   std::vector<std::size_t> offsets_;
   typename B::template buffer<float> values_, grads_;
 };

@@ -88,13 +88,13 @@ class GptPipelineStage {
   // backward_input + backward_weight fused per unit (GptModel::backward), for a plain loop.
   void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
-                           grad_in.empty() ? nullptr : grad_in.data(), [&](int unit) {
-                             if (unit_hook_) unit_hook_(mb, chunk, unit);
+                           grad_in.empty() ? nullptr : grad_in.data(), [&](int unit, UnitPhase phase) {
+                             if (unit_hook_) unit_hook_(mb, chunk, unit, phase);
                            });
   }
   void backward_weight(int mb, int chunk) {
     if (unit_hook_)
-      model(chunk)->backward_weight(mb, [&](int unit) { unit_hook_(mb, chunk, unit); });
+      model(chunk)->backward_weight(mb, [&](int unit, UnitPhase phase) { unit_hook_(mb, chunk, unit, phase); });
     else
       model(chunk)->backward_weight(mb);
   }
@@ -135,9 +135,9 @@ class GptPipelineStage {
     for (Parameter* w : copies) be.copy(w->grad.data(), sum.data(), n);
   }
 
-  // Called after each weight unit of a chunk's backward_weight (GptModel's units) with
-  // (microbatch, chunk, unit): a trainer starts gradient reductions from it.
-  void set_weight_unit_hook(std::function<void(int, int, int)> hook) { unit_hook_ = std::move(hook); }
+  // Called before and after each weight unit of a chunk's backward_weight (GptModel's units) with
+  // (microbatch, chunk, unit, phase): a trainer binds gradient storage and starts reductions from it.
+  void set_weight_unit_hook(std::function<void(int, int, int, UnitPhase)> hook) { unit_hook_ = std::move(hook); }
 
  private:
   model_type* model(int chunk) const {
@@ -168,7 +168,7 @@ class GptPipelineStage {
   double token_count_ = 0;
   DropoutContext dropout_;
   double loss_ = 0;
-  std::function<void(int, int, int)> unit_hook_;
+  std::function<void(int, int, int, UnitPhase)> unit_hook_;
 };
 
 }  // namespace trellis::nn

@@ -28,18 +28,20 @@
 //     overlap_dp = false starts every bucket after the schedule instead (the baseline);
 //  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
 //     then reduced over dp;
-//     --zero1 instead: the same buckets, each split over the dp ranks; a bucket's reduce-scatter
+//     zero = 1 instead: the same buckets, each split over the dp ranks; a bucket's reduce-scatter
 //     starts when its chunk's gradients are final (overlapped like the dp buckets), AdamW runs on
 //     this rank's shard of each bucket only (moments for those only), then an all-gather per
 //     bucket, in place in the packed values, rebuilds the parameters;
+//     zero = 2: as 1, but no whole gradient buffer: each weight unit's gradients live in a slot
+//     around its W and are reduce-scattered every microbatch (train/grad_buckets.hpp);
 //  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
 //     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
-//     the whole world with ZeRO-1, where dp ranks hold different partitions); clip factor fused
+//     the whole world with ZeRO, where dp ranks hold different partitions); clip factor fused
 //     into AdamW; lr from warm-up + cosine at the optimizer's step count.
 // The reported loss is the global mean (sum over pp and dp of the last stage's contributions).
 // Mixture of Experts (model.moe_every > 0, nn/moe.hpp): experts split over ep groups of
 // consecutive dp ranks; an expert tensor's buckets reduce over the ranks holding the same experts
-// (dp / ep x cp), in their own buckets (and ZeRO-1 partitions); the norm adds the expert squares
+// (dp / ep x cp), in their own buckets (and ZeRO partitions); the norm adds the expert squares
 // over the world, once per such replica; each MoE layer's auxiliary losses enter the loss as a
 // mean over microbatches and replicas (StepResult::moe_aux_loss reports it).
 // Dropout (options.dropout): step s uses dropout_seed(seed, s), and a token's mask depends on its
@@ -47,7 +49,7 @@
 // resumed run draws the uninterrupted run's masks; evaluate() runs without dropout.
 //
 // Memory and backends: Trainer<C, B> runs on compute backend B (backend::Host<float> by default,
-// Host<bfloat16>, backend::Cuda with NcclComm). Parameters, gradients, AdamW moments, ZeRO-1
+// Host<bfloat16>, backend::Cuda with NcclComm). Parameters, gradients, AdamW moments, ZeRO
 // shards and stage activations live in B's memory; host code reaches them only through B's
 // upload/download (tests run every layout on backend::DeviceChecked to prove it). With a device
 // communicator every collective runs on B's stream, host scalars are staged through B's memory,
@@ -55,7 +57,7 @@
 //
 // Checkpoints (train/checkpoint.hpp, train_state.hpp): every parameter by its GPT-2 name and
 // global shape, each box written once (dp rank 0, tp rank 0 for replicated tensors, the
-// embedding's copy of wte), AdamW moments under the same boxes (ZeRO-1 gathers its partitions
+// embedding's copy of wte), AdamW moments under the same boxes (ZeRO gathers its partitions
 // first), step, per-rank Rng and the data position. load() reads any other layout's checkpoint.
 #pragma once
 
@@ -90,6 +92,7 @@
 #include "trellis/train/checkpoint.hpp"
 #include "trellis/train/checkpoint_model.hpp"
 #include "trellis/train/data.hpp"
+#include "trellis/train/grad_buckets.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/host_scalars.hpp"
 #include "trellis/train/moe_stats.hpp"
@@ -169,8 +172,9 @@ class Trainer {
       }
     }
     nn::GptOptions options = cfg_.options;
-    if (cfg_.zero1)  // every bucket (a range of the packed buffer) splits evenly over the replicas
+    if (cfg_.zero >= 1)  // every bucket (a range of the packed buffer) splits evenly over the replicas
       options.pack_alignment = std::lcm(options.pack_alignment, static_cast<std::size_t>(replicas()));
+    options.packed_gradients = cfg_.zero < 2;  // ZeRO-2: gradients live in GradBuckets' unit slots
     // The embedding stage first, so that a head stage on the same rank (vee schedules) shares its
     // wte (one parameter, one gradient) instead of holding a copy.
     auto virtual_stage = [&](int c) { return cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, c) : c; };
@@ -193,7 +197,7 @@ class Trainer {
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
-    stage_->set_weight_unit_hook([this](int, int c, int u) { on_weight_unit(c, u); });
+    stage_->set_weight_unit_hook([this](int, int c, int u, nn::UnitPhase ph) { on_weight_unit(c, u, ph); });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
     for (std::size_t c = 0; c < models_.size(); ++c)
       for (nn::Parameter* p : models_[c]->parameters()) {
@@ -214,19 +218,26 @@ class Trainer {
       norm_weight_.push_back(first_copy(*p, /*over_dp=*/false) && !dup_wte ? 1.0f : 0.0f);
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
-    if (replicas() > 1 || cfg_.zero1) setup_buckets();
-    if (cfg_.zero1)
-      setup_zero1();
-    else {
+    if (replicas() > 1 || cfg_.zero >= 1)
+      grads_.emplace(typename GradBuckets<C, B>::Options{cfg_.zero, cfg_.bucket_elements}, raw, params_, *replica_comm_,
+                     expert_replicas(), be_);
+    if (cfg_.zero >= 1) {
+      std::vector<index_t> sizes;
+      for (const auto& pc : grads_->pieces()) {
+        sizes.push_back(pc.size);
+        zdecay_.push_back(decay_[pc.param]);
+      }
+      state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
+    } else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
       state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
     }
-    // What the global norm sums (a tp-replicated tensor and a duplicate wte once; under ZeRO-1 the
+    // What the global norm sums (a tp-replicated tensor and a duplicate wte once; under ZeRO the
     // reduced shards): fixed ranges of the packed buffers, so the spans are made once.
-    if (cfg_.zero1) {
-      for (auto& pc : zpieces_)
-        if (norm_weight_[pc.param] != 0.0f) norm_spans_.push_back(zgrad(pc));
+    if (cfg_.zero >= 1) {
+      for (const auto& pc : grads_->pieces())
+        if (norm_weight_[pc.param] != 0.0f) norm_spans_.push_back(grads_->piece_grad(pc));
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (norm_weight_[i] != 0.0f)
@@ -275,6 +286,7 @@ class Trainer {
   StepResult step(const Batch& batch) {
     check_batch(batch);
     for (auto& m : models_) m->zero_grad();
+    if (grads_) grads_->begin_step();
     moe_stats_.begin_step();
     const double token_count = global_token_count(batch);
     set_microbatches(batch, token_count, true);
@@ -301,12 +313,12 @@ class Trainer {
     r.loss = reduce_scalar(*pp_replica_comm_, stage_->loss());
     if (cfg_.model.moe_every > 0) r.moe_aux_loss = moe_stats_.step_loss(be_, *pp_replica_comm_);
     finish_dp_reduction();
-    if (cfg_.zero1)
-      zero1_update(r);
+    if (cfg_.zero >= 1)
+      sharded_update(r);
     else
       plain_update(r);
     r.step = state_.step();
-    r.buckets = static_cast<int>(buckets_.size());
+    r.buckets = grads_ ? static_cast<int>(grads_->size()) : 0;
     r.buckets_overlapped = overlapped_;
     return r;
   }
@@ -408,9 +420,9 @@ class Trainer {
     });
     for (std::size_t i = 0; i < params_.size(); ++i)
       be_.upload(params_[i]->value.data(), values[i].data(), values[i].size());
-    if (cfg_.zero1) {
-      for (std::size_t k = 0; k < zpieces_.size(); ++k) {
-        const auto& pc = zpieces_[k];
+    if (cfg_.zero >= 1) {
+      for (std::size_t k = 0; k < grads_->pieces().size(); ++k) {
+        const auto& pc = grads_->pieces()[k];
         be_.upload(state_.m(k).data(), m_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
         be_.upload(state_.v(k).data(), v_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
       }
@@ -461,21 +473,6 @@ class Trainer {
       t->stage_->backward_weight(mb, c);  // each finished unit calls on_weight_unit
       ++t->w_done_[static_cast<std::size_t>(c)];
     }
-  };
-
-  // ZeRO-1: elements [tensor_begin, +size) of params_[param], this rank's, at shard_offset of
-  // bucket `bucket`'s shard.
-  struct ZeroPiece {
-    std::size_t param = 0, bucket = 0;
-    index_t tensor_begin = 0, shard_offset = 0, size = 0;
-  };
-  struct Bucket {
-    int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
-    C* comm = nullptr;                // the ranks holding the same values: dp x cp, or its expert replicas
-    std::vector<std::size_t> params;  // indices into params_
-    std::span<float> grads, values;   // their gradients and values: one padded range of the chunk's packed buffers
-    std::size_t shard_begin = 0;      // ZeRO-1: this rank's reduced shard of grads, at zgrads_[shard_begin]
-    std::optional<typename C::request_type> request;
   };
 
   static Mesh make_checked_mesh(C& world, const TrainerConfig& cfg) {
@@ -598,75 +595,6 @@ class Trainer {
     }
   }
 
-  // Buckets: runs of one weight unit's parameters (a block, the head's ln_f, the embedding's wpe;
-  // GptModel::weight_unit_parameters) in packing order, <= bucket_elements each, so each bucket is
-  // one range of the chunk's packed gradient buffer (nn/parameter_buffer.hpp) and reduces in
-  // place. wte is its own bucket, reduced after the tied sum.
-  void setup_buckets() {
-    for (int c = static_cast<int>(models_.size()) - 1; c >= 0; --c) {
-      Model& m = *models_[static_cast<std::size_t>(c)];
-      for (int u = 0; u < m.weight_units(); ++u) {
-        std::vector<std::size_t> run;
-        std::size_t n = 0;
-        auto close = [&] {
-          if (!run.empty()) add_bucket(c, u, run);
-          run.clear();
-          n = 0;
-        };
-        for (nn::Parameter* p : m.weight_unit_parameters(u)) {
-          const std::size_t i = param_index(p);
-          const auto sz = static_cast<std::size_t>(p->numel());
-          // experts reduce over other ranks than the rest (Bucket::comm): their own buckets
-          if (!run.empty() && (n + sz > cfg_.bucket_elements || params_[run.back()]->expert() != p->expert())) close();
-          run.push_back(i);
-          n += sz;
-        }
-        close();
-      }
-    }
-    if (primary_wte_) {
-      Bucket b;
-      b.chunk = -1;  // after the tied reduction
-      b.comm = replica_comm_;
-      b.params.push_back(param_index(primary_wte_));
-      auto& buffer = models_[static_cast<std::size_t>(chunk_of_[b.params.front()])]->parameter_buffer();
-      b.grads = buffer.grad_range(*primary_wte_, *primary_wte_);
-      b.values = buffer.value_range(*primary_wte_, *primary_wte_);
-      buckets_.push_back(std::move(b));
-    }
-  }
-  std::size_t param_index(const nn::Parameter* p) const {
-    const auto it = std::find(params_.begin(), params_.end(), p);
-    TRELLIS_CHECK(it != params_.end(), "Trainer: parameter ", p->name, " is not one of this rank's");
-    return static_cast<std::size_t>(it - params_.begin());
-  }
-  // A bucket of chunk c's weight unit u over params_[run[0..]] (consecutive in the packing order).
-  void add_bucket(int c, int u, const std::vector<std::size_t>& run) {
-    auto& buffer = models_[static_cast<std::size_t>(c)]->parameter_buffer();
-    for (std::size_t k = 1; k < run.size(); ++k)
-      TRELLIS_CHECK(buffer.index_of(*params_[run[k]]) == buffer.index_of(*params_[run[k - 1]]) + 1,
-                    "Trainer: bucket parameters ", params_[run[k - 1]]->name, " and ", params_[run[k]]->name,
-                    " are not consecutive in the packed gradient buffer");
-    Bucket b;
-    b.chunk = c;
-    b.unit = u;
-    b.comm = params_[run.front()]->expert() ? &expert_replicas() : replica_comm_;
-    b.params = run;
-    b.grads = buffer.grad_range(*params_[run.front()], *params_[run.back()]);
-    b.values = buffer.value_range(*params_[run.front()], *params_[run.back()]);
-    buckets_.push_back(std::move(b));
-  }
-
-  // A bucket's gradients leave backward Partial(sum) over dp and go to the optimizer's placement
-  // of the bucket: Replicate (dp: an all-reduce in place) or, under ZeRO-1, Shard(0) (a
-  // reduce-scatter, this rank's shard into zgrads_). The collective is the planner's step.
-  shard::PlacementCode optimizer_placement() const {
-    return cfg_.zero1 ? shard::shard_code(0) : shard::replicate_code();
-  }
-  void start_bucket(Bucket& b) {
-    b.request = shard::start_flat_redistribute(*b.comm, shard::partial_code(comm::ReduceOp::sum), optimizer_placement(),
-                                               b.grads.data(), zgrads_.data() + b.shard_begin, b.grads.size());
-  }
   // Whether this rank holds the first copy of parameter p: coordinate 0 of tp, and of dp and cp
   // when `over_dp`, where p's value is replicated over that axis. The norm counts first copies
   // over tp (it is summed over pp and tp; dp and cp replicas are equal); a checkpoint writes them
@@ -676,37 +604,31 @@ class Trainer {
     return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || replica == 0) &&
            (!p.sharding.value[nn::tp_axis].is_replicate() || mesh_.template coord<trellis::tp>() == 0);
   }
-  // Unit u of chunk c finished one microbatch's W; after the last, its gradients are final on
-  // this rank: those Partial over tp are summed over tp (nn/parameter.hpp), then its buckets start.
-  void on_weight_unit(int c, int u) {
+  // Unit u of chunk c starts (phase begin: GradBuckets binds ZeRO-2's gradient slot) or finished
+  // one microbatch's W. Its gradients are final on this rank after its last microbatch (ZeRO-2:
+  // after each, the slot's part): those Partial over tp are summed over tp (nn/parameter.hpp),
+  // then its buckets start.
+  void on_weight_unit(int c, int u, nn::UnitPhase phase) {
+    if (phase == nn::UnitPhase::begin) {
+      if (grads_) grads_->begin_unit(c, u);
+      return;
+    }
     auto& done = unit_done_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
-    if (++done != cfg_.microbatches) return;
+    const bool last = ++done == cfg_.microbatches;
+    if (!last && cfg_.zero < 2) return;
     nn::reduce_tp_partial_grads(*tp_comm_, models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u));
-    if ((replicas() == 1 && !cfg_.zero1) || !cfg_.overlap_dp) return;
+    if (!grads_) return;
     int w_total = 1;  // the W running now
     for (int w : w_done_) w_total += w;
     const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
                               w_total < cfg_.microbatches * static_cast<int>(models_.size());
-    for (auto& b : buckets_)
-      if (b.chunk == c && b.unit == u) {
-        start_bucket(b);
-        overlapped_ += compute_left ? 1 : 0;
-      }
+    const int started = grads_->end_unit(c, u, last, cfg_.overlap_dp);
+    overlapped_ += compute_left ? started : 0;
   }
   void finish_dp_reduction() {
-    if (replicas() == 1 && !cfg_.zero1) return;
+    if (!grads_) return;
     const auto t0 = std::chrono::steady_clock::now();
-    if (!cfg_.overlap_dp)  // the baseline: every chunk's buckets now, in bucket order
-      for (auto& b : buckets_)
-        if (b.chunk >= 0) start_bucket(b);
-    for (auto& b : buckets_)
-      if (b.chunk < 0) start_bucket(b);
-    for (auto& b : buckets_) {
-      TRELLIS_CHECK(b.request.has_value(), "Trainer (rank ", mesh_.rank(), "): a gradient bucket of chunk ",
-                    b.chunk, " was never started (a chunk saw fewer W than microbatches)");
-      b.request->wait();
-      b.request.reset();
-    }
+    grads_->finish();
     exposed_reduce_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
@@ -747,73 +669,23 @@ class Trainer {
     update(lr, r.clip_scale);
   }
 
-  // ---- ZeRO-1 ----------------------------------------------------------------------------------
-  // Each bucket (a padded range of L elements of the packed buffers, L a multiple of dp) is split
-  // over the dp ranks: rank r owns [r L/dp, (r+1) L/dp) of it (Megatron's distributed optimizer).
-  // The bucket's reduce-scatter starts as soon as its chunk's gradients are final (overlapping the
-  // rest of the backward, as dp buckets do); AdamW runs on this rank's shards only (moments for
-  // them only); an all-gather per bucket, in place in the packed values, rebuilds the parameters.
-  void setup_zero1() {
-    std::vector<index_t> piece_sizes;
-    std::size_t shards = 0;
-    for (std::size_t k = 0; k < buckets_.size(); ++k) {
-      Bucket& b = buckets_[k];
-      const int r = b.comm->rank(), parts = b.comm->size();
-      const auto n = b.grads.size() / static_cast<std::size_t>(parts);
-      TRELLIS_CHECK(n * static_cast<std::size_t>(parts) == b.grads.size(), "Trainer: a ZeRO-1 bucket of ",
-                    b.grads.size(), " elements does not split over its ", parts, " replicas");
-      b.shard_begin = shards;
-      shards += n;
-      optim::FlatLayout layout;  // the bucket's parameters at their offsets in the range
-      for (std::size_t i : b.params) {
-        layout.offsets.push_back(static_cast<index_t>(params_[i]->grad.data() - b.grads.data()));
-        layout.sizes.push_back(params_[i]->numel());
-      }
-      layout.total = static_cast<index_t>(b.grads.size());
-      const shard::Chunk mine{static_cast<index_t>(n) * r, static_cast<index_t>(n)};
-      for (const optim::FlatPiece& pc : optim::pieces_in(layout, mine)) {
-        zpieces_.push_back({b.params[pc.tensor], k, pc.tensor_begin, pc.partition_begin, pc.size});
-        piece_sizes.push_back(pc.size);
-        zdecay_.push_back(decay_[b.params[pc.tensor]]);
-      }
-    }
-    zgrads_ = be_.template allocate<float>(shards);
-    state_ = optim::AdamWState<B>(std::span<const index_t>(piece_sizes), be_);
-  }
-  // Piece k's reduced gradient (in zgrads_) and value (in the packed values).
-  std::span<const float> zgrad(const ZeroPiece& pc) const {
-    return {zgrads_.data() + buckets_[pc.bucket].shard_begin + pc.shard_offset, static_cast<std::size_t>(pc.size)};
-  }
-  std::span<float> zvalue(const ZeroPiece& pc) const {
-    return {params_[pc.param]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size)};
-  }
-  void zero1_update(StepResult& r) {
+  // ---- ZeRO-1/2 ----------------------------------------------------------------------------------
+  // AdamW on this rank's shard of each bucket only (moments for those only), then the buckets'
+  // all-gather rebuilds the parameters (train/grad_buckets.hpp).
+  void sharded_update(StepResult& r) {
     finish_update(r, reduce_scalar(mesh_.world(), be_.sum_of_squares(norm_spans_)), [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
-      for (auto& pc : zpieces_) {
-        values.push_back(zvalue(pc));
-        grads.push_back(zgrad(pc));
+      for (const auto& pc : grads_->pieces()) {
+        values.push_back(grads_->piece_value(pc));
+        grads.push_back(grads_->piece_grad(pc));
       }
       state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
     });
-    // The updated values go from the optimizer's placement, Shard(0) over dp, back to the
-    // parameters' (Replicate): an all-gather per bucket, in place (this rank's shard is already at
-    // r L/dp), all started, then all waited for.
-    for (auto& b : buckets_) {
-      const auto n = b.values.size() / static_cast<std::size_t>(b.comm->size());
-      b.request = shard::start_flat_redistribute(*b.comm, optimizer_placement(), shard::replicate_code(), b.values.data(),
-                                                 b.values.data() + static_cast<std::size_t>(b.comm->rank()) * n,
-                                                 b.values.size());
-    }
-    for (auto& b : buckets_)
-      if (b.request) {
-        b.request->wait();
-        b.request.reset();
-      }
+    grads_->gather_values();
   }
 
-  // AdamW moments shaped like each parameter's local shard (ZeRO-1: gathered over dp).
+  // AdamW moments shaped like each parameter's local shard (ZeRO: gathered over dp).
   void full_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) {
     m.assign(params_.size(), {});
     v.assign(params_.size(), {});
@@ -821,39 +693,20 @@ class Trainer {
       m[i].assign(params_[i]->value.size(), 0.0f);
       v[i].assign(params_[i]->value.size(), 0.0f);
     }
-    if (!cfg_.zero1) {
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        be_.download(m[i].data(), state_.m(i).data(), m[i].size());
-        be_.download(v[i].data(), state_.v(i).data(), v[i].size());
-      }
+    if (cfg_.zero >= 1) {  // per bucket, every rank's moment shard gathered, each parameter cut out
+      grads_->gather_moments(state_, m, v);
       return;
     }
-    // ZeRO-1: per bucket, gather every rank's moment shard, then cut out each parameter
-    for (int which = 0; which < 2; ++which) {
-      auto& out = which == 0 ? m : v;
-      for (std::size_t k = 0; k < buckets_.size(); ++k) {
-        const Bucket& b = buckets_[k];
-        const auto dp = static_cast<std::size_t>(b.comm->size());
-        const std::size_t n = b.grads.size() / dp;
-        std::vector<float> mine(n, 0.0f), all(n * dp);
-        for (std::size_t q = 0; q < zpieces_.size(); ++q)
-          if (zpieces_[q].bucket == k) {
-            auto src = which == 0 ? state_.m(q) : state_.v(q);
-            be_.download(mine.data() + zpieces_[q].shard_offset, src.data(), src.size());
-          }
-        b.comm->all_gather(mine.data(), all.data(), n);
-        for (std::size_t i : b.params) {
-          const auto at = static_cast<std::size_t>(params_[i]->grad.data() - b.grads.data());
-          std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), out[i].size(), out[i].begin());
-        }
-      }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      be_.download(m[i].data(), state_.m(i).data(), m[i].size());
+      be_.download(v[i].data(), state_.v(i).data(), v[i].size());
     }
   }
 
   TrainerConfig cfg_;
   Mesh mesh_;
   C* pp_comm_;
-  C* replica_comm_;  // dp x cp: the ranks holding the same parameters (gradients summed, ZeRO-1 shards)
+  C* replica_comm_;  // dp x cp: the ranks holding the same parameters (gradients summed, ZeRO shards)
   C* tp_comm_;
   C* cp_comm_;
   C* pp_replica_comm_;  // pp x dp x cp: the loss and token counts
@@ -878,16 +731,12 @@ class Trainer {
   std::vector<std::span<const float>> expert_norm_spans_;
   MoeStats<C, B> moe_stats_;  // this rank's MoE layers: auxiliary losses, expert load
   optim::AdamWState<B> state_;
-  std::vector<Bucket> buckets_;
+  std::optional<GradBuckets<C, B>> grads_;  // dp buckets, ZeRO shards (none with one replica and no ZeRO)
   std::vector<int> w_done_;                   // W actions done per chunk, this step
   std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)
   int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
-  // ZeRO-1: this rank's pieces (its shard of each bucket, cut at parameter boundaries), their
-  // reduced gradients (one shard per bucket) and weight-decay flags
-  std::vector<ZeroPiece> zpieces_;
-  typename B::template buffer<float> zgrads_;
-  std::vector<float> zdecay_;
+  std::vector<float> zdecay_;  // ZeRO: the weight-decay flag of each shard piece
 };
 
 }  // namespace trellis::train

@@ -47,7 +47,9 @@ struct TrainerConfig {
   int microbatches = 1;
   index_t batch = 8;  // rows of the GLOBAL batch
   index_t seq = 64;   // T
-  bool zero1 = false;
+  // ZeRO stage over the replicas (dp x cp): 0 none; 1 the optimizer state sharded; 2 the
+  // gradients too (reduce-scattered per microbatch out of short-lived unit slots).
+  int zero = 0;
   optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
@@ -206,6 +208,8 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   }
   if (c.clip < 0) add("--clip must be >= 0");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
+  if (c.zero < 0 || c.zero > 2)
+    add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients)");
   return out;
 }
 
