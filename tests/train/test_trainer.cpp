@@ -147,6 +147,74 @@ TEST_CASE("dp2 x tp2 x pp2 and ZeRO-1 equal one rank", "[train][trainer][parity]
       "dp2.tp2+sp.pp2 zero1 zb_v");
 }
 
+// ZeRO-2: every microbatch's unit gradients reduce-scattered out of a slot, the shards summing
+// the microbatches (train/grad_buckets.hpp). With one microbatch that is ZeRO-1's sum in ZeRO-1's
+// order, so the bits agree; with several the order of the sums differs (within fp32 rounding).
+TEST_CASE("ZeRO-2 equals one rank in every layout, and ZeRO-1 bitwise with one microbatch", "[train][trainer][parity][zero]") {
+  check_against_reference({.dp = 2, .zero = 2}, "dp2 zero2");
+  check_against_reference({.dp = 2, .zero = 2, .microbatches = 4}, "dp2 m4 zero2");
+  check_against_reference({.dp = 4, .tp = 2, .sp = true, .zero = 2, .microbatches = 2}, "dp4.tp2+sp m2 zero2");
+  check_against_reference({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 2, .schedule = "zb_v", .microbatches = 2},
+                          "dp2.tp2+sp.pp2 zero2 zb_v");
+  check_against_reference({.pp = 2, .dp = 2, .zero = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          "dp2.pp2 zero2 interleaved m4");
+  check_against_reference({.dp = 2, .zero = 2, .cp = 2}, "dp2.cp2 zero2");
+  check_against_reference({.zero = 2, .packed = true, .cp = 2}, "cp2 zero2 packed (shards over cp)");
+  check_against_reference({.dp = 2, .zero = 2, .dropout = kDropout, .recompute = true}, "dp2 zero2 dropout recompute");
+  for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 1}}) {
+    Layout one = l, two = l;
+    one.zero = 1;
+    two.zero = 2;
+    nn_test::Collector w1, w2;
+    RunResult r1, r2;
+    train(with_layout(tiny_config(), one), kSteps, r1, w1);
+    train(with_layout(tiny_config(), two), kSteps, r2, w2);
+    INFO("pp " << l.pp);
+    CHECK(r2.losses == r1.losses);
+    CHECK(r2.norms == r1.norms);
+    REQUIRE(r2.names == r1.names);
+    for (const auto& name : r1.names) {
+      INFO("tensor " << name);
+      CHECK(nn_test::rel_error(w2.get(name), w1.get(name)) == 0.0);
+    }
+  }
+}
+
+// What ZeRO-2 keeps of the gradients: no packed buffer, two slots of the largest weight unit (a
+// block here), this rank's shards and wte's whole gradient; a unit's gradient outside its W is
+// unbound (reading it is an error, not stale data).
+TEST_CASE("ZeRO-2 holds a shard and two unit slots of gradients, not the whole buffer", "[train][trainer][zero]") {
+  const auto cfg1 = with_layout(tiny_config(), {.dp = 2, .zero = 1});
+  const auto cfg2 = with_layout(tiny_config(), {.dp = 2, .zero = 2});
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> z1(comm, cfg1), z2(comm, cfg2);
+    trellis::train::DataLoader loader(tokens(), {cfg2.batch, cfg2.seq, 99, true, comm.rank(), 2});
+    const auto batch = loader.next();
+    z2.step(batch);
+    const auto& m = cfg2.model;
+    const double W = static_cast<double>(m.width), V = static_cast<double>(m.vocab);
+    const double block = 12 * W * W + 13 * W, wte = V * W, all = wte + m.positions * W + m.layers * block + 2 * W;
+    RANK_CHECK(z2.chunks()[0]->parameter_buffer().grads().empty());
+    RANK_CHECK(static_cast<double>(z1.chunks()[0]->parameter_buffer().grads().size()) >= all);
+    // ZeRO-1: the packed buffer + shards of it; ZeRO-2: shards + wte + 2 slots, each a block's
+    // gradients and their reduced half (padding: 16 floats per parameter at most, 12 a block)
+    const double shards = static_cast<double>(z1.gradient_bytes()) / 4 -
+                          static_cast<double>(z1.chunks()[0]->parameter_buffer().grads().size());
+    RANK_CHECK(shards >= all / 2);
+    RANK_CHECK(shards <= all / 2 + 16 * 40);
+    const double z2_floats = static_cast<double>(z2.gradient_bytes()) / 4;
+    RANK_CHECK(z2_floats >= shards + wte + 2 * 1.5 * block);
+    RANK_CHECK(z2_floats <= shards + wte + 16 + 2 * 1.5 * (block + 12 * 16));
+    for (auto* p : z2.parameters()) {
+      INFO(p->name);
+      if (p->name == "wte.weight")
+        RANK_CHECK(p->grad.data() != nullptr);
+      else
+        RANK_CHECK_THROWS_WITH(static_cast<void>(p->grad[0]), Catch::Matchers::Contains("not bound"));
+    }
+  });
+}
+
 TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {
   // The packed run learns, and differs from the unpacked one (the documents reach the model).
   auto& ref = packed_reference();
@@ -278,6 +346,7 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
   run({.dp = 2, .microbatches = 2}, ref, ref_w, cut, "bf16 dp2 m2");
   run({.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}, ref, ref_w, cut, "bf16 pp2 interleaved");
   run({.dp = 2, .zero = 1}, ref, ref_w, cut, "bf16 dp2 zero1");
+  run({.dp = 2, .zero = 2, .microbatches = 2}, ref, ref_w, cut, "bf16 dp2 m2 zero2");
   run({.tp = 2}, ref, ref_w, split, "bf16 tp2");
   run({.tp = 2, .sp = true}, ref, ref_w, split, "bf16 tp2+sp");
   run({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v", .microbatches = 2}, ref, ref_w, split,
@@ -339,6 +408,7 @@ TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host
                           Layout{.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v",
                                  .microbatches = 2, .batch_p2p = true},
                           Layout{.dp = 2, .dropout = kDropout, .recompute = true},
+                          Layout{.pp = 2, .dp = 2, .zero = 2, .schedule = "zb_v", .microbatches = 4, .batch_p2p = true},
                           Layout{.dp = 4, .tp = 2, .sp = true, .zero = 1, .moe = true, .ep = 2, .capacity = 1.0f,
                                  .aux_loss = 0.01f}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " " << l.schedule << " ep " << l.ep);
@@ -589,6 +659,7 @@ TEST_CASE("MoE: expert parallel layouts equal one rank (dropless) or the same la
   check_layouts({.dp = 2, .tp = 2, .sp = true, .moe = true, .ep = 2}, one, "dp2.tp2+sp ep2");
   check_layouts({.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 2, .moe = true, .ep = 2}, one, "dp2.pp2 zb_h1 ep2");
   check_layouts({.dp = 4, .zero = 1, .moe = true, .ep = 2}, one, "dp4 ep2 zero1");
+  check_layouts({.dp = 4, .zero = 2, .microbatches = 2, .moe = true, .ep = 2}, one, "dp4 m2 ep2 zero2");
   check_layouts({.dp = 2, .microbatches = 2, .cp = 2, .moe = true, .ep = 2}, one, "dp2 m2.cp2 ep2");
   // One rank's microbatches hold the rows of the dp ranks: the same forwards, so the per-forward
   // losses and capacities agree, and the auxiliary losses' weight (a mean over microbatches and

@@ -265,6 +265,13 @@ class Trainer {
   double peak_activation_bytes_over_ranks() {
     return reduce_scalar(mesh_.world(), static_cast<double>(arena_->peak_held_bytes()), comm::ReduceOp::max);
   }
+  // Bytes of gradient storage this rank holds: the chunks' packed gradient buffers (none under
+  // ZeRO-2) and GradBuckets' shards, slots and wte gradient.
+  std::size_t gradient_bytes() const {
+    std::size_t n = grads_ ? grads_->gradient_bytes() : 0;
+    for (const auto& m : models_) n += m->parameter_buffer().grads().size() * sizeof(float);
+    return n;
+  }
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
 
