@@ -217,6 +217,13 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     if (o.dropout > 0 || o.recompute || o.overlap > 1)
       std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
                   o.recompute ? "on" : "off", o.overlap);
+    const auto mem = trainer.memory();
+    const auto mib = [](std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
+    std::printf("memory, rank 0: weights %.2f MiB, gradients %.2f MiB%s, AdamW state %.2f MiB, saved activations "
+                "%.2f MiB reserved, workspace %.2f MiB: %.2f MiB\n",
+                mib(mem.parameters), mib(mem.gradients),
+                o.zero >= 2 ? " (ZeRO-2: shards + unit slots)" : "", mib(mem.optimizer), mib(mem.activations),
+                mib(mem.workspace), mib(mem.total()));
     const char* dtype_peak = o.dtype == "bf16" ? " (bf16 machine peak)" : " (fp32 machine peak)";
     std::printf(
         "data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f "

@@ -1,10 +1,12 @@
 // Trainer checkpoints:
 //  - resume: 6 steps straight == 3 steps, save, a NEW world/trainer loads, 3 more steps: losses
-//    and final weights bitwise equal (tp2.pp2 zb_h1, dp2 ZeRO-1, and with dropout 0.1:
+//    and final weights bitwise equal (tp2.pp2 zb_h1, dp2 ZeRO-1, dp2 m2 ZeRO-2, and with dropout 0.1:
 //    tp2+sp.pp2 zb_h1 and dp2 m2, whose masks come from the restored step count);
 //  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
 //    as the straight run (other layouts sum in another order, so not bitwise);
+//  - ZeRO stages: a dp2 ZeRO-2 checkpoint continues under dp2 (no ZeRO) and dp4 ZeRO-1, whose
+//    checkpoints continue under ZeRO-2 again (1e-5, as a reshard);
 //  - an MoE checkpoint (dp4 ep2 ZeRO-1) resumes bitwise and continues the same under one rank,
 //    dp2 ep2, dp4 ep4 and dp2.tp2.pp2 ep2;
 //  - refusals: another model shape or configuration; ranks that saved different data positions
@@ -28,7 +30,7 @@ struct Straight {
   RunResult run;
 };
 
-void straight(const Layout& l, Straight& s) { train(with_layout(tiny_config(), l), 6, s.run, s.weights); }
+void straight(const Layout& l, Straight& s, int steps = 6) { train(with_layout(tiny_config(), l), steps, s.run, s.weights); }
 // Three steps continued from the straight run's step-3 checkpoint (in another layout): the losses of
 // its steps 4..6 and its final weights, 1e-5 relative (another layout sums in another order).
 void check_continues(const Straight& s, const RunResult& r, const nn_test::Collector& w) {
@@ -47,6 +49,7 @@ void check_continues(const Straight& s, const RunResult& r, const nn_test::Colle
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   for (const Layout& l :
        {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero = 1},
+        Layout{.dp = 2, .zero = 2, .microbatches = 2},
         Layout{.pp = 2, .tp = 2, .sp = true, .schedule = "zb_h1", .microbatches = 2, .dropout = 0.1f},
         Layout{.dp = 2, .microbatches = 2, .dropout = 0.1f}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " dropout " << l.dropout);
@@ -86,12 +89,43 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
                           Layout{.dp = 2, .zero = 1},
                           Layout{.pp = 2, .dp = 2, .schedule = "interleaved_1f1b", .microbatches = 2},
-                          Layout{.dp = 2, .zero = 1, .cp = 2}, Layout{.tp = 2, .sp = true, .cp = 2}}) {
+                          Layout{.dp = 2, .zero = 1, .cp = 2}, Layout{.tp = 2, .sp = true, .cp = 2},
+                          Layout{.pp = 2, .dp = 2, .zero = 2, .schedule = "zb_h1", .microbatches = 2}}) {
     INFO("loaded into pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " cp " << l.cp << " zero " << l.zero);
     nn_test::Collector w;
     RunResult r;
     train(with_layout(tiny_config(), l), 3, r, w, ckpt);
     check_continues(s, r, w);
+  }
+}
+
+TEST_CASE("checkpoints move between ZeRO stages: a ZeRO-2 save loads into ZeRO-0 and ZeRO-1 and back",
+          "[train][trainer][reshard][zero]") {
+  const Layout zero2{.dp = 2, .zero = 2, .microbatches = 2};
+  Straight s;
+  straight(zero2, s);
+  for (const Layout& other : {Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 4, .zero = 1, .microbatches = 1}}) {
+    INFO("the other layout: dp " << other.dp << " zero " << other.zero);
+    TempDir dir("trainer-zero-stages");
+    {
+      nn_test::Collector w;
+      RunResult r;
+      train(with_layout(tiny_config(), zero2), 3, r, w, {}, dir.path);
+    }
+    nn_test::Collector w, w_back;
+    RunResult r, back;
+    train(with_layout(tiny_config(), other), 3, r, w, *trellis::train::latest_checkpoint(dir.path), dir.path);
+    check_continues(s, r, w);
+    // ... and the other stage's checkpoint of step 6 back into ZeRO-2: three more steps
+    Straight longer;
+    straight(zero2, longer, 9);
+    train(with_layout(tiny_config(), zero2), 3, back, w_back, *trellis::train::latest_checkpoint(dir.path));
+    for (int i = 0; i < 3; ++i)
+      CHECK(std::fabs(back.losses[i] - longer.run.losses[6 + i]) <= 1e-5 * std::fabs(longer.run.losses[6 + i]));
+    for (const auto& name : longer.run.names) {
+      INFO("tensor " << name);
+      CHECK(nn_test::rel_error(w_back.get(name), longer.weights.get(name)) <= 1e-5);
+    }
   }
 }
 

@@ -58,6 +58,7 @@ class AdamWState {
   AdamWState(std::initializer_list<index_t> sizes) : AdamWState(std::span<const index_t>(sizes.begin(), sizes.size())) {}
 
   std::size_t tensors() const { return sizes_.size(); }
+  std::size_t bytes() const { return (m_.size() + v_.size()) * sizeof(float); }  // both moments
   // Tensor i's moments, in B's memory (host code reads them with B's download unless B::host_readable).
   std::span<float> m(std::size_t i) { return {m_.data() + offset(i), sizes_[i]}; }
   std::span<float> v(std::size_t i) { return {v_.data() + offset(i), sizes_[i]}; }

@@ -272,6 +272,17 @@ class Trainer {
     for (const auto& m : models_) n += m->parameter_buffer().grads().size() * sizeof(float);
     return n;
   }
+  // This rank's memory by kind (train/trainer_config.hpp MemoryUse).
+  MemoryUse memory() const {
+    MemoryUse u;
+    for (const auto& m : models_) u.parameters += m->parameter_buffer().values().size() * sizeof(float);
+    u.gradients = gradient_bytes();
+    u.optimizer = state_.bytes();
+    u.activations = arena_->capacity_bytes();
+    u.activations_peak = arena_->peak_held_bytes();
+    u.workspace = be_.workspace_reserved();
+    return u;
+  }
   // Seconds of the last step spent waiting for dp reductions after the schedule (not hidden).
   double exposed_reduction_seconds() const { return exposed_reduce_s_; }
 

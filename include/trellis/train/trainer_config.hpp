@@ -231,6 +231,18 @@ inline void check_config(const TrainerConfig& c, std::optional<int> world_size =
   TRELLIS_THROW(msg);
 }
 
+// What one rank holds, in bytes: allocations are exact; the activation arena is reserved from
+// the schedule's count of live microbatches, and its peak is measured as the steps run.
+struct MemoryUse {
+  std::size_t parameters = 0;        // fp32 master weights (the packed values)
+  std::size_t gradients = 0;         // packed gradients, or ZeRO's shards (ZeRO-2: + unit slots, wte)
+  std::size_t optimizer = 0;         // AdamW moments (ZeRO: this rank's shards)
+  std::size_t activations = 0;       // the activation arena's reserve
+  std::size_t activations_peak = 0;  // the most it held at once so far
+  std::size_t workspace = 0;         // kernel scratch reserved
+  std::size_t total() const { return parameters + gradients + optimizer + activations + workspace; }
+};
+
 struct StepResult {
   double loss = 0;       // global mean loss of the step (before the update)
   double grad_norm = 0;  // global norm before clipping
