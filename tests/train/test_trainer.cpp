@@ -113,6 +113,17 @@ void check_layouts(const Layout& l, const Layout& ref_layout, const char* label)
   }
 }
 
+// Two runs with the same bits: losses, norms and every weight.
+void check_bitwise(const RunResult& got, nn_test::Collector& got_w, const RunResult& ref, nn_test::Collector& ref_w) {
+  CHECK(got.losses == ref.losses);
+  CHECK(got.norms == ref.norms);
+  REQUIRE(got.names == ref.names);
+  for (const auto& name : ref.names) {
+    INFO("tensor " << name);
+    CHECK(nn_test::rel_error(got_w.get(name), ref_w.get(name)) == 0.0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("the reference run learns and clips", "[train][trainer]") {
@@ -170,13 +181,7 @@ TEST_CASE("ZeRO-2 equals one rank in every layout, and ZeRO-1 bitwise with one m
     train(with_layout(tiny_config(), one), kSteps, r1, w1);
     train(with_layout(tiny_config(), two), kSteps, r2, w2);
     INFO("pp " << l.pp);
-    CHECK(r2.losses == r1.losses);
-    CHECK(r2.norms == r1.norms);
-    REQUIRE(r2.names == r1.names);
-    for (const auto& name : r1.names) {
-      INFO("tensor " << name);
-      CHECK(nn_test::rel_error(w2.get(name), w1.get(name)) == 0.0);
-    }
+    check_bitwise(r2, w2, r1, w1);
   }
 }
 
@@ -416,13 +421,7 @@ TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host
     RunResult host, checked;
     train(with_layout(tiny_config(), l), 3, host, host_w);
     train<Checked>(with_layout(tiny_config(), l), 3, checked, checked_w);
-    CHECK(checked.losses == host.losses);
-    CHECK(checked.norms == host.norms);
-    REQUIRE(checked.names == host.names);
-    for (const auto& name : host.names) {
-      INFO("tensor " << name);
-      CHECK(nn_test::rel_error(checked_w.get(name), host_w.get(name)) == 0.0);
-    }
+    check_bitwise(checked, checked_w, host, host_w);
   }
 }
 
