@@ -220,6 +220,103 @@ TEST_CASE("ZeRO-2 holds a shard and two unit slots of gradients, not the whole b
   });
 }
 
+// The optimizer step fused into the backward (TrainerConfig::fused_update): each weight unit's
+// AdamW update as soon as its gradients are reduced. AdamW is elementwise, so without clipping it
+// is the unfused step's arithmetic on the same gradients: the same bits in every layout.
+TEST_CASE("fused update without clipping equals the unfused step bitwise", "[train][trainer][fused]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  for (const Layout& l : {Layout{}, Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 2, .zero = 1},
+                          Layout{.dp = 2, .zero = 2, .microbatches = 2}, Layout{.tp = 2, .sp = true},
+                          Layout{.pp = 2, .dp = 2, .schedule = "zb_v", .microbatches = 4},
+                          Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          Layout{.dp = 2, .overlap_off = true},
+                          Layout{.dp = 2, .moe = true, .ep = 2}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " " << l.schedule << " ep " << l.ep);
+    TrainerConfig plain = with_layout(tiny_config(), l), fused = plain;
+    plain.clip = fused.clip = 0;
+    fused.fused_update = Fused::unclipped;
+    nn_test::Collector pw, fw;
+    RunResult pr, fr;
+    train(plain, kSteps, pr, pw);
+    train(fused, kSteps, fr, fw);
+    check_bitwise(fr, fw, pr, pw);
+  }
+}
+
+// With the previous step's clip factor: against the same training written out in the test on one
+// GptModel and an AdamWState (the first step unscaled, then min(1, clip / norm of the step
+// before)); layouts against it within the parity tolerances; a resume carries the factor.
+TEST_CASE("fused update with the previous step's clip factor equals its reference", "[train][trainer][fused]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  TrainerConfig cfg = tiny_config();
+  cfg.fused_update = Fused::previous_clip;
+  RunResult ref;
+  nn_test::Collector ref_w;
+  std::vector<float> factors;
+  nn_test::run_ranks(1, [&](ThreadComm& comm) {
+    trellis::nn::GptModel<ThreadComm> model(cfg.model, comm, cfg.options);
+    trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, 0, 1});
+    std::vector<trellis::index_t> sizes;
+    std::vector<float> decay;
+    for (auto* p : model.parameters()) {
+      sizes.push_back(p->numel());
+      decay.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
+    }
+    trellis::optim::AdamWState<> state(sizes);
+    float factor = 1.0f;
+    for (int s = 0; s < kSteps; ++s) {
+      const auto b = loader.next();
+      model.zero_grad();
+      double count = 0;
+      for (auto t : b.targets) count += t >= 0;
+      const trellis::nn::TokenShape shape{cfg.batch, cfg.seq};
+      ref.losses.push_back(model.forward(0, shape, {b.inputs.data(), nullptr, b.targets.data(), count}, nullptr));
+      model.backward_input(0, shape, nullptr, nullptr);
+      model.backward_weight(0);
+      double squares = 0;
+      std::vector<std::span<float>> values;
+      std::vector<std::span<const float>> grads;
+      for (auto* p : model.parameters()) {
+        for (float g : p->grad) squares += static_cast<double>(g) * g;
+        values.emplace_back(p->value.elements());
+        grads.emplace_back(p->grad.elements());
+      }
+      factors.push_back(factor);
+      state.update(cfg.adamw, static_cast<float>(cfg.lr(state.step())), values, grads, decay, factor);
+      factor = std::min(1.0f, static_cast<float>(cfg.clip / (std::sqrt(squares) + 1e-6)));
+    }
+    for (auto* p : model.parameters())
+      for (trellis::index_t i = 0; i < p->numel(); ++i) ref_w.put(p->name, p->global_numel(), p->global_index(i), p->value[i]);
+  });
+  REQUIRE(*std::min_element(factors.begin(), factors.end()) < 0.9f);  // the factor clips
+  for (const Layout& l : {Layout{}, Layout{.dp = 2, .zero = 2, .microbatches = 2},
+                          Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}}) {
+    INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero);
+    nn_test::Collector w;
+    RunResult r;
+    TrainerConfig c = with_layout(cfg, l);
+    train(c, kSteps, r, w);
+    for (int s = 0; s < kSteps; ++s) {
+      INFO("step " << s << " loss " << r.losses[s] << " reference " << ref.losses[s]);
+      CHECK(std::fabs(r.losses[s] - ref.losses[s]) <= 1e-5 * std::fabs(ref.losses[s]));
+    }
+    for (const auto& name : w.keys()) {
+      INFO("tensor " << name);
+      CHECK(nn_test::rel_error(w.get(name), ref_w.get(name)) <= 5e-5);
+    }
+  }
+  // Resume: 3 steps, save, 3 more in a new world equal 6 straight bitwise (the factor is saved).
+  const TrainerConfig c = with_layout(cfg, {.dp = 2});
+  TempDir dir("fused-resume");
+  nn_test::Collector w6, w3, w33;
+  RunResult six, first, second;
+  train(c, 6, six, w6);
+  train(c, 3, first, w3, {}, dir.path);
+  train(c, 3, second, w33, *trellis::train::latest_checkpoint(dir.path));
+  for (int i = 0; i < 3; ++i) CHECK(second.losses[i] == six.losses[3 + i]);
+  for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
+}
+
 TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {
   // The packed run learns, and differs from the unpacked one (the documents reach the model).
   auto& ref = packed_reference();

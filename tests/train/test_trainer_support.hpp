@@ -107,6 +107,7 @@ struct Layout {
   int ep = 1;
   float capacity = 0.0f;  // 0: dropless
   float aux_loss = 0.0f;  // load-balancing coefficient
+  bool overlap_off = false;  // dp buckets start after the schedule (TrainerConfig::overlap_dp off)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -125,6 +126,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.options.recompute = l.recompute;
   c.custom_schedule = l.custom_schedule;
   if (l.batch_p2p) c.p2p = trellis::pipe::ExecuteOptions::P2P::batch;
+  c.overlap_dp = !l.overlap_off;
   c.poison_activations = true;  // a saved activation read before it is written turns the loss NaN
   if (l.moe) {
     c.model.moe_every = 2;

@@ -96,6 +96,29 @@ class AdamWState {
     be_.adamw(std::span<const kernels::AdamWTensor<float>>(work), hp.config(lr_now), step_ + 1, grad_scale);
     ++step_;
   }
+  // The same update for tensors `which` only, at the step this one is counting (step() + 1),
+  // without counting it: a trainer that updates each block as soon as its gradients are final
+  // (the optimizer step fused into the backward) calls this per block, then advance_step() once.
+  // AdamW is elementwise, so the pieces together give the bits of one update() over all tensors.
+  void update_part(const AdamW& hp, float lr_now, std::span<const std::size_t> which,
+                   std::span<const std::span<float>> params, std::span<const std::span<const float>> grads,
+                   std::span<const float> decay_mults, float grad_scale = 1.0f) {
+    TRELLIS_CHECK(params.size() == which.size() && grads.size() == which.size() && decay_mults.size() == which.size(),
+                  "AdamW update_part: ", params.size(), " params, ", grads.size(), " grads and ", decay_mults.size(),
+                  " decay multipliers for ", which.size(), " tensors");
+    std::vector<kernels::AdamWTensor<float>> work;
+    work.reserve(which.size());
+    for (std::size_t k = 0; k < which.size(); ++k) {
+      const std::size_t i = which[k];
+      TRELLIS_CHECK(i < tensors() && params[k].size() == sizes_[i], "AdamW update_part: tensor ", i, " of ",
+                    tensors(), " given ", params[k].size(), " parameters");
+      work.push_back({params[k], grads[k], m(i), v(i), decay_mults[k]});
+    }
+    if (!work.empty())
+      be_.adamw(std::span<const kernels::AdamWTensor<float>>(work), hp.config(lr_now), step_ + 1, grad_scale);
+  }
+  void advance_step() { ++step_; }
+
   void update(const AdamW& hp, float lr_now, const std::vector<std::span<float>>& params,
               const std::vector<std::span<const float>>& grads, std::span<const float> decay_mults = {},
               float grad_scale = 1.0f) {

@@ -95,6 +95,7 @@ class GradBuckets {
 
   // ---- during the step --------------------------------------------------------------------------
   void begin_step() {
+    for (auto& b : buckets_) b.reduced = false;
     if (opt_.zero != 2) return;
     be_.fill_zero(shards_.data(), shards_.size());
     be_.fill_zero(wte_grad_.data(), wte_grad_.size());
@@ -139,13 +140,29 @@ class GradBuckets {
   // the units did not start theirs) and waits for all (ZeRO-2: the slots' shards added in).
   void finish() {
     for (auto& b : buckets_)
-      if (!b.request && (b.chunk < 0 || opt_.zero != 2)) b.request = start(b, b.grads, shard_of(b));
+      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero != 2)) b.request = start(b, b.grads, shard_of(b));
     while (!in_flight_.empty()) retire_oldest();
-    for (auto& b : buckets_) {
-      if (!b.request) continue;
-      b.request->wait();
-      b.request.reset();
+    for (auto& b : buckets_) wait(b);
+  }
+  // Unit u of chunk c (-1: wte, after the tied sum) reduced: its buckets started if they were not
+  // and waited for (ZeRO-2: every slot in flight retired). For an update of that unit alone (the
+  // optimizer step fused into the backward), after its last microbatch's end_unit.
+  void wait_unit(int c, int u) {
+    if (opt_.zero == 2)
+      while (!in_flight_.empty()) retire_oldest();
+    for (std::size_t k : bucket_indices(c, u)) {
+      Bucket& b = buckets_[k];
+      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero != 2)) b.request = start(b, b.grads, shard_of(b));
+      wait(b);
     }
+  }
+  // ZeRO-1/2: the indices (into pieces()) of unit u of chunk c's shard pieces (-1: wte's).
+  std::vector<std::size_t> pieces_of(int c, int u) const {
+    std::vector<std::size_t> out;
+    const auto ks = bucket_indices(c, u);
+    for (std::size_t q = 0; q < pieces_.size(); ++q)
+      if (std::find(ks.begin(), ks.end(), pieces_[q].bucket) != ks.end()) out.push_back(q);
+    return out;
   }
 
   // ---- after the optimizer ----------------------------------------------------------------------
@@ -199,6 +216,7 @@ class GradBuckets {
     float* grads = nullptr;  // the packed gradients of that range (ZeRO-2: wte's own; null for units' slots)
     std::size_t shard_begin = 0;  // ZeRO-1/2: this rank's reduced shard, at shards_[shard_begin]
     std::optional<typename C::request_type> request;
+    bool reduced = false;  // this step's reduction finished (waited for)
   };
   struct Unit {
     std::vector<nn::Parameter*> params;  // packing order
@@ -214,6 +232,20 @@ class GradBuckets {
     std::vector<Pending> pending;                        // reduce-scatters from it still to finish
   };
 
+  std::vector<std::size_t> bucket_indices(int c, int u) const {
+    if (c >= 0) return unit_of_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)).buckets;
+    std::vector<std::size_t> out;
+    for (std::size_t k = 0; k < buckets_.size(); ++k)
+      if (buckets_[k].chunk < 0) out.push_back(k);
+    return out;
+  }
+  void wait(Bucket& b) {
+    if (b.request) {
+      b.request->wait();
+      b.request.reset();
+    }
+    b.reduced = true;
+  }
   Unit& unit_at(int c, int u) { return unit_of_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)); }
   std::size_t offset_of(int c, const nn::Parameter& p) const {
     return chunks_[static_cast<std::size_t>(c)]->parameter_buffer().packed_range(p, p).first;

@@ -62,9 +62,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <limits>
 #include <memory>
@@ -331,7 +333,9 @@ class Trainer {
     r.loss = reduce_scalar(*pp_replica_comm_, stage_->loss());
     if (cfg_.model.moe_every > 0) r.moe_aux_loss = moe_stats_.step_loss(be_, *pp_replica_comm_);
     finish_dp_reduction();
-    if (cfg_.zero >= 1)
+    if (fused())
+      finish_fused_update(r);
+    else if (cfg_.zero >= 1)
       sharded_update(r);
     else
       plain_update(r);
@@ -408,6 +412,7 @@ class Trainer {
     s.rng = rng_;
     s.data = data;
     save_train_state(w, s);
+    w.set_metadata(fused_scale_key, std::to_string(std::bit_cast<std::uint32_t>(fused_scale_)));  // exact
     save_model_config(w, cfg_.model);
     with_host_world([&](auto& agree) { save_collectively(w, agree); });
   }
@@ -452,6 +457,10 @@ class Trainer {
     }
     state_.set_step(s.step);
     rng_ = s.rng;
+    fused_scale_ = 1.0f;  // checkpoints from before the fused update: the first step unscaled
+    if (auto it = ck.metadata().find(fused_scale_key); it != ck.metadata().end())
+      fused_scale_ = std::bit_cast<float>(io::parse_integer<std::uint32_t>(
+          it->second, 0, std::numeric_limits<std::uint32_t>::max(), "checkpoint metadata \"" + std::string(fused_scale_key) + "\""));
     return s;
   }
 
@@ -492,6 +501,9 @@ class Trainer {
       ++t->w_done_[static_cast<std::size_t>(c)];
     }
   };
+
+  // The fused update's clip factor for the next step, as float bits (checkpoint metadata).
+  static constexpr const char* fused_scale_key = "train.fused_clip_scale";
 
   static Mesh make_checked_mesh(C& world, const TrainerConfig& cfg) {
     check_config(cfg, world.size());
@@ -635,13 +647,21 @@ class Trainer {
     const bool last = ++done == cfg_.microbatches;
     if (!last && cfg_.zero < 2) return;
     nn::reduce_tp_partial_grads(*tp_comm_, models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u));
-    if (!grads_) return;
-    int w_total = 1;  // the W running now
-    for (int w : w_done_) w_total += w;
-    const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
-                              w_total < cfg_.microbatches * static_cast<int>(models_.size());
-    const int started = grads_->end_unit(c, u, last, cfg_.overlap_dp);
-    overlapped_ += compute_left ? started : 0;
+    if (grads_) {
+      int w_total = 1;  // the W running now
+      for (int w : w_done_) w_total += w;
+      const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
+                                w_total < cfg_.microbatches * static_cast<int>(models_.size());
+      const int started = grads_->end_unit(c, u, last, cfg_.overlap_dp);
+      overlapped_ += compute_left ? started : 0;
+    }
+    if (last && fused()) {  // the previous final unit's update, now that this one's reduction runs
+      fused_pending_.emplace_back(c, u);
+      while (fused_pending_.size() > (grads_ ? 1u : 0u)) {
+        update_unit(fused_pending_.front().first, fused_pending_.front().second);
+        fused_pending_.pop_front();
+      }
+    }
   }
   void finish_dp_reduction() {
     if (!grads_) return;
@@ -664,10 +684,14 @@ class Trainer {
     return train::reduce_scalar(be_, c, x, op);
   }
 
+  // The global squared gradient norm without ZeRO (tp-replicated tensors and wte copies once; the
+  // experts over the world, once per replica).
+  double dense_squares() {
+    return reduce_scalar(*pp_tp_comm_, be_.sum_of_squares(norm_spans_)) +
+           expert_sum(cfg_.model.moe_every > 0 ? be_.sum_of_squares(expert_norm_spans_) : 0.0);
+  }
   void plain_update(StepResult& r) {
-    const double squares = reduce_scalar(*pp_tp_comm_, be_.sum_of_squares(norm_spans_)) +
-                           expert_sum(cfg_.model.moe_every > 0 ? be_.sum_of_squares(expert_norm_spans_) : 0.0);
-    finish_update(r, squares, [&](float lr, float scale) {
+    finish_update(r, dense_squares(), [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (nn::Parameter* p : params_) {
@@ -676,6 +700,57 @@ class Trainer {
       }
       state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(decay_), scale);
     });
+  }
+
+  // ---- the optimizer step fused into the backward -------------------------------------------------
+  bool fused() const { return cfg_.fused_update != TrainerConfig::FusedUpdate::off; }
+  // AdamW for unit u of chunk c alone (c = -1: wte), once its reduction finished, at this step's
+  // lr and the fused clip factor (1, or the previous step's).
+  void update_unit(int c, int u) {
+    if (grads_) grads_->wait_unit(c, u);
+    std::vector<std::size_t> which;
+    std::vector<std::span<float>> values;
+    std::vector<std::span<const float>> grads;
+    std::vector<float> decay;
+    if (cfg_.zero >= 1) {
+      which = grads_->pieces_of(c, u);
+      for (std::size_t q : which) {
+        values.push_back(grads_->piece_value(grads_->pieces()[q]));
+        grads.push_back(grads_->piece_grad(grads_->pieces()[q]));
+        decay.push_back(zdecay_[q]);
+      }
+    } else {
+      if (c < 0)
+        which.push_back(param_index(primary_wte_));
+      else
+        for (nn::Parameter* p : models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u)) which.push_back(param_index(p));
+      for (std::size_t i : which) {
+        values.emplace_back(params_[i]->value.elements());
+        grads.emplace_back(params_[i]->grad.elements());
+        decay.push_back(decay_[i]);
+      }
+    }
+    state_.update_part(cfg_.adamw, lr_now(), which, values, grads, decay, fused_scale_);
+  }
+  // After the schedule: the units still pending and wte updated, the step counted, the norm
+  // reported (from the same gradients: the update does not change them) and the next step's factor.
+  void finish_fused_update(StepResult& r) {
+    for (auto [c, u] : fused_pending_) update_unit(c, u);
+    fused_pending_.clear();
+    if (primary_wte_) update_unit(-1, 0);
+    r.grad_norm = std::sqrt(cfg_.zero >= 1 ? reduce_scalar(mesh_.world(), be_.sum_of_squares(norm_spans_))
+                                           : dense_squares());
+    r.clip_scale = fused_scale_;
+    r.lr = lr_now();
+    state_.advance_step();
+    if (cfg_.zero >= 1) grads_->gather_values();
+    if (cfg_.fused_update == TrainerConfig::FusedUpdate::previous_clip)
+      fused_scale_ = kernels::host::clip_scale(r.grad_norm, cfg_.clip);
+  }
+  std::size_t param_index(const nn::Parameter* p) const {
+    const auto it = std::find(params_.begin(), params_.end(), p);
+    TRELLIS_CHECK(it != params_.end(), "Trainer: parameter ", p->name, " is not one of this rank's");
+    return static_cast<std::size_t>(it - params_.begin());
   }
 
   template <class F>
@@ -755,6 +830,8 @@ class Trainer {
   int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
   std::vector<float> zdecay_;  // ZeRO: the weight-decay flag of each shard piece
+  std::deque<std::pair<int, int>> fused_pending_;  // fused update: final units not yet updated
+  float fused_scale_ = 1.0f;  // fused update: this step's clip factor (previous_clip: from the last norm)
 };
 
 }  // namespace trellis::train

@@ -53,6 +53,13 @@ struct TrainerConfig {
   optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
+  // The optimizer step fused into the backward: each weight unit's AdamW update runs as soon as its
+  // gradients are reduced (one unit behind the backward, so a unit's reduction overlaps the next
+  // unit's W), wte's after the tied sum. Clipping by the global norm needs every gradient first, so:
+  // unclipped (refused with clip > 0) or previous_clip (this step scaled by the clip factor of the
+  // previous step's norm; the first step of a run unscaled; the factor is checkpointed).
+  enum class FusedUpdate { off, unclipped, previous_clip };
+  FusedUpdate fused_update = FusedUpdate::off;
   std::size_t bucket_elements = std::size_t{1} << 18;
   // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
@@ -207,6 +214,11 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     }
   }
   if (c.clip < 0) add("--clip must be >= 0");
+  if (c.fused_update == TrainerConfig::FusedUpdate::unclipped && c.clip > 0)
+    add("--fused-update updates each block before the global gradient norm is known, so it cannot clip by it: "
+        "give --clip 0, or --fused-update previous-clip (the clip factor of the previous step's norm)");
+  if (c.fused_update == TrainerConfig::FusedUpdate::previous_clip && c.clip <= 0)
+    add("--fused-update previous-clip needs --clip > 0 (without clipping use --fused-update unclipped)");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
   if (c.zero < 0 || c.zero > 2)
     add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients)");
