@@ -39,6 +39,7 @@ struct Options {
   bool cp_balance_docs = false; // packed rows' documents reordered for equal cp work
   bool sp = false;
   int zero = 0;  // ZeRO stage over the dp x cp replicas
+  std::string fused_update;  // empty: off; unclipped | previous-clip
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
@@ -100,6 +101,9 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --sp (sequence parallelism with tp)
            --zero 0|1|2 (0; ZeRO over the dp x cp replicas: 1 shards the AdamW state, 2 the
            gradients too, reduce-scattered every microbatch; --zero1 is --zero 1)
+           --fused-update unclipped|previous-clip (each block's AdamW step as soon as its
+           gradients are reduced; clipping by the global norm needs them all, so unclipped needs
+           --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
@@ -218,6 +222,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.zero = 1;
     else if (f == "--zero")
       int_flag(o.zero);
+    else if (f == "--fused-update")
+      o.fused_update = value();
     else if (f == "--schedule") {
       o.schedule = value();
       o.schedule_given = true;
@@ -336,6 +342,10 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.batch = o.batch;
   c.seq = o.context;
   c.zero = o.zero;
+  using Fused = trellis::train::TrainerConfig::FusedUpdate;
+  c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
+                   : o.fused_update == "previous-clip" ? Fused::previous_clip
+                                                       : Fused::off;
   c.adamw.lr = static_cast<float>(o.lr);
   c.adamw.weight_decay = static_cast<float>(o.weight_decay);
   c.lr.max_lr = o.lr;
@@ -434,6 +444,8 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
+  if (!o.fused_update.empty() && o.fused_update != "unclipped" && o.fused_update != "previous-clip")
+    out.push_back("--fused-update must be unclipped or previous-clip, got '" + o.fused_update + "'");
   if (o.zero >= 1 && o.dp * o.cp == 1)
     out.push_back("--zero " + std::to_string(o.zero) + " shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1");
   if (o.overlap > 1 && o.tp == 1)

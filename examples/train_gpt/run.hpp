@@ -214,9 +214,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     if (o.cp_balance_docs)
       std::printf("balanced documents: each row's documents reordered (whole) for near-equal causal attention "
                   "work over the %d cp ranks (nn/context_parallel.hpp)\n", o.cp);
-    if (o.dropout > 0 || o.recompute || o.overlap > 1)
-      std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d\n", o.dropout,
-                  o.recompute ? "on" : "off", o.overlap);
+    if (o.dropout > 0 || o.recompute || o.overlap > 1 || !o.fused_update.empty())
+      std::printf("options: dropout %g (training only), recompute %s, tp overlap chunks %d, fused AdamW update %s\n",
+                  o.dropout, o.recompute ? "on" : "off", o.overlap,
+                  o.fused_update.empty() ? "off" : o.fused_update.c_str());
     const auto mem = trainer.memory();
     const auto mib = [](std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
     std::printf("memory, rank 0: weights %.2f MiB, gradients %.2f MiB%s, AdamW state %.2f MiB, saved activations "

@@ -72,6 +72,13 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--zero1"}), "--zero 1 shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1"));
   CHECK(contains(error_of({"--dp", "2", "--zero", "3"}), "--zero 3 is not a ZeRO stage this trainer has"));
   CHECK(parse_flags({"--dp", "2", "--zero", "2"}).zero == 2);
+  CHECK(contains(error_of({"--fused-update", "unclipped"}), "give --clip 0, or --fused-update previous-clip"));
+  CHECK(error_of({"--fused-update", "unclipped", "--clip", "0"}).empty());
+  CHECK(error_of({"--fused-update", "previous-clip"}).empty());
+  CHECK(contains(error_of({"--fused-update", "previous-clip", "--clip", "0"}), "needs --clip > 0"));
+  CHECK(contains(error_of({"--fused-update", "later"}), "--fused-update must be unclipped or previous-clip, got 'later'"));
+  CHECK(train_gpt::trainer_config(parse_flags({"--fused-update", "previous-clip"})).fused_update ==
+        trellis::train::TrainerConfig::FusedUpdate::previous_clip);
   CHECK(error_of({"--cp", "2", "--context", "64", "--zero", "2"}).empty());
   CHECK(contains(error_of({"--backend", "cuda"}), "use --backend host"));  // this test is built without CUDA
   CHECK(contains(error_of({"--backend", "cuda"}), "head size 64 or 128"));   // width 128 / 4 heads = 32
