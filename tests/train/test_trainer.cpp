@@ -317,6 +317,76 @@ TEST_CASE("fused update with the previous step's clip factor equals its referenc
   for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
 }
 
+// Offloaded optimizer state (TrainerConfig::offload_optimizer): the moments in host memory, the
+// update on the CPU over staged copies. The host kernel is the host backends' own, so every
+// layout gives the bits of the same run without offloading; on DeviceChecked too (the staging
+// goes through the backend's download and upload); checkpoints move between the two.
+TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave the device", "[train][trainer][offload]") {
+  using Checked = trellis::backend::DeviceChecked<trellis::backend::Host<float>>;
+  using Fused = TrainerConfig::FusedUpdate;
+  auto fused = [](TrainerConfig c) {
+    c.clip = 0;
+    c.fused_update = Fused::unclipped;
+    return c;
+  };
+  const auto tiny = tiny_config();
+  for (const TrainerConfig& c :
+       {with_layout(tiny, {}), with_layout(tiny, {.dp = 2, .zero = 1}), with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2}),
+        with_layout(tiny, {.pp = 2, .tp = 2, .sp = true, .schedule = "zb_v", .microbatches = 4}),
+        with_layout(tiny, {.dp = 2, .moe = true, .ep = 2}), fused(with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2})),
+        fused(with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2}))}) {
+    INFO("pp " << c.pp << " dp " << c.dp << " tp " << c.tp << " zero " << c.zero << " fused "
+               << (c.fused_update != Fused::off));
+    TrainerConfig off = c;
+    off.offload_optimizer = true;
+    nn_test::Collector w, ow;
+    RunResult r, orr;
+    train(c, kSteps, r, w);
+    train(off, kSteps, orr, ow);
+    check_bitwise(orr, ow, r, w);
+  }
+  {  // DeviceChecked: the staged update reaches values and gradients only through the backend
+    TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1}), off = c;
+    off.offload_optimizer = true;
+    nn_test::Collector w, ow;
+    RunResult r, orr;
+    train(c, 3, r, w);
+    train<Checked>(off, 3, orr, ow);
+    check_bitwise(orr, ow, r, w);
+  }
+  {  // an offloaded run's checkpoint continues without offloading, bitwise
+    TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1}), off = c;
+    off.offload_optimizer = true;
+    TempDir dir("offload-resume");
+    nn_test::Collector w6, w3, w33;
+    RunResult six, first, second;
+    train(c, 6, six, w6);
+    train(off, 3, first, w3, {}, dir.path);
+    train(c, 3, second, w33, *trellis::train::latest_checkpoint(dir.path));
+    for (int i = 0; i < 3; ++i) CHECK(second.losses[i] == six.losses[3 + i]);
+    for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
+  }
+  // Bytes: the moments leave the backend's memory for the host tier (plus one update's staged
+  // values and gradients: all of them unfused, one unit fused)
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1}), off = c, off_fused = fused(c);
+    off.offload_optimizer = off_fused.offload_optimizer = true;
+    Trainer<ThreadComm> plain(comm, c), offloaded(comm, off), offloaded_fused(comm, off_fused);
+    trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
+    const auto batch = loader.next();
+    offloaded.step(batch);
+    offloaded_fused.step(batch);
+    const auto moments = plain.memory().optimizer;
+    RANK_CHECK(moments > 0);
+    RANK_CHECK(plain.memory().host_optimizer == 0);
+    RANK_CHECK(offloaded.memory().optimizer == 0);
+    RANK_CHECK(offloaded.memory().host_optimizer == 2 * moments);  // + values and gradients of every shard
+    const auto fused_host = offloaded_fused.memory().host_optimizer;
+    RANK_CHECK(fused_host > moments);
+    RANK_CHECK(fused_host < moments + moments / 2);  // one unit's shard staged at a time
+  });
+}
+
 TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {
   // The packed run learns, and differs from the unpacked one (the documents reach the model).
   auto& ref = packed_reference();

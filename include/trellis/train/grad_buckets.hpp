@@ -181,10 +181,11 @@ class GradBuckets {
         b.request.reset();
       }
   }
-  // AdamW moments of the shards (state's tensor q is piece q) gathered into each parameter's
-  // local shape (m[i], v[i] sized like params[i]): a collective over every bucket's replicas.
-  void gather_moments(optim::AdamWState<B>& state, std::vector<std::vector<float>>& m,
-                      std::vector<std::vector<float>>& v) const {
+  // AdamW moments of the shards (state's tensor q is piece q; read_m/read_v(q, host pointer))
+  // gathered into each parameter's local shape (m[i], v[i] sized like params[i]): a collective
+  // over every bucket's replicas.
+  template <class State>
+  void gather_moments(const State& state, std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) const {
     for (int which = 0; which < 2; ++which) {
       auto& out = which == 0 ? m : v;
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
@@ -194,8 +195,8 @@ class GradBuckets {
         std::vector<float> mine(n, 0.0f), all(n * parts);
         for (std::size_t q = 0; q < pieces_.size(); ++q)
           if (pieces_[q].bucket == k) {
-            auto src = which == 0 ? state.m(q) : state.v(q);
-            be_.download(mine.data() + pieces_[q].shard_offset, src.data(), src.size());
+            float* dst = mine.data() + pieces_[q].shard_offset;
+            which == 0 ? state.read_m(q, dst) : state.read_v(q, dst);
           }
         b.comm->all_gather(mine.data(), all.data(), n);
         for (std::size_t i : b.params) {

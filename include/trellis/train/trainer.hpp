@@ -98,6 +98,7 @@
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/host_scalars.hpp"
 #include "trellis/train/moe_stats.hpp"
+#include "trellis/train/optimizer_state.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer_config.hpp"
@@ -229,11 +230,11 @@ class Trainer {
         sizes.push_back(pc.size);
         zdecay_.push_back(decay_[pc.param]);
       }
-      state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
+      state_ = OptimizerState<B>(std::span<const index_t>(sizes), cfg_.offload_optimizer, be_);
     } else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
-      state_ = optim::AdamWState<B>(std::span<const index_t>(sizes), be_);
+      state_ = OptimizerState<B>(std::span<const index_t>(sizes), cfg_.offload_optimizer, be_);
     }
     // What the global norm sums (a tp-replicated tensor and a duplicate wte once; under ZeRO the
     // reduced shards): fixed ranges of the packed buffers, so the spans are made once.
@@ -279,7 +280,8 @@ class Trainer {
     MemoryUse u;
     for (const auto& m : models_) u.parameters += m->parameter_buffer().values().size() * sizeof(float);
     u.gradients = gradient_bytes();
-    u.optimizer = state_.bytes();
+    u.optimizer = state_.device_bytes();
+    u.host_optimizer = state_.host_bytes();
     u.activations = arena_->capacity_bytes();
     u.activations_peak = arena_->peak_held_bytes();
     u.workspace = be_.workspace_reserved();
@@ -446,13 +448,13 @@ class Trainer {
     if (cfg_.zero >= 1) {
       for (std::size_t k = 0; k < grads_->pieces().size(); ++k) {
         const auto& pc = grads_->pieces()[k];
-        be_.upload(state_.m(k).data(), m_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
-        be_.upload(state_.v(k).data(), v_full[pc.param].data() + pc.tensor_begin, static_cast<std::size_t>(pc.size));
+        state_.write_m(k, m_full[pc.param].data() + pc.tensor_begin);
+        state_.write_v(k, v_full[pc.param].data() + pc.tensor_begin);
       }
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        be_.upload(state_.m(i).data(), m_full[i].data(), m_full[i].size());
-        be_.upload(state_.v(i).data(), v_full[i].data(), v_full[i].size());
+        state_.write_m(i, m_full[i].data());
+        state_.write_v(i, v_full[i].data());
       }
     }
     state_.set_step(s.step);
@@ -698,7 +700,7 @@ class Trainer {
         values.emplace_back(p->value.elements());
         grads.emplace_back(p->grad.elements());
       }
-      state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(decay_), scale);
+      update_all(lr, values, grads, decay_, scale);
     });
   }
 
@@ -730,7 +732,7 @@ class Trainer {
         decay.push_back(decay_[i]);
       }
     }
-    state_.update_part(cfg_.adamw, lr_now(), which, values, grads, decay, fused_scale_);
+    state_.update(cfg_.adamw, lr_now(), which, values, grads, decay, fused_scale_);
   }
   // After the schedule: the units still pending and wte updated, the step counted, the norm
   // reported (from the same gradients: the update does not change them) and the next step's factor.
@@ -753,6 +755,15 @@ class Trainer {
     return static_cast<std::size_t>(it - params_.begin());
   }
 
+  // One optimizer step over every tensor of the state (spans in B's memory), counted.
+  void update_all(float lr, const std::vector<std::span<float>>& values, const std::vector<std::span<const float>>& grads,
+                  const std::vector<float>& decay, float scale) {
+    std::vector<std::size_t> all(values.size());
+    std::iota(all.begin(), all.end(), std::size_t{0});
+    state_.update(cfg_.adamw, lr, all, values, grads, decay, scale);
+    state_.advance_step();
+  }
+
   template <class F>
   void finish_update(StepResult& r, double sum_squares, F&& update) {
     r.grad_norm = std::sqrt(sum_squares);
@@ -773,7 +784,7 @@ class Trainer {
         values.push_back(grads_->piece_value(pc));
         grads.push_back(grads_->piece_grad(pc));
       }
-      state_.update(cfg_.adamw, lr, values, grads, std::span<const float>(zdecay_), scale);
+      update_all(lr, values, grads, zdecay_, scale);
     });
     grads_->gather_values();
   }
@@ -791,8 +802,8 @@ class Trainer {
       return;
     }
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      be_.download(m[i].data(), state_.m(i).data(), m[i].size());
-      be_.download(v[i].data(), state_.v(i).data(), v[i].size());
+      state_.read_m(i, m[i].data());
+      state_.read_v(i, v[i].data());
     }
   }
 
@@ -823,7 +834,7 @@ class Trainer {
   std::vector<std::span<const float>> norm_spans_;  // the gradients the global norm sums (experts apart, no ZeRO)
   std::vector<std::span<const float>> expert_norm_spans_;
   MoeStats<C, B> moe_stats_;  // this rank's MoE layers: auxiliary losses, expert load
-  optim::AdamWState<B> state_;
+  OptimizerState<B> state_;  // AdamW moments, in B's memory or offloaded to the host
   std::optional<GradBuckets<C, B>> grads_;  // dp buckets, ZeRO shards (none with one replica and no ZeRO)
   std::vector<int> w_done_;                   // W actions done per chunk, this step
   std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)

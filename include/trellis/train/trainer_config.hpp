@@ -60,6 +60,9 @@ struct TrainerConfig {
   // previous step's norm; the first step of a run unscaled; the factor is checkpointed).
   enum class FusedUpdate { off, unclipped, previous_clip };
   FusedUpdate fused_update = FusedUpdate::off;
+  // AdamW moments in host memory, each update on the CPU over staged copies of the values and
+  // gradients (train/optimizer_state.hpp; ZeRO-Offload's optimizer tier). The same bits on the host.
+  bool offload_optimizer = false;
   std::size_t bucket_elements = std::size_t{1} << 18;
   // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
@@ -248,7 +251,8 @@ inline void check_config(const TrainerConfig& c, std::optional<int> world_size =
 struct MemoryUse {
   std::size_t parameters = 0;        // fp32 master weights (the packed values)
   std::size_t gradients = 0;         // packed gradients, or ZeRO's shards (ZeRO-2: + unit slots, wte)
-  std::size_t optimizer = 0;         // AdamW moments (ZeRO: this rank's shards)
+  std::size_t optimizer = 0;         // AdamW moments (ZeRO: this rank's shards) in the backend's memory
+  std::size_t host_optimizer = 0;    // offloaded: the moments and the update's staging, in host memory
   std::size_t activations = 0;       // the activation arena's reserve
   std::size_t activations_peak = 0;  // the most it held at once so far
   std::size_t workspace = 0;         // kernel scratch reserved
