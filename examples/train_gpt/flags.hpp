@@ -40,6 +40,7 @@ struct Options {
   bool sp = false;
   int zero = 0;  // ZeRO stage over the dp x cp replicas
   std::string fused_update;  // empty: off; unclipped | previous-clip
+  std::string offload;       // comma list of tiers to offload to host memory: optimizer
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
@@ -104,6 +105,7 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --fused-update unclipped|previous-clip (each block's AdamW step as soon as its
            gradients are reduced; clipping by the global norm needs them all, so unclipped needs
            --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
+           --offload optimizer (AdamW moments in host memory, the update on the CPU)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
@@ -224,6 +226,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.zero);
     else if (f == "--fused-update")
       o.fused_update = value();
+    else if (f == "--offload")
+      o.offload = value();
     else if (f == "--schedule") {
       o.schedule = value();
       o.schedule_given = true;
@@ -342,6 +346,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.batch = o.batch;
   c.seq = o.context;
   c.zero = o.zero;
+  c.offload_optimizer = o.offload == "optimizer";
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
   c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
                    : o.fused_update == "previous-clip" ? Fused::previous_clip
@@ -444,6 +449,9 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
+  if (!o.offload.empty() && o.offload != "optimizer")
+    out.push_back("--offload '" + o.offload + "': this trainer offloads the optimizer state only (--offload optimizer; "
+                  "activations and a disk tier are not built yet)");
   if (!o.fused_update.empty() && o.fused_update != "unclipped" && o.fused_update != "previous-clip")
     out.push_back("--fused-update must be unclipped or previous-clip, got '" + o.fused_update + "'");
   if (o.zero >= 1 && o.dp * o.cp == 1)

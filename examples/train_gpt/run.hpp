@@ -221,10 +221,13 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     const auto mem = trainer.memory();
     const auto mib = [](std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
     std::printf("memory, rank 0: weights %.2f MiB, gradients %.2f MiB%s, AdamW state %.2f MiB, saved activations "
-                "%.2f MiB reserved, workspace %.2f MiB: %.2f MiB\n",
+                "%.2f MiB reserved, workspace %.2f MiB: %.2f MiB",
                 mib(mem.parameters), mib(mem.gradients),
                 o.zero >= 2 ? " (ZeRO-2: shards + unit slots)" : "", mib(mem.optimizer), mib(mem.activations),
                 mib(mem.workspace), mib(mem.total()));
+    if (mem.host_optimizer > 0)  // measured after the first step; here the moments alone
+      std::printf("; offloaded to host memory: AdamW state %.2f MiB", mib(mem.host_optimizer));
+    std::printf("\n");
     const char* dtype_peak = o.dtype == "bf16" ? " (bf16 machine peak)" : " (fp32 machine peak)";
     std::printf(
         "data: %zu train / %zu validation tokens; unigram baseline %.4f nats/token; MFU against %.1f "
