@@ -124,6 +124,19 @@ void check_bitwise(const RunResult& got, nn_test::Collector& got_w, const RunRes
   }
 }
 
+// 3 steps of `first` saved, then 3 of `then` loaded in a new world, equal 6 straight steps of
+// `then` bit for bit.
+void check_resumes_bitwise(const TrainerConfig& first, const TrainerConfig& then, const char* tag) {
+  TempDir dir(tag);
+  nn_test::Collector w6, w3, w33;
+  RunResult six, half, second;
+  train(then, 6, six, w6);
+  train(first, 3, half, w3, {}, dir.path);
+  train(then, 3, second, w33, *trellis::train::latest_checkpoint(dir.path));
+  for (int i = 0; i < 3; ++i) CHECK(second.losses[i] == six.losses[3 + i]);
+  for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
+}
+
 }  // namespace
 
 TEST_CASE("the reference run learns and clips", "[train][trainer]") {
@@ -306,15 +319,7 @@ TEST_CASE("fused update with the previous step's clip factor equals its referenc
     }
   }
   // Resume: 3 steps, save, 3 more in a new world equal 6 straight bitwise (the factor is saved).
-  const TrainerConfig c = with_layout(cfg, {.dp = 2});
-  TempDir dir("fused-resume");
-  nn_test::Collector w6, w3, w33;
-  RunResult six, first, second;
-  train(c, 6, six, w6);
-  train(c, 3, first, w3, {}, dir.path);
-  train(c, 3, second, w33, *trellis::train::latest_checkpoint(dir.path));
-  for (int i = 0; i < 3; ++i) CHECK(second.losses[i] == six.losses[3 + i]);
-  for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
+  check_resumes_bitwise(with_layout(cfg, {.dp = 2}), with_layout(cfg, {.dp = 2}), "fused-resume");
 }
 
 // Offloaded optimizer state (TrainerConfig::offload_optimizer): the moments in host memory, the
@@ -357,14 +362,7 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
   {  // an offloaded run's checkpoint continues without offloading, bitwise
     TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1}), off = c;
     off.offload_optimizer = true;
-    TempDir dir("offload-resume");
-    nn_test::Collector w6, w3, w33;
-    RunResult six, first, second;
-    train(c, 6, six, w6);
-    train(off, 3, first, w3, {}, dir.path);
-    train(c, 3, second, w33, *trellis::train::latest_checkpoint(dir.path));
-    for (int i = 0; i < 3; ++i) CHECK(second.losses[i] == six.losses[3 + i]);
-    for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
+    check_resumes_bitwise(off, c, "offload-resume");
   }
   // Bytes: the moments leave the backend's memory for the host tier (plus one update's staged
   // values and gradients: all of them unfused, one unit fused)
