@@ -2,7 +2,9 @@
 # The test command: installs what is missing, then
 #   1. host build (g++) and every host test (unit, MPI, header self-containment, packaging:
 #      install + consumer projects + conan create);
-#   2. the `cuda` preset with nvcc for sm_80 and sm_90a: every CUDA translation unit (tests,
+#   2. the `asan` preset: ASan + UBSan over a fast subset (the parsers with the fuzz corpus,
+#      checkpoints, collectives, the pipe executor; CMakePresets.json);
+#   3. the `cuda` preset with nvcc for sm_80 and sm_90a: every CUDA translation unit (tests,
 #      examples, benches, .cuh header checks) compiles; GPU tests run and are reported skipped
 #      when no GPU is present.
 set -euo pipefail
@@ -19,6 +21,11 @@ echo "== host: configure, build, test"
 cmake --preset host
 cmake --build --preset host -j "$jobs"
 ctest --preset host -j "$jobs"
+
+echo "== asan: ASan + UBSan over the fast subset"
+cmake --preset asan
+cmake --build --preset asan -j "$jobs"
+ctest --preset asan
 
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export PATH="$PATH:/usr/local/cuda/bin"
