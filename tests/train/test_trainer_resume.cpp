@@ -44,6 +44,13 @@ void check_continues(const Straight& s, const RunResult& r, const nn_test::Colle
   }
 }
 
+// Three steps of layout l, saved under `dir` (their losses and weights are not needed).
+void save_three_steps(const Layout& l, const std::filesystem::path& dir) {
+  nn_test::Collector w;
+  RunResult r;
+  train(with_layout(tiny_config(), l), 3, r, w, {}, dir);
+}
+
 }  // namespace
 
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
@@ -80,11 +87,7 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   Straight s;
   straight(saved, s);
   TempDir dir("trainer-reshard");
-  {
-    nn_test::Collector w;
-    RunResult r;
-    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
-  }
+  save_three_steps(saved, dir.path);
   const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
   for (const Layout& l : {Layout{.dp = 2}, Layout{.pp = 4, .schedule = "1f1b", .microbatches = 4}, Layout{},
                           Layout{.dp = 2, .zero = 1},
@@ -107,11 +110,7 @@ TEST_CASE("checkpoints move between ZeRO stages: a ZeRO-2 save loads into ZeRO-0
   for (const Layout& other : {Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 4, .zero = 1, .microbatches = 1}}) {
     INFO("the other layout: dp " << other.dp << " zero " << other.zero);
     TempDir dir("trainer-zero-stages");
-    {
-      nn_test::Collector w;
-      RunResult r;
-      train(with_layout(tiny_config(), zero2), 3, r, w, {}, dir.path);
-    }
+    save_three_steps(zero2, dir.path);
     nn_test::Collector w, w_back;
     RunResult r, back;
     train(with_layout(tiny_config(), other), 3, r, w, *trellis::train::latest_checkpoint(dir.path), dir.path);
@@ -135,11 +134,7 @@ TEST_CASE("a checkpoint saved under context parallelism (dp2.cp2, ZeRO-1) loads 
   Straight s;
   straight(Layout{}, s);
   TempDir dir("trainer-reshard-cp");
-  {
-    nn_test::Collector w;
-    RunResult r;
-    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
-  }
+  save_three_steps(saved, dir.path);
   nn_test::Collector w;
   RunResult r;
   train(with_layout(tiny_config(), Layout{}), 3, r, w, *trellis::train::latest_checkpoint(dir.path));
@@ -153,11 +148,7 @@ TEST_CASE("an MoE checkpoint saved under ep (dp4 ep2 ZeRO-1) resumes bitwise and
   Straight s;
   straight(saved, s);
   TempDir dir("trainer-reshard-moe");
-  {
-    nn_test::Collector w;
-    RunResult r;
-    train(with_layout(tiny_config(), saved), 3, r, w, {}, dir.path);
-  }
+  save_three_steps(saved, dir.path);
   const auto ckpt = *trellis::train::latest_checkpoint(dir.path);
   {  // the same layout: bitwise
     nn_test::Collector w;
