@@ -19,8 +19,8 @@
 //
 // --layout: a smaller GPT (default 8 layers, 4 heads, width 256, vocab 8192, T 128, global batch
 // 16) on one thread rank against dp2 x tp2 x pp2 on 8 thread ranks (--schedule, default 1f1b;
-// --microbatches, default 4) with ZeRO 0, 1 and 2, and dp4 with ZeRO 0, 1 and 2: step time, tokens/s,
-// rank 0's gradient and AdamW bytes (Trainer::memory), and the bytes each
+// --microbatches, default 4) with ZeRO 0 to 3, and dp4 with ZeRO 0 to 3: step time, tokens/s,
+// rank 0's weight, gradient and AdamW bytes (Trainer::memory), and the bytes each
 // step puts on the wire per communicator (bench/support/counting_comm.hpp: ring model), summed
 // over the ranks. All layouts start from the same weights, so their first-step losses agree.
 //   bench_trainer --layout [--layers L] [--heads H] [--width C] [--vocab V] [--seq T] [--batch B]
@@ -132,7 +132,7 @@ struct LayoutResult {
   // bytes on the wire per step, summed over the ranks (ring model), per communicator of the mesh
   double dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, other_bytes = 0;
   double calls = 0;  // communicator calls per step, summed over the ranks
-  double grad_mb = 0, adamw_mb = 0;  // rank 0's gradient storage and AdamW moments (Trainer::memory)
+  double weight_mb = 0, grad_mb = 0, adamw_mb = 0;  // rank 0's weights, gradient storage, AdamW moments (Trainer::memory)
   // Saved activations per pipeline stage (its dp 0, tp 0 rank): the simulator's peak of live
   // (microbatch, chunk) activations, the arena's measured peak of slots held, the arena's capacity
   // and the measured peak of bytes held in saved tensors.
@@ -185,6 +185,7 @@ LayoutResult run_layout(const std::string& name, const train::TrainerConfig& c, 
     mine.other_bytes = v[3]->counters().bytes + v[4]->counters().bytes + v[5]->counters().bytes;
     for (Comm* x : v) mine.calls += static_cast<double>(x->counters().calls);
     mine.calls -= 2.0 * iters;  // the timing barriers
+    mine.weight_mb = static_cast<double>(trainer.memory().parameters) / 1e6;
     mine.grad_mb = static_cast<double>(trainer.memory().gradients) / 1e6;
     mine.adamw_mb = static_cast<double>(trainer.memory().optimizer) / 1e6;
     if (mesh.template coord<trellis::dp>() == 0 && mesh.template coord<trellis::tp>() == 0) {
@@ -213,6 +214,7 @@ LayoutResult run_layout(const std::string& name, const train::TrainerConfig& c, 
     res.other_bytes += r.other_bytes / iters;
     res.calls += r.calls / iters;
   }
+  res.weight_mb = per_rank[0].weight_mb;
   res.grad_mb = per_rank[0].grad_mb;
   res.adamw_mb = per_rank[0].adamw_mb;
   return res;
@@ -245,9 +247,11 @@ int layout_main(int argc, char** argv) {
       {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m), 2, 2, 2, m, 0},
       {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m) + " zero1", 2, 2, 2, m, 1},
       {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m) + " zero2", 2, 2, 2, m, 2},
+      {"dp2.tp2.pp2 " + schedule + " m" + std::to_string(m) + " zero3", 2, 2, 2, m, 3},
       {"dp4 m" + std::to_string(m), 1, 4, 1, m, 0},
       {"dp4 m" + std::to_string(m) + " zero1", 1, 4, 1, m, 1},
       {"dp4 m" + std::to_string(m) + " zero2", 1, 4, 1, m, 2},
+      {"dp4 m" + std::to_string(m) + " zero3", 1, 4, 1, m, 3},
   };
   std::vector<LayoutResult> results;
   for (const auto& k : cases) {
@@ -272,17 +276,18 @@ int layout_main(int argc, char** argv) {
       static_cast<long long>(c.model.width), static_cast<long long>(c.model.vocab), static_cast<long long>(c.seq),
       static_cast<long long>(c.batch), tokens, std::thread::hardware_concurrency(), iters);
   std::printf("# comm MB/step: bytes on the wire per step summed over the ranks (ring model), per communicator\n");
-  std::printf("# grad MB, AdamW MB: rank 0's gradient storage and AdamW moments (Trainer::memory)\n");
-  std::printf("%-32s %5s %10s %10s %10s %9s %12s %9s %9s %9s %9s %8s %8s %8s\n", "layout", "ranks", "ms min",
+  std::printf("# weight MB, grad MB, AdamW MB: rank 0's weights (ZeRO-3: shards + unit slots + wte), gradient "
+              "storage and AdamW moments (Trainer::memory)\n");
+  std::printf("%-32s %5s %10s %10s %10s %9s %12s %9s %9s %9s %9s %8s %9s %8s %8s\n", "layout", "ranks", "ms min",
               "ms median", "tokens/s", "x 1 rank", "first loss", "dp MB", "tp MB", "pp MB", "other MB", "calls",
-              "grad MB", "AdamW MB");
+              "weight MB", "grad MB", "AdamW MB");
   const double base = results.front().ms_min;
   bench::JsonReport report("bench_trainer_layout");
   for (const auto& r : results) {
-    std::printf("%-32s %5d %10.1f %10.1f %10.0f %9.2f %12.6f %9.1f %9.1f %9.1f %9.3f %8.0f %8.1f %8.1f\n",
+    std::printf("%-32s %5d %10.1f %10.1f %10.0f %9.2f %12.6f %9.1f %9.1f %9.1f %9.3f %8.0f %9.1f %8.1f %8.1f\n",
                 r.name.c_str(), r.ranks, r.ms_min, r.ms_median, tokens / (r.ms_min / 1e3), r.ms_min / base,
                 r.first_loss, r.dp_bytes / 1e6, r.tp_bytes / 1e6, r.pp_bytes / 1e6, r.other_bytes / 1e6, r.calls,
-                r.grad_mb, r.adamw_mb);
+                r.weight_mb, r.grad_mb, r.adamw_mb);
     bench::Row row;
     row.add_text("layout", r.name)
         .add("ranks", static_cast<long long>(r.ranks))
@@ -296,6 +301,7 @@ int layout_main(int argc, char** argv) {
         .add("pp_bytes_per_step", r.pp_bytes, "%.0f")
         .add("other_bytes_per_step", r.other_bytes, "%.0f")
         .add("calls_per_step", r.calls, "%.0f")
+        .add("weight_mb_rank0", r.weight_mb)
         .add("grad_mb_rank0", r.grad_mb)
         .add("adamw_mb_rank0", r.adamw_mb);
     report.add(row);

@@ -39,6 +39,7 @@ struct Options {
   bool cp_balance_docs = false; // packed rows' documents reordered for equal cp work
   bool sp = false;
   int zero = 0;  // ZeRO stage over the dp x cp replicas
+  bool prefetch = true;  // ZeRO-3: the next block's gather while one computes
   std::string fused_update;  // empty: off; unclipped | previous-clip
   std::string offload;       // comma list of tiers to offload to host memory: optimizer
   std::string schedule = "1f1b";
@@ -100,8 +101,10 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --cp-balance-docs (with --pack, ring or hybrid, dropout 0: each packed row's documents
            reordered, whole, so the cp ranks get near-equal causal attention work)
            --sp (sequence parallelism with tp)
-           --zero 0|1|2 (0; ZeRO over the dp x cp replicas: 1 shards the AdamW state, 2 the
-           gradients too, reduce-scattered every microbatch; --zero1 is --zero 1)
+           --zero 0|1|2|3 (0; ZeRO over the dp x cp replicas: 1 shards the AdamW state, 2 the
+           gradients too, reduce-scattered every microbatch, 3 the weights too, each block's
+           gathered while it computes, the next one's prefetched; --zero1 is --zero 1)
+           --no-prefetch (with --zero 3: each block's gather starts when it is needed)
            --fused-update unclipped|previous-clip (each block's AdamW step as soon as its
            gradients are reduced; clipping by the global norm needs them all, so unclipped needs
            --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
@@ -224,6 +227,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.zero = 1;
     else if (f == "--zero")
       int_flag(o.zero);
+    else if (f == "--no-prefetch")
+      o.prefetch = false;
     else if (f == "--fused-update")
       o.fused_update = value();
     else if (f == "--offload")
@@ -346,6 +351,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.batch = o.batch;
   c.seq = o.context;
   c.zero = o.zero;
+  c.prefetch_values = o.prefetch;
   c.offload_optimizer = o.offload == "optimizer";
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
   c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
@@ -372,7 +378,7 @@ inline double state_bytes(const Options& o, bool per_mpi_rank) {
   const double tp_pp = std::max(1.0, static_cast<double>(o.tp)) * std::max(1.0, static_cast<double>(o.pp));
   const double R = std::max(1, o.dp) * std::max(1, o.cp);  // replicas; ZeRO shards over them
   // every replica's weights (4 bytes), gradients (4) and moments (8), or one copy of what is sharded
-  const double all = params * (4.0 * R + (o.zero >= 2 ? 4.0 : 4.0 * R) + (o.zero >= 1 ? 8.0 : 8.0 * R));
+  const double all = params * ((o.zero >= 3 ? 4.0 : 4.0 * R) + (o.zero >= 2 ? 4.0 : 4.0 * R) + (o.zero >= 1 ? 8.0 : 8.0 * R));
   return per_mpi_rank ? all / (R * tp_pp) : all;
 }
 inline double physical_memory_bytes() {

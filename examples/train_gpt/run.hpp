@@ -223,7 +223,7 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     std::printf("memory, rank 0: weights %.2f MiB, gradients %.2f MiB%s, AdamW state %.2f MiB, saved activations "
                 "%.2f MiB reserved, workspace %.2f MiB: %.2f MiB",
                 mib(mem.parameters), mib(mem.gradients),
-                o.zero >= 2 ? " (ZeRO-2: shards + unit slots)" : "", mib(mem.optimizer), mib(mem.activations),
+                o.zero >= 2 ? " (ZeRO: shards + unit slots)" : "", mib(mem.optimizer), mib(mem.activations),
                 mib(mem.workspace), mib(mem.total()));
     if (mem.host_optimizer > 0)  // measured after the first step; here the moments alone
       std::printf("; offloaded to host memory: AdamW state %.2f MiB", mib(mem.host_optimizer));

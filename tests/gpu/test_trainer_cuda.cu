@@ -149,6 +149,7 @@ TEST_CASE("CUDA Trainer on NCCL: dp, ZeRO-1, tp+sp and pp over GPUs equal one GP
   run({.dp = 2, .microbatches = 2}, cut, "dp2 m2");
   run({.dp = 2, .zero = 1}, cut, "dp2 zero1");
   run({.dp = 2, .zero = 2, .microbatches = 2}, cut, "dp2 m2 zero2");
+  run({.dp = 2, .zero = 3, .microbatches = 2}, cut, "dp2 m2 zero3");
   run({.tp = 2, .sp = true}, split, "tp2+sp");
   run({.pp = 2, .schedule = "1f1b", .microbatches = 4}, cut, "pp2 1f1b");
 }

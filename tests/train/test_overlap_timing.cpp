@@ -6,6 +6,8 @@
 //  - ZeRO-1: the same with --zero1: each bucket's reduce-scatter starts during the backward (the
 //    all-gathers of the updated parameters after the optimizer step are not overlapped, so only
 //    the reduce-scatter half of the traffic can hide); bitwise equal;
+//  - ZeRO-3: prefetch_values on vs off: each weight unit's all-gather starts while the unit before
+//    it computes, or when the unit needs it; bitwise equal;
 //  - tp chunks: a tp2 MLP (c_fc + c_proj), forward + backward, overlap_chunks = 4 vs 1, with and
 //    without sequence parallelism; outputs and gradients within 1e-5 (norm-relative: chunked
 //    GEMMs may round differently).
@@ -116,9 +118,9 @@ double smallest(ThreadComm& world, double v) {
 // ---- dp buckets: two Trainers ------------------------------------------------------------------
 
 // 6 blocks (one dp bucket each, plus wte), width 96.
-TrainerConfig dp_config(bool overlap, bool zero1) {
+TrainerConfig dp_config(bool overlap, int zero = 0) {
   TrainerConfig c = tiny_config();
-  c.zero = zero1 ? 1 : 0;
+  c.zero = zero;
   c.model.layers = 6;
   c.model.width = 96;
   c.model.heads = 4;
@@ -130,7 +132,9 @@ TrainerConfig dp_config(bool overlap, bool zero1) {
   return c;
 }
 
-Measured dp_case(bool synchronous, bool zero1 = false) {
+// Trainer steps of config(true) against config(false) on the replicas' link.
+template <class Config>
+Measured trainer_case(bool synchronous, Config config) {
   const int steps = 4;
   Measured m;
   std::mutex mutex;
@@ -147,7 +151,7 @@ Measured dp_case(bool synchronous, bool zero1 = false) {
     double compute_s = 1e9, bytes = 0;
     {
       Link fast(world.split(0, world.rank()), {.bandwidth = 1e15, .latency = 0});
-      Trainer<Link> t(fast, dp_config(true, zero1));
+      Trainer<Link> t(fast, config(true));
       auto l = loader(t);
       for (int s = 0; s < 3; ++s) {
         const auto t0 = clock_type::now();
@@ -158,7 +162,7 @@ Measured dp_case(bool synchronous, bool zero1 = false) {
     }
     // The dp reductions take about half a step's compute (~3/4 of the backward).
     Link link(world.split(0, world.rank()), calibrated(world, bytes, compute_s, 0.5, synchronous));
-    Trainer<Link> on(link, dp_config(true, zero1)), off(link, dp_config(false, zero1));
+    Trainer<Link> on(link, config(true)), off(link, config(false));
     auto l_on = loader(on), l_off = loader(off);
     Best best_on, best_off;
     std::vector<double> loss_on, loss_off, norm_on, norm_off;
@@ -190,6 +194,18 @@ Measured dp_case(bool synchronous, bool zero1 = false) {
     }
   });
   return m;
+}
+// dp buckets started during the backward (on) or after it (off); zero: the ZeRO stage.
+Measured dp_case(bool synchronous, int zero = 0) {
+  return trainer_case(synchronous, [zero](bool on) { return dp_config(on, zero); });
+}
+// ZeRO-3: each unit's gather prefetched while the unit before computes (on) or started when needed.
+Measured prefetch_case(bool synchronous) {
+  return trainer_case(synchronous, [](bool on) {
+    TrainerConfig c = dp_config(true, 3);
+    c.prefetch_values = on;
+    return c;
+  });
 }
 
 // ---- tp chunks: two MLPs -----------------------------------------------------------------------
@@ -315,7 +331,7 @@ TEST_CASE("dp buckets: overlap hides the reductions on a simulated link, same bi
 
 TEST_CASE("ZeRO-1: bucket reduce-scatters overlap the backward on a simulated link, same bits",
           "[train][overlap][timing][zero1]") {
-  const Measured m = dp_case(false, true);
+  const Measured m = dp_case(false, 1);
   INFO(describe(m));
   WARN("dp2 ZeRO-1 buckets, overlap_dp on vs off: " << describe(m));
   CHECK(m.loss_on == m.loss_off);
@@ -324,6 +340,17 @@ TEST_CASE("ZeRO-1: bucket reduce-scatters overlap the backward on a simulated li
   // the update, never overlapped). At least half of the reduce-scatters must be hidden.
   CHECK(m.blocked_off_s >= 0.75 * m.comm_s);
   CHECK(m.blocked_off_s - m.blocked_on_s >= 0.25 * m.comm_s);
+}
+
+TEST_CASE("ZeRO-3: prefetched gathers overlap the unit before on a simulated link, same bits",
+          "[train][overlap][timing][zero3]") {
+  const Measured m = prefetch_case(false);
+  INFO(describe(m));
+  WARN("dp2 ZeRO-3, prefetch on vs off: " << describe(m));
+  CHECK(m.loss_on == m.loss_off);
+  CHECK(m.norm_on == m.norm_off);
+  CHECK(m.blocked_off_s >= 0.6 * m.comm_s);
+  CHECK(m.blocked_off_s - m.blocked_on_s >= 0.2 * m.comm_s);
 }
 
 TEST_CASE("tp chunks: overlap hides an MLP's all-reduces on a simulated link", "[train][overlap][timing][tp]") {
@@ -341,9 +368,12 @@ TEST_CASE("a synchronous link hides nothing", "[.][negative][train][overlap][tim
   const Measured dp = dp_case(true);
   WARN("synchronous dp2: " << describe(dp));
   CHECK(dp.blocked_on_s > 0.5 * dp.blocked_off_s);
-  const Measured z = dp_case(true, true);
+  const Measured z = dp_case(true, 1);
   WARN("synchronous dp2 ZeRO-1: " << describe(z));
   CHECK(z.blocked_off_s - z.blocked_on_s < 0.25 * z.comm_s);
+  const Measured z3 = prefetch_case(true);
+  WARN("synchronous dp2 ZeRO-3 prefetch: " << describe(z3));
+  CHECK(z3.blocked_off_s - z3.blocked_on_s < 0.2 * z3.comm_s);
   for (bool sp : {false, true}) {
     const Measured tp = mlp_case(sp, true);
     WARN("synchronous tp2" << (sp ? "+sp" : "") << ": " << describe(tp));

@@ -12,8 +12,9 @@
 // ulysses and hybrid included) against
 // the one-rank bf16 run, and the one-rank bf16 run against fp32, with the tolerances stated there;
 // two bf16 steps within the GPU test's tolerances of fp32.
-// DeviceChecked (device-memory discipline on the host): eight layouts (one MoE: dp4.tp2+sp ep2
-// ZeRO-1 with capacity and the load-balancing loss) equal host fp32 bitwise.
+// DeviceChecked (device-memory discipline on the host): nine layouts (one MoE: dp4.tp2+sp ep2
+// ZeRO-1 with capacity and the load-balancing loss; one ZeRO-3) equal host fp32 bitwise.
+// ZeRO-2 and ZeRO-3 ([zero]): against one rank in every layout; ZeRO-3 equals ZeRO-2 bitwise.
 // Mixture of Experts: expert-parallel layouts against one rank or against the same layout without ep.
 // Context parallel (ring attention): cp2, cp4, dp2.cp2 ZeRO-1, tp2+sp.cp2, pp2.cp2 zb_v, dp2 m2.cp2
 // with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank; Ulysses cp4,
@@ -233,6 +234,80 @@ TEST_CASE("ZeRO-2 holds a shard and two unit slots of gradients, not the whole b
   });
 }
 
+// ZeRO-3: the values sharded too, a unit's gathered around its forward and backward_input
+// (train/param_shards.hpp). The gathered values are the shards' bits and the gradients and the
+// update are ZeRO-2's, so ZeRO-3 equals ZeRO-2 bitwise, with or without prefetching.
+TEST_CASE("ZeRO-3 equals one rank in every layout, and ZeRO-2 bitwise", "[train][trainer][parity][zero]") {
+  check_against_reference({.dp = 2, .zero = 3}, "dp2 zero3");
+  check_against_reference({.dp = 4, .tp = 2, .sp = true, .zero = 3, .microbatches = 2}, "dp4.tp2+sp m2 zero3");
+  check_against_reference({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 3, .schedule = "zb_v", .microbatches = 2},
+                          "dp2.tp2+sp.pp2 zero3 zb_v");
+  check_against_reference({.pp = 2, .dp = 2, .zero = 3, .schedule = "interleaved_1f1b", .microbatches = 4},
+                          "dp2.pp2 zero3 interleaved m4");
+  check_against_reference({.dp = 2, .zero = 3, .cp = 2}, "dp2.cp2 zero3");
+  check_against_reference({.dp = 2, .zero = 3, .dropout = kDropout, .recompute = true}, "dp2 zero3 dropout recompute");
+  for (const Layout& l : {Layout{.dp = 2, .microbatches = 4}, Layout{.pp = 2, .dp = 2, .schedule = "zb_h1", .microbatches = 2},
+                          Layout{.dp = 4, .microbatches = 2, .moe = true, .ep = 2}}) {
+    Layout two = l, three = l;
+    two.zero = 2;
+    three.zero = 3;
+    TrainerConfig no_prefetch = with_layout(tiny_config(), three);
+    no_prefetch.prefetch_values = false;
+    nn_test::Collector w2, w3, w3n;
+    RunResult r2, r3, r3n;
+    train(with_layout(tiny_config(), two), kSteps, r2, w2);
+    train(with_layout(tiny_config(), three), kSteps, r3, w3);
+    train(no_prefetch, kSteps, r3n, w3n);
+    INFO("pp " << l.pp << " dp " << l.dp << " ep " << l.ep);
+    check_bitwise(r3, w3, r2, w2);
+    check_bitwise(r3n, w3n, r2, w2);
+  }
+}
+
+// What ZeRO-3 keeps of the values: this rank's shards, two unit slots (a block each here) and
+// wte's step buffer; outside a step no value is bound (a read is an error), inside
+// with_parameters every one is, and equals the one-rank model's. Prefetching starts gathers
+// ahead (counted), and off starts none.
+TEST_CASE("ZeRO-3 holds a shard and two unit slots of values, not the whole model", "[train][trainer][zero]") {
+  const auto cfg2 = with_layout(tiny_config(), {.dp = 2, .zero = 2});
+  auto cfg3 = with_layout(tiny_config(), {.dp = 2, .zero = 3});
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> z2(comm, cfg2), z3(comm, cfg3);
+    trellis::train::DataLoader loader(tokens(), {cfg3.batch, cfg3.seq, 99, true, comm.rank(), 2});
+    const auto batch = loader.next();
+    z2.step(batch);
+    z3.step(batch);
+    const auto& m = cfg3.model;
+    const double W = static_cast<double>(m.width), V = static_cast<double>(m.vocab);
+    const double block = 12 * W * W + 13 * W, wte = V * W, all = wte + m.positions * W + m.layers * block + 2 * W;
+    const double full = static_cast<double>(z2.memory().parameters) / 4;  // ZeRO-2: the packed values
+    RANK_CHECK(full >= all);
+    RANK_CHECK(full <= all + 16 * 40);
+    const double z3_floats = static_cast<double>(z3.memory().parameters) / 4;
+    RANK_CHECK(z3_floats >= all / 2 + wte + 2 * block);
+    RANK_CHECK(z3_floats <= all / 2 + 16 * 40 + wte + 2 * (block + 12 * 16));
+    RANK_CHECK(z3.prefetched_gathers() > 0);
+    for (auto* p : z3.parameters()) {
+      INFO(p->name);
+      RANK_CHECK_THROWS_WITH(static_cast<void>(p->value[0]), Catch::Matchers::Contains("not bound"));
+    }
+    z3.with_parameters([&] {
+      z2.with_parameters([&] {
+        for (std::size_t i = 0; i < z3.parameters().size(); ++i) {
+          INFO(z3.parameters()[i]->name);
+          const auto& a = z3.parameters()[i]->value;
+          const auto& b = z2.parameters()[i]->value;
+          RANK_CHECK(std::equal(a.begin(), a.end(), b.begin()));
+        }
+      });
+    });
+    cfg3.prefetch_values = false;
+    Trainer<ThreadComm> off(comm, cfg3);
+    off.step(batch);
+    RANK_CHECK(off.prefetched_gathers() == 0);
+  });
+}
+
 // The optimizer step fused into the backward (TrainerConfig::fused_update): each weight unit's
 // AdamW update as soon as its gradients are reduced. AdamW is elementwise, so without clipping it
 // is the unfused step's arithmetic on the same gradients: the same bits in every layout.
@@ -240,6 +315,7 @@ TEST_CASE("fused update without clipping equals the unfused step bitwise", "[tra
   using Fused = TrainerConfig::FusedUpdate;
   for (const Layout& l : {Layout{}, Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 2, .zero = 1},
                           Layout{.dp = 2, .zero = 2, .microbatches = 2}, Layout{.tp = 2, .sp = true},
+                          Layout{.dp = 2, .zero = 3, .microbatches = 2},
                           Layout{.pp = 2, .dp = 2, .schedule = "zb_v", .microbatches = 4},
                           Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
                           Layout{.dp = 2, .overlap_off = true},
@@ -339,6 +415,7 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
        {with_layout(tiny, {}), with_layout(tiny, {.dp = 2, .zero = 1}), with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2}),
         with_layout(tiny, {.pp = 2, .tp = 2, .sp = true, .schedule = "zb_v", .microbatches = 4}),
         with_layout(tiny, {.dp = 2, .moe = true, .ep = 2}), fused(with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2})),
+        with_layout(tiny, {.dp = 2, .zero = 3}),
         fused(with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2}))}) {
     INFO("pp " << c.pp << " dp " << c.dp << " tp " << c.tp << " zero " << c.zero << " fused "
                << (c.fused_update != Fused::off));
@@ -517,6 +594,7 @@ TEST_CASE("host bf16: every layout equals one bf16 rank, and bf16 tracks fp32", 
   run({.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}, ref, ref_w, cut, "bf16 pp2 interleaved");
   run({.dp = 2, .zero = 1}, ref, ref_w, cut, "bf16 dp2 zero1");
   run({.dp = 2, .zero = 2, .microbatches = 2}, ref, ref_w, cut, "bf16 dp2 m2 zero2");
+  run({.dp = 2, .zero = 3, .microbatches = 2}, ref, ref_w, cut, "bf16 dp2 m2 zero3");
   run({.tp = 2}, ref, ref_w, split, "bf16 tp2");
   run({.tp = 2, .sp = true}, ref, ref_w, split, "bf16 tp2+sp");
   run({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 1, .schedule = "zb_v", .microbatches = 2}, ref, ref_w, split,
@@ -566,7 +644,7 @@ TEST_CASE("host bf16: two steps within the GPU test's tolerances of fp32", "[tra
 // backend::DeviceChecked: the host arithmetic under the discipline of device memory (every kernel
 // argument a backend allocation, packed parameters and moments not host-readable). A layout run
 // with it must equal the same layout on backend::Host bit for bit: that every layer, the pipe
-// executor's buffers, the optimizer, ZeRO-1 and the tied-wte sum reach memory only through the
+// executor's buffers, the optimizer, ZeRO-1, ZeRO-3's gathers and the tied-wte sum reach memory only through the
 // backend is what a CUDA run needs (zb_h1, interleaved and the zb_v layout post their sends and
 // receives as one group, as the trainer does on NCCL).
 TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host fp32 bitwise",
@@ -579,6 +657,7 @@ TEST_CASE("device discipline: every layout runs on DeviceChecked and equals host
                                  .microbatches = 2, .batch_p2p = true},
                           Layout{.dp = 2, .dropout = kDropout, .recompute = true},
                           Layout{.pp = 2, .dp = 2, .zero = 2, .schedule = "zb_v", .microbatches = 4, .batch_p2p = true},
+                          Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "1f1b", .microbatches = 2},
                           Layout{.dp = 4, .tp = 2, .sp = true, .zero = 1, .moe = true, .ep = 2, .capacity = 1.0f,
                                  .aux_loss = 0.01f}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " " << l.schedule << " ep " << l.ep);

@@ -70,8 +70,13 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));
   CHECK(contains(error_of({"--zero1"}), "--zero 1 shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1"));
-  CHECK(contains(error_of({"--dp", "2", "--zero", "3"}), "--zero 3 is not a ZeRO stage this trainer has"));
+  CHECK(contains(error_of({"--dp", "2", "--zero", "4"}), "--zero 4 is not a ZeRO stage this trainer has"));
   CHECK(parse_flags({"--dp", "2", "--zero", "2"}).zero == 2);
+  const auto z3 = parse_flags({"--dp", "2", "--zero", "3", "--no-prefetch"});
+  CHECK(z3.zero == 3);
+  CHECK(!z3.prefetch);
+  CHECK(!train_gpt::trainer_config(z3).prefetch_values);
+  CHECK(train_gpt::trainer_config(parse_flags({"--dp", "2", "--zero", "3"})).prefetch_values);
   CHECK(contains(error_of({"--fused-update", "unclipped"}), "give --clip 0, or --fused-update previous-clip"));
   CHECK(error_of({"--fused-update", "unclipped", "--clip", "0"}).empty());
   CHECK(error_of({"--fused-update", "previous-clip"}).empty());

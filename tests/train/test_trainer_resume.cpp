@@ -1,12 +1,12 @@
 // Trainer checkpoints:
 //  - resume: 6 steps straight == 3 steps, save, a NEW world/trainer loads, 3 more steps: losses
 //    and final weights bitwise equal (tp2.pp2 zb_h1, dp2 ZeRO-1, dp2 m2 ZeRO-2, and with dropout 0.1:
-//    tp2+sp.pp2 zb_h1 and dp2 m2, whose masks come from the restored step count);
+//    tp2+sp.pp2 zb_h1 and dp2 m2, whose masks come from the restored step count; dp2.pp2 ZeRO-3);
 //  - reshard: the tp2.pp2 checkpoint at step 3 loaded under dp2, pp4, one rank and dp2 ZeRO-1,
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
 //    as the straight run (other layouts sum in another order, so not bitwise);
-//  - ZeRO stages: a dp2 ZeRO-2 checkpoint continues under dp2 (no ZeRO) and dp4 ZeRO-1, whose
-//    checkpoints continue under ZeRO-2 again (1e-5, as a reshard);
+//  - ZeRO stages: a dp2 ZeRO-2 checkpoint continues under dp2 (no ZeRO), dp4 ZeRO-1 and dp2.pp2
+//    ZeRO-3, whose checkpoints continue under ZeRO-2 again (1e-5, as a reshard);
 //  - an MoE checkpoint (dp4 ep2 ZeRO-1) resumes bitwise and continues the same under one rank,
 //    dp2 ep2, dp4 ep4 and dp2.tp2.pp2 ep2;
 //  - refusals: another model shape or configuration; ranks that saved different data positions
@@ -56,7 +56,7 @@ void save_three_steps(const Layout& l, const std::filesystem::path& dir) {
 TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   for (const Layout& l :
        {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero = 1},
-        Layout{.dp = 2, .zero = 2, .microbatches = 2},
+        Layout{.dp = 2, .zero = 2, .microbatches = 2}, Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "zb_h1", .microbatches = 2},
         Layout{.pp = 2, .tp = 2, .sp = true, .schedule = "zb_h1", .microbatches = 2, .dropout = 0.1f},
         Layout{.dp = 2, .microbatches = 2, .dropout = 0.1f}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " dropout " << l.dropout);
@@ -102,12 +102,13 @@ TEST_CASE("a checkpoint loads into other layouts and training continues the same
   }
 }
 
-TEST_CASE("checkpoints move between ZeRO stages: a ZeRO-2 save loads into ZeRO-0 and ZeRO-1 and back",
+TEST_CASE("checkpoints move between ZeRO stages: a ZeRO-2 save loads into ZeRO-0, 1 and 3 and back",
           "[train][trainer][reshard][zero]") {
   const Layout zero2{.dp = 2, .zero = 2, .microbatches = 2};
   Straight s;
   straight(zero2, s);
-  for (const Layout& other : {Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 4, .zero = 1, .microbatches = 1}}) {
+  for (const Layout& other : {Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 4, .zero = 1, .microbatches = 1},
+                              Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "1f1b", .microbatches = 2}}) {
     INFO("the other layout: dp " << other.dp << " zero " << other.zero);
     TempDir dir("trainer-zero-stages");
     save_three_steps(zero2, dir.path);

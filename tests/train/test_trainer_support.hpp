@@ -170,10 +170,12 @@ void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collect
       for (index_t i = 0; i < p->numel(); ++i)
         weights.put(p->name, p->global_numel(), p->global_index(i), host[static_cast<std::size_t>(i)]);
     };
-    for (auto* p : t.parameters()) put(p);
-    for (auto& m : t.chunks())  // every wte copy must equal the primary one
-      for (auto* p : m->parameters())
-        if (p->name == "wte.weight") put(p);
+    t.with_parameters([&] {  // ZeRO-3: the values gathered for the call
+      for (auto* p : t.parameters()) put(p);
+      for (auto& m : t.chunks())  // every wte copy must equal the primary one
+        for (auto* p : m->parameters())
+          if (p->name == "wte.weight") put(p);
+    });
     std::lock_guard<std::mutex> lock(mutex);
     if (comm.rank() == 0) {
       losses = my_losses;

@@ -12,10 +12,13 @@
 // stage's wte (`tied_wte` argument) and both add into its one gradient: no copy.
 //
 // Weight units: backward_weight runs the head (ln_f and the LM head), the blocks last to first,
-// then the embedding; a caller's hook hears when each unit starts (UnitPhase::begin: a trainer may
-// bind the unit's gradient storage) and is done (end), so a trainer can start a unit's gradient
-// reduction as soon as its last microbatch's W finished (weight_unit_parameters lists each unit's
-// parameters, wte excluded: its gradient comes from two units).
+// then the embedding; a caller's hook hears when each unit starts (UnitPhase::weight_begin: a
+// trainer may bind the unit's gradient storage) and is done (weight_end), so a trainer can start a
+// unit's gradient reduction as soon as its last microbatch's W finished (weight_unit_parameters
+// lists each unit's parameters, wte excluded: its gradient comes from two units). The same hook
+// hears around every read of a unit's values (forward_begin/end, backward_begin/end: its forward,
+// its backward_input), so a trainer may keep the values elsewhere and bind them only then (ZeRO-3);
+// a W reads no values (its gradient is x^T dy), so W alone needs none.
 //
 // Stage I/O: activations between stages are the norm-region rows (local_rows x width; with sp
 // only this rank's sequence shard), rows in sequence-major order (row = t * batch + b).
@@ -47,8 +50,12 @@
 
 namespace trellis::nn {
 
-// A weight unit's hook hears each unit twice per microbatch: before its W and after it.
-enum class UnitPhase { begin, end };
+// What a weight unit's hook hears, in order for one microbatch of one unit: forward_begin, _end
+// (the forward reads the unit's values); backward_begin, [weight_begin, weight_end,] backward_end
+// (backward_input reads the values; in a fused backward the unit's W runs inside); and, when W runs
+// apart from B (zero-bubble schedules), weight_begin, weight_end later (W adds into the gradients).
+// The embedding's backward reads no values: it hears only weight_begin, weight_end.
+enum class UnitPhase { forward_begin, forward_end, backward_begin, backward_end, weight_begin, weight_end };
 
 struct GptConfig {
   index_t vocab = 50257;
@@ -75,7 +82,7 @@ struct GptOptions {
   float init_std = 0.02f;    // GPT-2: N(0, 0.02); c_proj weights scaled by 1/sqrt(2 * layers)
   std::size_t pack_alignment = 16;  // floats; each parameter's start in the packed buffers (nn/parameter_buffer.hpp)
   // false: gradients get no packed storage; the caller binds them around each weight unit's W
-  // (the hook's UnitPhase::begin; the Trainer's ZeRO-2 slots).
+  // (the hook's UnitPhase::weight_begin; the Trainer's ZeRO-2 slots).
   bool packed_gradients = true;
   // MoE blocks (GptConfig::moe_every): capacity factor (0: dropless) and the auxiliary losses' coefficients.
   float moe_capacity = 0.0f;
@@ -235,25 +242,36 @@ class GptModel {
 
   // Runs the stage's forward for microbatch mb. Returns the loss contribution (last stage: sum of
   // token losses / in.token_count), else writes `output` (local_rows x width, B's memory) and
-  // returns 0.
+  // returns 0. unit_hook(u, forward_begin / forward_end) around each unit (embedding first).
   double forward(int mb, const TokenShape& shape, const Input& in, act_t* output) {
+    return forward(mb, shape, in, output, [](int, UnitPhase) {});
+  }
+  template <class F>
+  double forward(int mb, const TokenShape& shape, const Input& in, act_t* output, F&& unit_hook) {
     shape.check_segments("GptModel::forward");
     cp_.check(shape, "GptModel::forward");
     TRELLIS_CHECK(shape.full_seq() <= cfg_.positions, "GptModel::forward: sequence length ", shape.full_seq(),
                   " exceeds the ", cfg_.positions, " learned positions");
     const index_t n = tp_.local_rows(shape) * cfg_.width;
     auto x = allocate(n), y = allocate(n);
+    int unit = weight_units() - 1;  // units count from the head: the forward meets them last first
     if (embedding_) {
       TRELLIS_CHECK(in.tokens != nullptr, "GptModel::forward: the first stage needs tokens");
-      auto r = be_.range("embedding forward");
-      embedding_->forward(mb, shape, in.tokens, x.data());
-      drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
+      unit_hook(unit, UnitPhase::forward_begin);
+      {
+        auto r = be_.range("embedding forward");
+        embedding_->forward(mb, shape, in.tokens, x.data());
+        drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, x.data());
+      }
+      unit_hook(unit--, UnitPhase::forward_end);
     } else {
       TRELLIS_CHECK(in.activation != nullptr, "GptModel::forward: stage without embedding needs an input activation");
       be_.copy(x.data(), in.activation, x.size());
     }
     for (auto& b : blocks_) {
+      unit_hook(unit, UnitPhase::forward_begin);
       b->forward(mb, shape, x.data(), y.data());
+      unit_hook(unit--, UnitPhase::forward_end);
       std::swap(x, y);
     }
     if (!head_) {
@@ -262,27 +280,40 @@ class GptModel {
       return 0.0;
     }
     TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: the last stage needs targets");
-    auto r = be_.range("head forward");  // ln_f, the tied LM head and the loss
-    ln_f_->forward(mb, shape, x.data(), y.data());
-    return head_->forward(mb, shape, y.data(), in.targets, in.token_count);
+    unit_hook(unit, UnitPhase::forward_begin);
+    double loss = 0.0;
+    {
+      auto r = be_.range("head forward");  // ln_f, the tied LM head and the loss
+      ln_f_->forward(mb, shape, x.data(), y.data());
+      loss = head_->forward(mb, shape, y.data(), in.targets, in.token_count);
+    }
+    unit_hook(unit, UnitPhase::forward_end);
+    return loss;
   }
 
   // doutput: gradient of this stage's output (ignored on the last stage, whose output is the
   // loss, seeded with d loss = 1); dinput: gradient of its input (not written on the first stage).
+  // unit_hook(u, backward_begin / backward_end) around each unit (head first).
   void backward_input(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput) {
     run_backward(mb, shape, doutput, dinput, false, [](int, UnitPhase) {});
+  }
+  template <class F>
+  void backward_input(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, F&& unit_hook) {
+    run_backward(mb, shape, doutput, dinput, false, unit_hook);
   }
   // backward_input and backward_weight fused unit by unit (each unit's W right after its B, the
   // order of a plain backward pass): the gradients of the last units become final while the
   // first ones still run, so a trainer's reductions overlap the rest of the backward.
-  // unit_hook(u, phase) as in backward_weight; the results equal backward_input + backward_weight.
+  // unit_hook(u, phase) around each unit's backward and, inside it, its W; the results equal
+  // backward_input + backward_weight.
   template <class F>
   void backward(int mb, const TokenShape& shape, const act_t* doutput, act_t* dinput, F&& unit_hook) {
     run_backward(mb, shape, doutput, dinput, true, unit_hook);
   }
 
   // Adds microbatch mb's weight gradients and frees its saved activations, unit by unit (head,
-  // blocks last to first, embedding); unit_hook(u, begin) before unit u, (u, end) after it.
+  // blocks last to first, embedding); unit_hook(u, weight_begin) before unit u, (u, weight_end)
+  // after it.
   void backward_weight(int mb) {
     backward_weight(mb, [](int, UnitPhase) {});
   }
@@ -290,26 +321,26 @@ class GptModel {
   void backward_weight(int mb, F&& unit_hook) {
     int unit = 0;
     if (head_) {
-      unit_hook(unit, UnitPhase::begin);
+      unit_hook(unit, UnitPhase::weight_begin);
       {
         auto r = be_.range("head backward_weight");
         head_->backward_weight(mb);
         ln_f_->backward_weight(mb);
       }
-      unit_hook(unit++, UnitPhase::end);
+      unit_hook(unit++, UnitPhase::weight_end);
     }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
-      unit_hook(unit, UnitPhase::begin);
+      unit_hook(unit, UnitPhase::weight_begin);
       (*it)->backward_weight(mb);
-      unit_hook(unit++, UnitPhase::end);
+      unit_hook(unit++, UnitPhase::weight_end);
     }
     if (embedding_) {
-      unit_hook(unit, UnitPhase::begin);
+      unit_hook(unit, UnitPhase::weight_begin);
       {
         auto r = be_.range("embedding backward_weight");
         embedding_->backward_weight(mb);
       }
-      unit_hook(unit++, UnitPhase::end);
+      unit_hook(unit++, UnitPhase::weight_end);
     }
     saved_.release(mb);
   }
@@ -452,46 +483,50 @@ class GptModel {
     auto g = allocate(n), h = allocate(n);
     int unit = 0;
     if (head_) {
+      unit_hook(unit, UnitPhase::backward_begin);
       {
         auto r = be_.range("head backward_input");
         head_->backward_input(mb, shape, h.data());
         ln_f_->backward_input(mb, shape, h.data(), g.data());
       }
       if (with_weights) {
-        unit_hook(unit, UnitPhase::begin);
+        unit_hook(unit, UnitPhase::weight_begin);
         {
           auto r = be_.range("head backward_weight");
           head_->backward_weight(mb);
           ln_f_->backward_weight(mb);
         }
-        unit_hook(unit++, UnitPhase::end);
+        unit_hook(unit, UnitPhase::weight_end);
       }
+      unit_hook(unit++, UnitPhase::backward_end);
     } else {
       TRELLIS_CHECK(doutput != nullptr, "GptModel::backward_input: stage without head needs the output gradient");
       be_.copy(g.data(), doutput, g.size());
     }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      unit_hook(unit, UnitPhase::backward_begin);
       (*it)->backward_input(mb, shape, g.data(), h.data());
       std::swap(g, h);
       if (with_weights) {
-        unit_hook(unit, UnitPhase::begin);
+        unit_hook(unit, UnitPhase::weight_begin);
         (*it)->backward_weight(mb);
-        unit_hook(unit++, UnitPhase::end);
+        unit_hook(unit, UnitPhase::weight_end);
       }
+      unit_hook(unit++, UnitPhase::backward_end);
     }
-    if (embedding_) {
+    if (embedding_) {  // its backward_input keeps dy for W and reads no values: no backward_begin/end
       {
         auto r = be_.range("embedding backward_input");
         drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
         embedding_->backward_input(mb, shape, g.data());
       }
       if (with_weights) {
-        unit_hook(unit, UnitPhase::begin);
+        unit_hook(unit, UnitPhase::weight_begin);
         {
           auto r = be_.range("embedding backward_weight");
           embedding_->backward_weight(mb);
         }
-        unit_hook(unit++, UnitPhase::end);
+        unit_hook(unit++, UnitPhase::weight_end);
       }
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");

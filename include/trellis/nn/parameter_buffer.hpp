@@ -16,6 +16,11 @@
 // stay unbound (null) until the owner binds each parameter's gradient where it wants it (the
 // Trainer's ZeRO-2 binds a weight unit's gradients to a short-lived slot around its W). The
 // packed layout (packed_range) is the same either way.
+//
+// drop_values() frees the packed values and unbinds the value views (ZeRO-3 keeps a shard of each
+// range elsewhere and binds a unit's values to a gathered slot while it computes);
+// restore_values() packs them again (zeroed, the owner fills them: a checkpoint, FSDP's
+// "summon full parameters").
 #pragma once
 
 #include <algorithm>
@@ -68,6 +73,17 @@ class ParameterBuffer {
   }
 
   std::span<float> values() { return {values_.data(), values_.size()}; }
+  std::span<const float> values() const { return {values_.data(), values_.size()}; }
+  bool values_held() const { return values_.size() > 0 || order_.empty(); }
+  void drop_values() {
+    values_ = {};
+    for (Parameter* p : order_) p->value.rebind(nullptr, B::host_readable);
+  }
+  void restore_values() {
+    if (values_held()) return;
+    values_ = be_.template allocate<float>(packed_size());  // zeroed, padding included
+    for (std::size_t i = 0; i < order_.size(); ++i) order_[i]->value.rebind(values_.data() + offsets_[i], B::host_readable);
+  }
   std::span<float> grads() { return {grads_.data(), grads_.size()}; }
   std::size_t parameters() const { return order_.size(); }
   std::size_t alignment() const { return alignment_; }
@@ -85,6 +101,8 @@ class ParameterBuffer {
     return {grads_.data() + at, n};
   }
   std::span<float> value_range(const Parameter& first, const Parameter& last) {
+    TRELLIS_CHECK(values_held(), "ParameterBuffer: values of ", first.name, "..", last.name,
+                  " are dropped (sharded elsewhere: ZeRO-3)");
     const auto [at, n] = packed_range(first, last);
     return {values_.data() + at, n};
   }
@@ -93,6 +111,10 @@ class ParameterBuffer {
     const std::size_t a = index_of(first), b = index_of(last);
     TRELLIS_CHECK(a <= b, "ParameterBuffer: ", first.name, " is packed after ", last.name);
     return {offsets_[a], round_up(offsets_[b] + last.value.size()) - offsets_[a]};
+  }
+  // Floats of the whole packed layout, padding included.
+  std::size_t packed_size() const {
+    return order_.empty() ? 0 : round_up(offsets_.back() + order_.back()->value.size());
   }
   // Position of p in the packing order (error if p is not packed here).
   std::size_t index_of(const Parameter& p) const {

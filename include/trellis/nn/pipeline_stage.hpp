@@ -79,25 +79,18 @@ class GptPipelineStage {
     si.targets = m->stage().head ? ids(targets_, mb, "targets") : nullptr;
     si.activation = in.empty() ? nullptr : in.data();
     si.token_count = token_count_;
-    loss_ += m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data());
+    loss_ += m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data(), hook(mb, chunk));
   }
   void backward_input(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
-                                 grad_in.empty() ? nullptr : grad_in.data());
+                                 grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
   }
   // backward_input + backward_weight fused per unit (GptModel::backward), for a plain loop.
   void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
-                           grad_in.empty() ? nullptr : grad_in.data(), [&](int unit, UnitPhase phase) {
-                             if (unit_hook_) unit_hook_(mb, chunk, unit, phase);
-                           });
+                           grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
   }
-  void backward_weight(int mb, int chunk) {
-    if (unit_hook_)
-      model(chunk)->backward_weight(mb, [&](int unit, UnitPhase phase) { unit_hook_(mb, chunk, unit, phase); });
-    else
-      model(chunk)->backward_weight(mb);
-  }
+  void backward_weight(int mb, int chunk) { model(chunk)->backward_weight(mb, hook(mb, chunk)); }
 
   // Sums the tied wte gradient over every pipeline rank that holds a wte (first and last virtual
   // stage) and leaves the sum in each. Collective over pp_comm (the ranks with this rank's tp
@@ -135,11 +128,17 @@ class GptPipelineStage {
     for (Parameter* w : copies) be.copy(w->grad.data(), sum.data(), n);
   }
 
-  // Called before and after each weight unit of a chunk's backward_weight (GptModel's units) with
-  // (microbatch, chunk, unit, phase): a trainer binds gradient storage and starts reductions from it.
-  void set_weight_unit_hook(std::function<void(int, int, int, UnitPhase)> hook) { unit_hook_ = std::move(hook); }
+  // Called around each weight unit of a chunk's forward, backward_input and backward_weight
+  // (GptModel's units and UnitPhase) with (microbatch, chunk, unit, phase): a trainer binds
+  // gradient storage and starts reductions from it, and binds gathered values (ZeRO-3).
+  void set_unit_hook(std::function<void(int, int, int, UnitPhase)> hook) { unit_hook_ = std::move(hook); }
 
  private:
+  auto hook(int mb, int chunk) {
+    return [this, mb, chunk](int unit, UnitPhase phase) {
+      if (unit_hook_) unit_hook_(mb, chunk, unit, phase);
+    };
+  }
   model_type* model(int chunk) const {
     TRELLIS_CHECK(chunk >= 0 && chunk < static_cast<int>(chunks_.size()), "GptPipelineStage: chunk ", chunk,
                   " of ", chunks_.size());

@@ -12,10 +12,12 @@
 //           microbatches in fp32 and the slot is reused once its reduce-scatter finished
 //           (DeepSpeed's stage 2, FSDP's SHARD_GRAD_OP). wte keeps a whole gradient: two units
 //           (embedding and head) add to it and the tied sum over pp comes first, so its bucket
-//           reduce-scatters once, after that sum.
+//           reduce-scatters once, after that sum;
+//   ZeRO 3: the gradients as ZeRO 2; the values are sharded too, by train::ParamShards on the same
+//           buckets (train/param_shards.hpp).
 // A bucket's padding is zero in every buffer, so reducing it adds zeros. The optimizer then runs
 // on the shards (pieces(), cut at parameter boundaries), and gather_values() all-gathers each
-// bucket's updated values in place in the packed values.
+// bucket's updated values in place in the packed values (ZeRO 1, 2).
 #pragma once
 
 #include <algorithm>
@@ -40,7 +42,7 @@ class GradBuckets {
  public:
   using Model = nn::GptModel<C, B>;
   struct Options {
-    int zero = 0;                         // 0, 1 or 2 (see above)
+    int zero = 0;                         // 0 to 3 (see above)
     std::size_t bucket_elements = 1 << 18;
     int slots = 2;                        // ZeRO-2: unit gradient slots (one in W, one reducing)
   };
@@ -50,6 +52,27 @@ class GradBuckets {
     std::size_t param = 0, bucket = 0;
     index_t tensor_begin = 0, shard_offset = 0, size = 0;
   };
+  // A bucket: a range of chunk `owner`'s packed layout, reduced over `comm`.
+  struct Bucket {
+    int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
+    int owner = 0;            // the chunk whose packed layout holds it (wte's too)
+    C* comm = nullptr;        // the ranks holding the same values: dp x cp, or its expert replicas
+    std::vector<std::size_t> params;         // indices into params_
+    std::vector<std::size_t> param_offsets;  // each one's offset in the range
+    std::size_t packed_begin = 0, size = 0;  // the range in the owner's packed layout (floats)
+    float* grads = nullptr;  // the packed gradients of that range (ZeRO-2/3: wte's own; null for units' slots)
+    std::size_t shard_begin = 0;  // ZeRO-1/2/3: this rank's reduced shard, at shards_[shard_begin]
+    std::optional<typename C::request_type> request;
+    bool reduced = false;  // this step's reduction finished (waited for)
+
+    std::size_t shard_size() const { return size / static_cast<std::size_t>(comm->size()); }
+  };
+  // A weight unit of a chunk: its parameters (packing order), their range and buckets.
+  struct Unit {
+    std::vector<nn::Parameter*> params;
+    std::size_t begin = 0, size = 0;
+    std::vector<std::size_t> buckets;
+  };
 
   GradBuckets() = default;
   // chunks: this rank's models (their packed buffers: ZeRO-2 needs GptOptions::packed_gradients
@@ -58,12 +81,12 @@ class GradBuckets {
   GradBuckets(const Options& o, std::vector<Model*> chunks, std::vector<nn::Parameter*> params, C& replicas,
               C& expert_replicas, B be)
       : opt_(o), chunks_(std::move(chunks)), params_(std::move(params)), be_(std::move(be)) {
-    TRELLIS_CHECK(o.zero >= 0 && o.zero <= 2, "GradBuckets: ZeRO stage ", o.zero, " (0, 1 or 2)");
+    TRELLIS_CHECK(o.zero >= 0 && o.zero <= 3, "GradBuckets: ZeRO stage ", o.zero, " (0 to 3)");
     TRELLIS_CHECK(o.slots >= 1, "GradBuckets: ", o.slots, " gradient slots");
     for (Model* m : chunks_)
-      TRELLIS_CHECK((m->parameter_buffer().gradients() == nn::ParameterBuffer<B>::Gradients::external) == (o.zero == 2),
-                    "GradBuckets: ZeRO-2 needs models without packed gradients (GptOptions::packed_gradients), the "
-                    "other stages need them");
+      TRELLIS_CHECK((m->parameter_buffer().gradients() == nn::ParameterBuffer<B>::Gradients::external) == (o.zero >= 2),
+                    "GradBuckets: ZeRO-2 and 3 need models without packed gradients (GptOptions::packed_gradients), "
+                    "the other stages need them");
     for (int c = static_cast<int>(chunks_.size()) - 1; c >= 0; --c) {
       Model& m = *chunks_[static_cast<std::size_t>(c)];
       unit_of_.emplace_back();
@@ -73,17 +96,24 @@ class GradBuckets {
     for (std::size_t i = 0; i < params_.size(); ++i)
       if (params_[i]->name == "wte.weight") add_wte(i, replicas);
     if (opt_.zero >= 1) setup_shards();
-    if (opt_.zero == 2) setup_slots();
+    if (opt_.zero >= 2) setup_slots();
   }
 
   int zero() const { return opt_.zero; }
   std::size_t size() const { return buckets_.size(); }
+  const Bucket& bucket(std::size_t k) const { return buckets_.at(k); }
+  const Unit& unit(int c, int u) const { return unit_of_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)); }
+  const std::vector<Model*>& chunks() const { return chunks_; }
+  const std::vector<nn::Parameter*>& parameters() const { return params_; }
+  // ZeRO-1/2/3: floats of this rank's shards of every bucket (the shards' layout).
+  std::size_t shard_elements() const { return shards_.size(); }
   const std::vector<Piece>& pieces() const { return pieces_; }
   // Piece k's reduced gradient (in the shards) and value (in the packed values).
   std::span<const float> piece_grad(const Piece& pc) const {
     return {shards_.data() + buckets_[pc.bucket].shard_begin + pc.shard_offset, static_cast<std::size_t>(pc.size)};
   }
   std::span<float> piece_value(const Piece& pc) const {
+    TRELLIS_CHECK(opt_.zero < 3, "GradBuckets: under ZeRO-3 the values' shards are ParamShards'");
     return {params_[pc.param]->value.data() + pc.tensor_begin, static_cast<std::size_t>(pc.size)};
   }
   // Bytes of gradient storage this object holds (ZeRO-1/2 shards, ZeRO-2 slots and wte's gradient).
@@ -96,13 +126,13 @@ class GradBuckets {
   // ---- during the step --------------------------------------------------------------------------
   void begin_step() {
     for (auto& b : buckets_) b.reduced = false;
-    if (opt_.zero != 2) return;
+    if (opt_.zero < 2) return;
     be_.fill_zero(shards_.data(), shards_.size());
     be_.fill_zero(wte_grad_.data(), wte_grad_.size());
   }
-  // Before unit u of chunk c runs one microbatch's W. ZeRO-2: its gradients get a zeroed slot.
+  // Before unit u of chunk c runs one microbatch's W. ZeRO-2/3: its gradients get a zeroed slot.
   void begin_unit(int c, int u) {
-    if (opt_.zero != 2) return;
+    if (opt_.zero < 2) return;
     Unit& unit = unit_at(c, u);
     if (unit.params.empty()) return;
     TRELLIS_CHECK(active_ < 0, "GradBuckets: weight unit ", u, " of chunk ", c, " began inside another unit's W");
@@ -117,13 +147,13 @@ class GradBuckets {
   // returns how many started.
   int end_unit(int c, int u, bool last, bool start_now) {
     Unit& unit = unit_at(c, u);
-    if (opt_.zero == 2) {
+    if (opt_.zero >= 2) {
       if (unit.params.empty()) return 0;
       Slot& s = slots_[static_cast<std::size_t>(active_)];
       std::size_t received = 0;
       for (std::size_t k : unit.buckets) {
         Bucket& b = buckets_[k];
-        const std::size_t n = b.size / static_cast<std::size_t>(b.comm->size());
+        const std::size_t n = b.shard_size();
         s.pending.push_back({k, received, start(b, s.grads.data() + (b.packed_begin - unit.begin), s.received.data() + received)});
         received += n;
       }
@@ -140,7 +170,7 @@ class GradBuckets {
   // the units did not start theirs) and waits for all (ZeRO-2: the slots' shards added in).
   void finish() {
     for (auto& b : buckets_)
-      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero != 2)) b.request = start(b, b.grads, shard_of(b));
+      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero < 2)) b.request = start(b, b.grads, shard_of(b));
     while (!in_flight_.empty()) retire_oldest();
     for (auto& b : buckets_) wait(b);
   }
@@ -148,15 +178,15 @@ class GradBuckets {
   // and waited for (ZeRO-2: every slot in flight retired). For an update of that unit alone (the
   // optimizer step fused into the backward), after its last microbatch's end_unit.
   void wait_unit(int c, int u) {
-    if (opt_.zero == 2)
+    if (opt_.zero >= 2)
       while (!in_flight_.empty()) retire_oldest();
     for (std::size_t k : bucket_indices(c, u)) {
       Bucket& b = buckets_[k];
-      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero != 2)) b.request = start(b, b.grads, shard_of(b));
+      if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero < 2)) b.request = start(b, b.grads, shard_of(b));
       wait(b);
     }
   }
-  // ZeRO-1/2: the indices (into pieces()) of unit u of chunk c's shard pieces (-1: wte's).
+  // ZeRO-1/2/3: the indices (into pieces()) of unit u of chunk c's shard pieces (-1: wte's).
   std::vector<std::size_t> pieces_of(int c, int u) const {
     std::vector<std::size_t> out;
     const auto ks = bucket_indices(c, u);
@@ -168,12 +198,13 @@ class GradBuckets {
   // ---- after the optimizer ----------------------------------------------------------------------
   // The updated values go from the optimizer's placement, Shard(0), back to the parameters'
   // (Replicate): an all-gather per bucket, in place (this rank's shard is already at r L/n), all
-  // started, then all waited for.
+  // started, then all waited for. ZeRO-1/2 (ZeRO-3 gathers a unit's values when it computes).
   void gather_values() {
+    TRELLIS_CHECK(opt_.zero >= 1 && opt_.zero < 3, "GradBuckets::gather_values: ZeRO stage ", opt_.zero);
     for (auto& b : buckets_) {
-      const auto n = b.size / static_cast<std::size_t>(b.comm->size());
-      b.request = shard::start_flat_redistribute(*b.comm, shard::shard_code(0), shard::replicate_code(), b.values.data(),
-                                                 b.values.data() + static_cast<std::size_t>(b.comm->rank()) * n, b.size);
+      float* values = chunks_[static_cast<std::size_t>(b.owner)]->parameter_buffer().values().data() + b.packed_begin;
+      b.request = shard::start_flat_redistribute(*b.comm, shard::shard_code(0), shard::replicate_code(), values,
+                                                 values + static_cast<std::size_t>(b.comm->rank()) * b.shard_size(), b.size);
     }
     for (auto& b : buckets_)
       if (b.request) {
@@ -191,7 +222,7 @@ class GradBuckets {
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
         const Bucket& b = buckets_[k];
         const auto parts = static_cast<std::size_t>(b.comm->size());
-        const std::size_t n = b.size / parts;
+        const std::size_t n = b.shard_size();
         std::vector<float> mine(n, 0.0f), all(n * parts);
         for (std::size_t q = 0; q < pieces_.size(); ++q)
           if (pieces_[q].bucket == k) {
@@ -199,31 +230,15 @@ class GradBuckets {
             which == 0 ? state.read_m(q, dst) : state.read_v(q, dst);
           }
         b.comm->all_gather(mine.data(), all.data(), n);
-        for (std::size_t i : b.params) {
-          const auto at = static_cast<std::ptrdiff_t>(params_[i]->value.data() - b.values.data());
-          std::copy_n(all.begin() + at, out[i].size(), out[i].begin());
+        for (std::size_t j = 0; j < b.params.size(); ++j) {
+          const std::size_t i = b.params[j];
+          std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(b.param_offsets[j]), out[i].size(), out[i].begin());
         }
       }
     }
   }
 
  private:
-  struct Bucket {
-    int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
-    C* comm = nullptr;        // the ranks holding the same values: dp x cp, or its expert replicas
-    std::vector<std::size_t> params;  // indices into params_
-    std::size_t packed_begin = 0, size = 0;  // the range in the chunk's packed layout (floats)
-    std::span<float> values;                 // the packed values of that range
-    float* grads = nullptr;  // the packed gradients of that range (ZeRO-2: wte's own; null for units' slots)
-    std::size_t shard_begin = 0;  // ZeRO-1/2: this rank's reduced shard, at shards_[shard_begin]
-    std::optional<typename C::request_type> request;
-    bool reduced = false;  // this step's reduction finished (waited for)
-  };
-  struct Unit {
-    std::vector<nn::Parameter*> params;  // packing order
-    std::size_t begin = 0, size = 0;     // their range in the packed layout
-    std::vector<std::size_t> buckets;
-  };
   struct Pending {
     std::size_t bucket, received;
     std::optional<typename C::request_type> request;
@@ -281,13 +296,15 @@ class GradBuckets {
         TRELLIS_CHECK(buffer.index_of(*run[k]) == buffer.index_of(*run[k - 1]) + 1, "GradBuckets: bucket parameters ",
                       run[k - 1]->name, " and ", run[k]->name, " are not consecutive in the packed buffer");
       Bucket b;
-      b.chunk = c;
+      b.chunk = b.owner = c;
       b.unit = u;
       b.comm = run.front()->expert() ? &expert_replicas : &replicas;
-      for (nn::Parameter* p : run) b.params.push_back(param_index(p));
       std::tie(b.packed_begin, b.size) = buffer.packed_range(*run.front(), *run.back());
-      b.values = buffer.value_range(*run.front(), *run.back());
-      if (opt_.zero != 2) b.grads = buffer.grad_range(*run.front(), *run.back()).data();
+      for (nn::Parameter* p : run) {
+        b.params.push_back(param_index(p));
+        b.param_offsets.push_back(buffer.packed_range(*p, *p).first - b.packed_begin);
+      }
+      if (opt_.zero < 2) b.grads = buffer.grad_range(*run.front(), *run.back()).data();
       unit.buckets.push_back(buckets_.size());
       buckets_.push_back(std::move(b));
       run.clear();
@@ -315,11 +332,12 @@ class GradBuckets {
     auto& buffer = (*owner)->parameter_buffer();
     Bucket b;
     b.chunk = -1;
+    b.owner = static_cast<int>(owner - chunks_.begin());
     b.comm = &replicas;
     b.params.push_back(i);
+    b.param_offsets.push_back(0);
     std::tie(b.packed_begin, b.size) = buffer.packed_range(w, w);
-    b.values = buffer.value_range(w, w);
-    if (opt_.zero == 2) {
+    if (opt_.zero >= 2) {
       wte_grad_ = be_.template allocate<float>(b.size);  // zeroed; the padding stays zero
       w.grad.rebind(wte_grad_.data(), B::host_readable);
       b.grads = wte_grad_.data();
@@ -342,9 +360,9 @@ class GradBuckets {
       b.shard_begin = total;
       total += n;
       optim::FlatLayout layout;  // the bucket's parameters at their offsets in the range
-      for (std::size_t i : b.params) {
-        layout.offsets.push_back(static_cast<index_t>(params_[i]->value.data() - b.values.data()));
-        layout.sizes.push_back(params_[i]->numel());
+      for (std::size_t j = 0; j < b.params.size(); ++j) {
+        layout.offsets.push_back(static_cast<index_t>(b.param_offsets[j]));
+        layout.sizes.push_back(params_[b.params[j]]->numel());
       }
       layout.total = static_cast<index_t>(b.size);
       const shard::Chunk mine{static_cast<index_t>(n) * r, static_cast<index_t>(n)};
@@ -359,7 +377,7 @@ class GradBuckets {
       for (auto& u : units) {
         grads = std::max(grads, u.size);
         std::size_t r = 0;
-        for (std::size_t k : u.buckets) r += buckets_[k].size / static_cast<std::size_t>(buckets_[k].comm->size());
+        for (std::size_t k : u.buckets) r += buckets_[k].shard_size();
         received = std::max(received, r);
       }
     slots_.resize(static_cast<std::size_t>(opt_.slots));
@@ -383,7 +401,7 @@ class GradBuckets {
     for (auto& p : slot.pending) {
       if (p.request) p.request->wait();
       const Bucket& b = buckets_[p.bucket];
-      const auto n = static_cast<index_t>(b.size / static_cast<std::size_t>(b.comm->size()));
+      const auto n = static_cast<index_t>(b.shard_size());
       float* shard = shards_.data() + b.shard_begin;
       be_.add(n, shard, slot.received.data() + p.received, shard);
     }

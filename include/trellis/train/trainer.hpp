@@ -34,6 +34,9 @@
 //     bucket, in place in the packed values, rebuilds the parameters;
 //     zero = 2: as 1, but no whole gradient buffer: each weight unit's gradients live in a slot
 //     around its W and are reduce-scattered every microbatch (train/grad_buckets.hpp);
+//     zero = 3: as 2, and the values sharded too: AdamW updates the shards in place, and a weight
+//     unit's values are all-gathered into a slot around its forward and its backward_input, the
+//     next unit's gather prefetched (train/param_shards.hpp); wte is gathered once per step;
 //  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
 //     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
 //     the whole world with ZeRO, where dp ranks hold different partitions); clip factor fused
@@ -99,6 +102,7 @@
 #include "trellis/train/host_scalars.hpp"
 #include "trellis/train/moe_stats.hpp"
 #include "trellis/train/optimizer_state.hpp"
+#include "trellis/train/param_shards.hpp"
 #include "trellis/train/rng.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer_config.hpp"
@@ -200,7 +204,7 @@ class Trainer {
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
-    stage_->set_weight_unit_hook([this](int, int c, int u, nn::UnitPhase ph) { on_weight_unit(c, u, ph); });
+    stage_->set_unit_hook([this](int, int c, int u, nn::UnitPhase ph) { on_unit(c, u, ph); });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
     for (std::size_t c = 0; c < models_.size(); ++c)
       for (nn::Parameter* p : models_[c]->parameters()) {
@@ -224,6 +228,8 @@ class Trainer {
     if (replicas() > 1 || cfg_.zero >= 1)
       grads_.emplace(typename GradBuckets<C, B>::Options{cfg_.zero, cfg_.bucket_elements}, raw, params_, *replica_comm_,
                      expert_replicas(), be_);
+    if (cfg_.zero == 3)  // from here on the values are shards; a unit's are whole only while it computes
+      values_.emplace(*grads_, typename ParamShards<C, B>::Options{2, cfg_.prefetch_values}, be_);
     if (cfg_.zero >= 1) {
       std::vector<index_t> sizes;
       for (const auto& pc : grads_->pieces()) {
@@ -257,8 +263,27 @@ class Trainer {
   Mesh& mesh() { return mesh_; }
   std::int64_t step_count() const { return state_.step(); }
   const nn::TokenShape& microbatch_shape() const { return shape_; }
-  // This rank's parameters (each once; GPT-2 names, shard boxes via pieces()).
+  // This rank's parameters (each once; GPT-2 names, shard boxes via pieces()). Under ZeRO-3 their
+  // values are bound only inside with_parameters (and while their unit computes).
   const std::vector<nn::Parameter*>& parameters() const { return params_; }
+  // f() with every parameter's value whole and bound on this rank. ZeRO-3: gathered for the call
+  // and dropped after it (a collective over the world then: every rank calls it); other stages:
+  // just f(). Changes f makes to the values are not kept.
+  template <class F>
+  void with_parameters(F&& f) {
+    if (!values_) {
+      f();
+      return;
+    }
+    values_->summon();
+    struct Release {
+      ParamShards<C, B>* v;
+      ~Release() { v->release_full(false); }
+    } release{&*values_};
+    f();
+  }
+  // ZeRO-3: gathers that were prefetched (started while the unit before computed) so far.
+  int prefetched_gathers() const { return values_ ? values_->prefetched() : 0; }
   std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
   // Where the chunks keep saved activations (nn/activation_arena.hpp): capacity and measured peaks.
@@ -279,6 +304,7 @@ class Trainer {
   MemoryUse memory() const {
     MemoryUse u;
     for (const auto& m : models_) u.parameters += m->parameter_buffer().values().size() * sizeof(float);
+    if (values_) u.parameters += values_->bytes();
     u.gradients = gradient_bytes();
     u.optimizer = state_.device_bytes();
     u.host_optimizer = state_.host_bytes();
@@ -317,6 +343,7 @@ class Trainer {
     for (std::size_t c = 0; c < models_.size(); ++c)
       unit_done_[c].assign(static_cast<std::size_t>(models_[c]->weight_units()), 0);
     overlapped_ = 0;
+    if (values_) values_->hold_wte();
     if (cfg_.pp > 1) {
       Counting counting{this};
       pipe::ExecuteOptions run;
@@ -341,6 +368,7 @@ class Trainer {
       sharded_update(r);
     else
       plain_update(r);
+    if (values_) values_->release_step();
     r.step = state_.step();
     r.buckets = grads_ ? static_cast<int>(grads_->size()) : 0;
     r.buckets_overlapped = overlapped_;
@@ -354,6 +382,7 @@ class Trainer {
     set_microbatches(batch, token_count, false);
     double loss = 0;
     const int pp_rank = mesh_.template coord<trellis::pp>();
+    if (values_) values_->hold_wte();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       ActBuffer act;
       const int stages = cfg_.pp > 1 ? schedule_->virtual_stages() : static_cast<int>(models_.size());
@@ -380,6 +409,7 @@ class Trainer {
           pp_comm_->send(act.data(), act.size(), holder(vs + 1).first, 0);
       }
     }
+    if (values_) values_->release_step();
     return reduce_scalar(*pp_replica_comm_, loss);
   }
 
@@ -392,8 +422,10 @@ class Trainer {
     std::vector<std::vector<float>> m_full, v_full;
     full_moments(m_full, v_full);
     std::vector<std::vector<float>> values;  // host copies of the parameters this rank writes
-    for (nn::Parameter* p : params_)
-      values.push_back(backend::download_vector(be_, p->value.data(), p->value.size()));
+    with_parameters([&] {
+      for (nn::Parameter* p : params_)
+        values.push_back(backend::download_vector(be_, p->value.data(), p->value.size()));
+    });
     for (std::size_t i = 0; i < params_.size(); ++i) {
       nn::Parameter* p = params_[i];
       if (norm_weight_[i] == 0.0f || !first_copy(*p, /*over_dp=*/true)) continue;  // each box once
@@ -443,8 +475,7 @@ class Trainer {
         }
       });
     });
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      be_.upload(params_[i]->value.data(), values[i].data(), values[i].size());
+    set_values(values);
     if (cfg_.zero >= 1) {
       for (std::size_t k = 0; k < grads_->pieces().size(); ++k) {
         const auto& pc = grads_->pieces()[k];
@@ -471,15 +502,16 @@ class Trainer {
   // state starts fresh (zero moments, step 0); the Rng is this rank's, as constructed.
   void init_from_hf(const std::filesystem::path& file) {
     HfGpt2File hf(file, cfg_.model);
+    std::vector<std::vector<float>> values;
     for (nn::Parameter* p : params_) {
-      std::vector<float> host(p->value.size(), 0.0f);
+      std::vector<float>& host = values.emplace_back(p->value.size(), 0.0f);
       for (const auto& pc : p->pieces()) {
         std::vector<float> piece(static_cast<std::size_t>(io::shape_elements(pc.shape)));
         hf.read(p->name, Box{pc.offsets, pc.shape}, piece.data());
         scatter_piece(pc, piece, host);
       }
-      be_.upload(p->value.data(), host.data(), host.size());
     }
+    set_values(values);
     state_.reset();
   }
 
@@ -636,15 +668,48 @@ class Trainer {
     return (!over_dp || !p.sharding.value[nn::dp_axis].is_replicate() || replica == 0) &&
            (!p.sharding.value[nn::tp_axis].is_replicate() || mesh_.template coord<trellis::tp>() == 0);
   }
-  // Unit u of chunk c starts (phase begin: GradBuckets binds ZeRO-2's gradient slot) or finished
-  // one microbatch's W. Its gradients are final on this rank after its last microbatch (ZeRO-2:
-  // after each, the slot's part): those Partial over tp are summed over tp (nn/parameter.hpp),
-  // then its buckets start.
-  void on_weight_unit(int c, int u, nn::UnitPhase phase) {
-    if (phase == nn::UnitPhase::begin) {
-      if (grads_) grads_->begin_unit(c, u);
-      return;
+  // Every parameter's value (host copies, each parameter's local shape) set on this rank
+  // (ZeRO-3: through the whole values, then kept in the shards).
+  void set_values(const std::vector<std::vector<float>>& values) {
+    if (values_) values_->summon();
+    for (std::size_t i = 0; i < params_.size(); ++i) be_.upload(params_[i]->value.data(), values[i].data(), values[i].size());
+    if (values_) values_->release_full(/*write_back=*/true);
+  }
+
+  // The models' unit hook (nn::UnitPhase). ZeRO-3: a unit's values are gathered around its
+  // forward and its backward_input, and the next unit's gather prefetched (forward: units count
+  // down; backward: up, to the last that reads values: the embedding's backward reads none).
+  // A W: its begin binds ZeRO-2/3's gradient slot, its end goes to on_weight_end.
+  void on_unit(int c, int u, nn::UnitPhase phase) {
+    using P = nn::UnitPhase;
+    switch (phase) {
+      case P::forward_begin:
+      case P::backward_begin:
+        if (!values_) return;
+        values_->need(c, u);
+        if (phase == P::forward_begin) {
+          values_->prefetch(c, u - 1);
+        } else {
+          const Model& m = *models_[static_cast<std::size_t>(c)];
+          if (u + 1 < m.weight_units() - (m.stage().embedding ? 1 : 0)) values_->prefetch(c, u + 1);
+        }
+        return;
+      case P::forward_end:
+      case P::backward_end:
+        if (values_) values_->done(c, u);
+        return;
+      case P::weight_begin:
+        if (grads_) grads_->begin_unit(c, u);
+        return;
+      case P::weight_end:
+        on_weight_end(c, u);
+        return;
     }
+  }
+  // Unit u of chunk c finished one microbatch's W. Its gradients are final on this rank after its
+  // last microbatch (ZeRO-2/3: after each, the slot's part): those Partial over tp are summed over
+  // tp (nn/parameter.hpp), then its buckets start.
+  void on_weight_end(int c, int u) {
     auto& done = unit_done_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
     const bool last = ++done == cfg_.microbatches;
     if (!last && cfg_.zero < 2) return;
@@ -717,7 +782,7 @@ class Trainer {
     if (cfg_.zero >= 1) {
       which = grads_->pieces_of(c, u);
       for (std::size_t q : which) {
-        values.push_back(grads_->piece_value(grads_->pieces()[q]));
+        values.push_back(piece_value(grads_->pieces()[q]));
         grads.push_back(grads_->piece_grad(grads_->pieces()[q]));
         decay.push_back(zdecay_[q]);
       }
@@ -745,7 +810,7 @@ class Trainer {
     r.clip_scale = fused_scale_;
     r.lr = lr_now();
     state_.advance_step();
-    if (cfg_.zero >= 1) grads_->gather_values();
+    if (cfg_.zero == 1 || cfg_.zero == 2) grads_->gather_values();
     if (cfg_.fused_update == TrainerConfig::FusedUpdate::previous_clip)
       fused_scale_ = kernels::host::clip_scale(r.grad_norm, cfg_.clip);
   }
@@ -773,20 +838,24 @@ class Trainer {
     update(lr, r.clip_scale);
   }
 
-  // ---- ZeRO-1/2 ----------------------------------------------------------------------------------
+  // ---- ZeRO-1/2/3 --------------------------------------------------------------------------------
   // AdamW on this rank's shard of each bucket only (moments for those only), then the buckets'
-  // all-gather rebuilds the parameters (train/grad_buckets.hpp).
+  // all-gather rebuilds the parameters (train/grad_buckets.hpp; ZeRO-3 keeps the shards).
   void sharded_update(StepResult& r) {
     finish_update(r, reduce_scalar(mesh_.world(), be_.sum_of_squares(norm_spans_)), [&](float lr, float scale) {
       std::vector<std::span<float>> values;
       std::vector<std::span<const float>> grads;
       for (const auto& pc : grads_->pieces()) {
-        values.push_back(grads_->piece_value(pc));
+        values.push_back(piece_value(pc));
         grads.push_back(grads_->piece_grad(pc));
       }
       update_all(lr, values, grads, zdecay_, scale);
     });
-    grads_->gather_values();
+    if (!values_) grads_->gather_values();
+  }
+  // ZeRO: the values of the optimizer's piece (ZeRO-3: in the value shards).
+  std::span<float> piece_value(const typename GradBuckets<C, B>::Piece& pc) {
+    return values_ ? values_->piece_value(pc) : grads_->piece_value(pc);
   }
 
   // AdamW moments shaped like each parameter's local shard (ZeRO: gathered over dp).
@@ -836,6 +905,7 @@ class Trainer {
   MoeStats<C, B> moe_stats_;  // this rank's MoE layers: auxiliary losses, expert load
   OptimizerState<B> state_;  // AdamW moments, in B's memory or offloaded to the host
   std::optional<GradBuckets<C, B>> grads_;  // dp buckets, ZeRO shards (none with one replica and no ZeRO)
+  std::optional<ParamShards<C, B>> values_;  // ZeRO-3: the value shards and unit slots (uses grads_)
   std::vector<int> w_done_;                   // W actions done per chunk, this step
   std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)
   int overlapped_ = 0;

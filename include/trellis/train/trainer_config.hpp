@@ -48,8 +48,12 @@ struct TrainerConfig {
   index_t batch = 8;  // rows of the GLOBAL batch
   index_t seq = 64;   // T
   // ZeRO stage over the replicas (dp x cp): 0 none; 1 the optimizer state sharded; 2 the
-  // gradients too (reduce-scattered per microbatch out of short-lived unit slots).
+  // gradients too (reduce-scattered per microbatch out of short-lived unit slots); 3 the values
+  // too (a weight unit's gathered around its forward and backward: train/param_shards.hpp).
   int zero = 0;
+  // ZeRO-3: the next unit's gather starts while the current unit computes (false: each unit's
+  // gather starts when it is needed -- the baseline; the same bits either way).
+  bool prefetch_values = true;
   optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
@@ -223,8 +227,9 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.fused_update == TrainerConfig::FusedUpdate::previous_clip && c.clip <= 0)
     add("--fused-update previous-clip needs --clip > 0 (without clipping use --fused-update unclipped)");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
-  if (c.zero < 0 || c.zero > 2)
-    add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients)");
+  if (c.zero < 0 || c.zero > 3)
+    add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients, "
+        "3: and parameters)");
   return out;
 }
 
@@ -249,8 +254,8 @@ inline void check_config(const TrainerConfig& c, std::optional<int> world_size =
 // What one rank holds, in bytes: allocations are exact; the activation arena is reserved from
 // the schedule's count of live microbatches, and its peak is measured as the steps run.
 struct MemoryUse {
-  std::size_t parameters = 0;        // fp32 master weights (the packed values)
-  std::size_t gradients = 0;         // packed gradients, or ZeRO's shards (ZeRO-2: + unit slots, wte)
+  std::size_t parameters = 0;        // fp32 master weights (the packed values; ZeRO-3: shards + unit slots + wte)
+  std::size_t gradients = 0;         // packed gradients, or ZeRO's shards (ZeRO-2/3: + unit slots, wte)
   std::size_t optimizer = 0;         // AdamW moments (ZeRO: this rank's shards) in the backend's memory
   std::size_t host_optimizer = 0;    // offloaded: the moments and the update's staging, in host memory
   std::size_t activations = 0;       // the activation arena's reserve

@@ -1,0 +1,265 @@
+// ZeRO stages side by side: memory per rank against the ZeRO paper's formula, and step time on a
+// simulated link with and without ZeRO-3's prefetch.
+//
+// --memory (default): GPT-2 124M (12 layers, width 768, vocab 50257), dp 4 on 4 thread ranks, T 64,
+// one row per rank, fp32. For ZeRO 0..3 and ZeRO-3 with the optimizer offloaded, one step, then
+// rank 0's Trainer::memory() (measured: the bytes the trainer holds, counted by kind) beside
+//   the formula: the ZeRO paper's per-rank model state for Adam, written for this fp32 trainer
+//     (weights 4 bytes per parameter, gradients 4, moments 8: K = 8 instead of mixed precision's
+//     2 + 2 + 12): stage 0 16 P, stage 1 8 P + 8 P/N, stage 2 4 P + 12 P/N, stage 3 16 P/N;
+//   + what our implementation adds on top: ZeRO-2/3's two gradient slots (each the largest weight
+//     unit and its reduced shard) and wte's whole gradient, ZeRO-3's two value slots and wte's
+//     whole value during a step.
+// The same columns for GPT-2 1.5B (48 layers, width 1600, 25 heads), counted from the shapes with
+// the same formula and extras, NOT run (it does not fit this machine's memory at stage 0).
+//
+// --link: a smaller GPT (8 layers, 4 heads, width 256, vocab 8192, T 128, global batch 16), dp 4 on
+// thread ranks whose communicator is comm::SimulatedLink (every collective held for latency +
+// ring bytes / bandwidth: a SIMULATED link on the host, not a network). The bandwidth is set so
+// that plain dp's modelled traffic is --share (0.5) of a step's measured compute. Per stage: the
+// fastest step, the time rank 0 was blocked in communication, and the modelled traffic, for ZeRO
+// 0..3 and ZeRO-3 without prefetch. Kernels run on one thread per rank.
+//   bench_zero [--memory | --link] [--iters N] [--share S] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+#include "trellis/comm/simulated_link.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/kernels/thread_pool.hpp"
+#include "trellis/train/trainer.hpp"
+
+using namespace trellis;
+
+namespace {
+
+train::Batch make_batch(index_t rows, index_t seq, index_t vocab, index_t first_row) {
+  train::Batch b;
+  b.rows = rows;
+  b.seq_len = seq;
+  const auto n = static_cast<std::size_t>(rows * seq);
+  b.inputs.resize(n);
+  b.targets.resize(n);
+  const auto base = static_cast<std::size_t>(first_row * seq);
+  for (std::size_t i = 0; i < n; ++i) {
+    b.inputs[i] = static_cast<std::int32_t>(((base + i) * 7919) % static_cast<std::size_t>(vocab));
+    b.targets[i] = static_cast<std::int32_t>(((base + i) * 104729 + 3) % static_cast<std::size_t>(vocab));
+  }
+  return b;
+}
+
+// Parameter counts of a GPT-2 shape: all, one block, wte.
+struct Shape {
+  double all, block, wte;
+  explicit Shape(const nn::GptConfig& m) {
+    const double W = static_cast<double>(m.width), V = static_cast<double>(m.vocab);
+    block = 12 * W * W + 13 * W;
+    wte = V * W;
+    all = wte + static_cast<double>(m.positions) * W + static_cast<double>(m.layers) * block + 2 * W;
+  }
+};
+
+// Bytes per rank: the paper's formula (fp32 Adam) and our additions on top of it.
+struct Predicted {
+  double formula = 0, extras = 0;
+};
+Predicted predict(const Shape& s, int zero, double n) {
+  Predicted p;
+  const double P = s.all;
+  switch (zero) {
+    case 0: p.formula = 16 * P; break;
+    case 1: p.formula = 8 * P + 8 * P / n; break;
+    case 2: p.formula = 4 * P + 12 * P / n; break;
+    default: p.formula = 16 * P / n; break;
+  }
+  if (zero >= 2) p.extras += 4 * (2 * (s.block + s.block / n) + s.wte);  // gradient slots + wte's gradient
+  if (zero >= 3) p.extras += 4 * (2 * s.block + s.wte);                  // value slots + wte's value
+  return p;
+}
+
+double gb(double bytes) { return bytes / 1e9; }
+
+int memory_main(int argc, char** argv) {
+  train::TrainerConfig c;
+  c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
+  c.seq = 64;
+  c.dp = 4;
+  c.batch = 4;
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  struct Case {
+    std::string name;
+    int zero;
+    bool offload;
+  };
+  const std::vector<Case> cases = {{"zero0", 0, false}, {"zero1", 1, false}, {"zero2", 2, false},
+                                   {"zero3", 3, false}, {"zero3 + offload optimizer", 3, true}};
+  const Shape s124(c.model);
+  std::printf("# GPT-2 124M (%.1f M parameters), dp 4 thread ranks, fp32, T 64, one row per rank: rank 0's bytes "
+              "after one step (Trainer::memory)\n", s124.all / 1e6);
+  std::printf("# formula: the ZeRO paper's model state per rank for fp32 Adam (16 P, 8 P + 8 P/N, 4 P + 12 P/N, "
+              "16 P/N); extras: unit slots and wte kept whole (see the file's header)\n");
+  std::printf("%-28s %9s %9s %9s %9s %9s %11s %9s %9s %12s %8s\n", "case", "weights", "grads", "AdamW", "host opt",
+              "act peak", "model (GB)", "formula", "+extras", "measured/f+e", "step s");
+  bench::JsonReport report("bench_zero_memory");
+  for (const auto& k : cases) {
+    train::TrainerConfig ck = c;
+    ck.zero = k.zero;
+    ck.offload_optimizer = k.offload;
+    train::MemoryUse mem;
+    double step_s = 0;
+    comm::ThreadWorld(4).run([&](comm::ThreadComm& comm) {
+      train::Trainer<comm::ThreadComm> t(comm, ck);
+      const auto b = make_batch(1, c.seq, c.model.vocab, comm.rank());
+      comm.barrier();
+      const double t0 = bench::now_seconds();
+      t.step(b);
+      comm.barrier();
+      if (comm.rank() == 0) {
+        step_s = bench::now_seconds() - t0;
+        mem = t.memory();
+      }
+    });
+    const double model = static_cast<double>(mem.parameters + mem.gradients + mem.optimizer + mem.host_optimizer);
+    const Predicted p = predict(s124, k.zero, 4);
+    std::printf("%-28s %9.3f %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %12.4f %8.2f\n", k.name.c_str(),
+                gb(static_cast<double>(mem.parameters)), gb(static_cast<double>(mem.gradients)),
+                gb(static_cast<double>(mem.optimizer)), gb(static_cast<double>(mem.host_optimizer)),
+                gb(static_cast<double>(mem.activations_peak)), gb(model), gb(p.formula), gb(p.formula + p.extras),
+                model / (p.formula + p.extras), step_s);
+    bench::Row row;
+    row.add_text("case", k.name)
+        .add("weights_gb", gb(static_cast<double>(mem.parameters)))
+        .add("gradients_gb", gb(static_cast<double>(mem.gradients)))
+        .add("adamw_gb", gb(static_cast<double>(mem.optimizer)))
+        .add("host_optimizer_gb", gb(static_cast<double>(mem.host_optimizer)))
+        .add("activations_peak_gb", gb(static_cast<double>(mem.activations_peak)))
+        .add("model_state_gb", gb(model))
+        .add("formula_gb", gb(p.formula))
+        .add("formula_plus_extras_gb", gb(p.formula + p.extras))
+        .add("step_s", step_s);
+    report.add(row);
+  }
+  // GPT-2 1.5B: counted, not run.
+  nn::GptConfig xl{.vocab = 50257, .positions = 1024, .layers = 48, .heads = 25, .width = 1600};
+  const Shape sxl(xl);
+  std::printf("# GPT-2 1.5B (%.0f M parameters), dp 4: COUNTED from the shapes (formula + extras), not run\n",
+              sxl.all / 1e6);
+  std::printf("%-28s %11s %9s %9s\n", "case", "formula", "+extras", "x zero0");
+  const double base = predict(sxl, 0, 4).formula;
+  for (int z = 0; z <= 3; ++z) {
+    const Predicted p = predict(sxl, z, 4);
+    std::printf("%-28s %11.2f %9.2f %9.3f\n", ("zero" + std::to_string(z)).c_str(), gb(p.formula),
+                gb(p.formula + p.extras), (p.formula + p.extras) / base);
+    bench::Row row;
+    row.add_text("case", "gpt2-1.5B zero" + std::to_string(z) + " (counted)")
+        .add("formula_gb", gb(p.formula))
+        .add("formula_plus_extras_gb", gb(p.formula + p.extras));
+    report.add(row);
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
+// ---- step time on a simulated link ---------------------------------------------------------------
+
+using Link = comm::SimulatedLink<comm::ThreadComm>;
+
+struct LinkResult {
+  double step_ms = 1e9, blocked_ms = 1e9, modelled_ms = 0;
+  double loss = 0;
+};
+
+train::TrainerConfig link_config(int zero, bool prefetch) {
+  train::TrainerConfig c;
+  c.model = {.vocab = 8192, .positions = 128, .layers = 8, .heads = 4, .width = 256};
+  c.seq = 128;
+  c.batch = 16;
+  c.dp = 4;
+  c.zero = zero;
+  c.prefetch_values = prefetch;
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  return c;
+}
+
+LinkResult run_on_link(const train::TrainerConfig& c, const comm::LinkModel& model, int iters) {
+  LinkResult res;
+  comm::ThreadWorld(c.dp).run([&](comm::ThreadComm& world) {
+    Link link(world.split(0, world.rank()), model);
+    train::Trainer<Link> t(link, c);
+    const index_t rows = c.batch / c.dp;
+    const auto b = make_batch(rows, c.seq, c.model.vocab, world.rank() * rows);
+    Link& replicas = t.mesh().template comm<trellis::dp, trellis::cp>();
+    t.step(b);  // warm-up
+    const double modelled0 = replicas.modelled_seconds();
+    double best = 1e9, blocked = 1e9;
+    for (int i = 0; i < iters; ++i) {
+      world.barrier();
+      const double b0 = replicas.blocked_seconds(), t0 = bench::now_seconds();
+      const double loss = t.step(b).loss;
+      const double dt = bench::now_seconds() - t0;
+      best = std::min(best, dt);
+      blocked = std::min(blocked, replicas.blocked_seconds() - b0);
+      if (world.rank() == 0) res.loss = loss;
+    }
+    if (world.rank() == 0) {
+      res.step_ms = best * 1e3;
+      res.blocked_ms = blocked * 1e3;
+      res.modelled_ms = (replicas.modelled_seconds() - modelled0) / iters * 1e3;
+    }
+  });
+  return res;
+}
+
+int link_main(int argc, char** argv) {
+  kernels::host::set_num_threads(1);
+  const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 5)));
+  const double share = std::stod(bench::flag_value(argc, argv, "--share", "0.5"));
+  // Calibration: ZeRO-0's compute time and dp bytes per step on an infinitely fast link.
+  const LinkResult probe = run_on_link(link_config(0, true), {.bandwidth = 1e15, .latency = 0}, iters);
+  const double bytes = probe.modelled_ms / 1e3 * 1e15;
+  const comm::LinkModel model{.bandwidth = bytes / (share * probe.step_ms / 1e3), .latency = 20e-6};
+  std::printf("# GPT 8 layers, width 256, vocab 8192, T 128, global batch 16, dp 4 thread ranks on a SIMULATED "
+              "link: %.3f GB/s bus bandwidth, 20 us latency (plain dp's traffic = %.2f of its %.1f ms compute); "
+              "fastest of %d steps\n", model.bandwidth / 1e9, share, probe.step_ms, iters);
+  std::printf("%-24s %10s %10s %12s %10s %12s\n", "case", "step ms", "x zero0", "blocked ms", "comm ms", "loss");
+  struct Case {
+    std::string name;
+    int zero;
+    bool prefetch;
+  };
+  const std::vector<Case> cases = {{"zero0", 0, true}, {"zero1", 1, true}, {"zero2", 2, true},
+                                   {"zero3", 3, true}, {"zero3 no prefetch", 3, false}};
+  bench::JsonReport report("bench_zero_link");
+  double base = 0;
+  for (const auto& k : cases) {
+    const LinkResult r = run_on_link(link_config(k.zero, k.prefetch), model, iters);
+    if (base == 0) base = r.step_ms;
+    std::printf("%-24s %10.1f %10.2f %12.1f %10.1f %12.6f\n", k.name.c_str(), r.step_ms, r.step_ms / base,
+                r.blocked_ms, r.modelled_ms, r.loss);
+    bench::Row row;
+    row.add_text("case", k.name)
+        .add("step_ms", r.step_ms)
+        .add("over_zero0", r.step_ms / base)
+        .add("blocked_ms", r.blocked_ms)
+        .add("modelled_comm_ms", r.modelled_ms)
+        .add("bandwidth_gb_s", model.bandwidth / 1e9);
+    report.add(row);
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (bench::has_flag(argc, argv, "--link")) return link_main(argc, argv);
+    return memory_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_zero: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,216 @@
+// train::ParamShards: ZeRO-3's parameters (DeepSpeed's stage 3, FSDP's FULL_SHARD). Each rank
+// keeps only its shard of every data-parallel bucket's values (GradBuckets' buckets and shard
+// layout: the optimizer's pieces update them in place), and a weight unit's values exist whole
+// only while the unit computes:
+//   need(c, u)      before unit u of chunk c reads its values (its forward, its backward_input):
+//                   its buckets all-gathered (Shard(0) -> Replicate over the replicas) into a free
+//                   slot, and the unit's value views bound to it;
+//   done(c, u)      after: the views unbound, the slot free for the next unit;
+//   prefetch(c, u)  the gather of the unit that computes next started into a free slot while the
+//                   current one computes (its need() then only waits);
+//   hold_wte()      wte (tied: the embedding's forward and the head's forward and backward read it,
+//                   on every microbatch) gathered once per step into a buffer of its own and kept
+//                   until release_step(), as FSDP keeps a tied weight in its root unit;
+//   summon()/release_full()   every value whole in the chunks' packed buffers, for checkpoints
+//                   and the host (FSDP's summon_full_params); release_full(write_back) keeps
+//                   changes made meanwhile (a load) in the shards.
+// Outside these windows a value view is unbound: a read is an error naming the parameter's state,
+// never stale data. Slots: `slots` (2: the unit computing and the one prefetched), each as large
+// as the largest unit. Every rank of a replica group calls these in the same order (the schedule
+// is the same on every replica), so the gathers match.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "trellis/comm/communicator.hpp"
+#include "trellis/core/error.hpp"
+#include "trellis/shard/flat.hpp"
+#include "trellis/train/grad_buckets.hpp"
+
+namespace trellis::train {
+
+template <comm::Communicator C, backend::Backend B>
+class ParamShards {
+ public:
+  using Buckets = GradBuckets<C, B>;
+  using Piece = typename Buckets::Piece;
+  struct Options {
+    int slots = 2;
+    bool prefetch = true;
+  };
+
+  // Takes this rank's shard of every bucket from the chunks' packed values, then drops those.
+  ParamShards(const Buckets& buckets, const Options& o, B be) : buckets_(&buckets), opt_(o), be_(std::move(be)) {
+    TRELLIS_CHECK(buckets.zero() == 3, "ParamShards: ZeRO stage ", buckets.zero(), " (values are sharded at stage 3)");
+    TRELLIS_CHECK(o.slots >= 1, "ParamShards: ", o.slots, " value slots");
+    shards_ = be_.template allocate<float>(buckets.shard_elements());
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const auto& b = buckets.bucket(k);
+      if (b.chunk < 0) wte_bucket_ = k;
+      be_.copy(shards_.data() + b.shard_begin, packed_values(b) + my_offset(b), b.shard_size());
+    }
+    std::size_t largest = 0;
+    for (std::size_t c = 0; c < buckets.chunks().size(); ++c) {
+      const int units = buckets.chunks()[c]->weight_units();
+      resident_.emplace_back(static_cast<std::size_t>(units), -1);
+      for (int u = 0; u < units; ++u) largest = std::max(largest, buckets.unit(static_cast<int>(c), u).size);
+    }
+    slots_.resize(static_cast<std::size_t>(o.slots));
+    for (auto& s : slots_) s.values = be_.template allocate<float>(largest);
+    if (wte_bucket_) wte_ = be_.template allocate<float>(buckets.bucket(*wte_bucket_).size);
+    for (auto* m : buckets.chunks()) m->parameter_buffer().drop_values();
+  }
+
+  // The optimizer's piece k of the values: in this rank's shard.
+  std::span<float> piece_value(const Piece& pc) {
+    return {shards_.data() + buckets_->bucket(pc.bucket).shard_begin + pc.shard_offset, static_cast<std::size_t>(pc.size)};
+  }
+  // Bytes of value storage this rank holds: the shards, the unit slots and wte's step buffer.
+  std::size_t bytes() const {
+    std::size_t n = shards_.size() + wte_.size();
+    for (const auto& s : slots_) n += s.values.size();
+    return n * sizeof(float);
+  }
+  // Gathers started ahead of their unit (prefetch) and found ready or in flight by its need().
+  int prefetched() const { return prefetched_; }
+
+  // ---- during a step ------------------------------------------------------------------------------
+  void need(int c, int u) {
+    int& at = resident(c, u);
+    if (at < 0) at = start(c, u, /*prefetch=*/false);
+    Slot& s = slots_[static_cast<std::size_t>(at)];
+    if (s.requests.size() > 0 && s.prefetched) ++prefetched_;
+    for (auto& r : s.requests) r.wait();
+    s.requests.clear();
+    s.prefetched = false;
+    if (s.users++ == 0) bind(c, u, s.values.data());
+  }
+  void done(int c, int u) {
+    int& at = resident(c, u);
+    TRELLIS_CHECK(at >= 0 && slots_[static_cast<std::size_t>(at)].users > 0, "ParamShards: unit ", u, " of chunk ", c,
+                  " done without need");
+    Slot& s = slots_[static_cast<std::size_t>(at)];
+    if (--s.users > 0) return;
+    bind(c, u, nullptr);
+    s.unit.reset();
+    at = -1;
+  }
+  void prefetch(int c, int u) {
+    if (!opt_.prefetch || c < 0 || u < 0 || static_cast<std::size_t>(c) >= resident_.size() ||
+        static_cast<std::size_t>(u) >= resident_[static_cast<std::size_t>(c)].size() || resident(c, u) >= 0)
+      return;
+    if (free_slot() < 0) return;  // every slot busy: the unit is gathered when needed
+    resident(c, u) = start(c, u, /*prefetch=*/true);
+  }
+  void hold_wte() {
+    if (!wte_bucket_ || wte_held_) return;
+    const auto& b = buckets_->bucket(*wte_bucket_);
+    if (auto r = gather(b, wte_.data())) r->wait();
+    buckets_->parameters()[b.params.front()]->value.rebind(wte_.data(), B::host_readable);
+    wte_held_ = true;
+  }
+  // After a step (or an evaluation): wte released; every unit must be done (a prefetch that was
+  // never needed is waited for and dropped).
+  void release_step() {
+    if (wte_held_) buckets_->parameters()[buckets_->bucket(*wte_bucket_).params.front()]->value.rebind(nullptr, B::host_readable);
+    wte_held_ = false;
+    for (std::size_t c = 0; c < resident_.size(); ++c)
+      for (std::size_t u = 0; u < resident_[c].size(); ++u) {
+        int& at = resident_[c][u];
+        if (at < 0) continue;
+        Slot& s = slots_[static_cast<std::size_t>(at)];
+        TRELLIS_CHECK(s.users == 0, "ParamShards: unit ", u, " of chunk ", c, " still in use at the end of a step");
+        for (auto& r : s.requests) r.wait();
+        s.requests.clear();
+        s.unit.reset();
+        at = -1;
+      }
+  }
+
+  // ---- every value whole (checkpoints, the host) ----------------------------------------------------
+  // A collective over the replicas: the chunks' packed values back, every bucket gathered into them.
+  void summon() {
+    TRELLIS_CHECK(!wte_held_, "ParamShards: summon inside a step");
+    for (auto* m : buckets_->chunks()) m->parameter_buffer().restore_values();
+    std::vector<typename C::request_type> started;
+    for (std::size_t k = 0; k < buckets_->size(); ++k) {
+      const auto& b = buckets_->bucket(k);
+      if (auto r = gather(b, packed_values(b))) started.push_back(std::move(*r));
+    }
+    for (auto& r : started) r.wait();
+  }
+  // write_back: this rank's part of every bucket copied into its shard first (values changed meanwhile).
+  void release_full(bool write_back) {
+    if (write_back)
+      for (std::size_t k = 0; k < buckets_->size(); ++k) {
+        const auto& b = buckets_->bucket(k);
+        be_.copy(shards_.data() + b.shard_begin, packed_values(b) + my_offset(b), b.shard_size());
+      }
+    for (auto* m : buckets_->chunks()) m->parameter_buffer().drop_values();
+  }
+
+ private:
+  struct Slot {
+    typename B::template buffer<float> values;
+    std::vector<typename C::request_type> requests;
+    std::optional<std::pair<int, int>> unit;  // (chunk, unit) it holds
+    int users = 0;
+    bool prefetched = false;
+  };
+
+  int& resident(int c, int u) { return resident_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)); }
+  float* packed_values(const typename Buckets::Bucket& b) const {
+    return buckets_->chunks()[static_cast<std::size_t>(b.owner)]->parameter_buffer().values().data() + b.packed_begin;
+  }
+  static std::size_t my_offset(const typename Buckets::Bucket& b) {
+    return static_cast<std::size_t>(b.comm->rank()) * b.shard_size();
+  }
+  // Bucket b's shard (Shard(0) over its replicas) -> Replicate, into `full` (b.size floats).
+  std::optional<typename C::request_type> gather(const typename Buckets::Bucket& b, float* full) {
+    return shard::start_flat_redistribute(*b.comm, shard::shard_code(0), shard::replicate_code(), full,
+                                          shards_.data() + b.shard_begin, b.size);
+  }
+  int free_slot() const {
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (!slots_[s].unit) return static_cast<int>(s);
+    return -1;
+  }
+  // Starts the gathers of unit u of chunk c into a free slot.
+  int start(int c, int u, bool prefetch) {
+    const int at = free_slot();
+    TRELLIS_CHECK(at >= 0, "ParamShards: no free value slot for unit ", u, " of chunk ", c, " (", slots_.size(),
+                  " slots, all in use)");
+    Slot& s = slots_[static_cast<std::size_t>(at)];
+    s.unit = std::make_pair(c, u);
+    s.prefetched = prefetch;
+    const auto& unit = buckets_->unit(c, u);
+    for (std::size_t k : unit.buckets) {
+      const auto& b = buckets_->bucket(k);
+      if (auto r = gather(b, s.values.data() + (b.packed_begin - unit.begin))) s.requests.push_back(std::move(*r));
+    }
+    return at;
+  }
+  // The unit's value views onto `slot` (its packed layout from unit.begin), or unbound (nullptr).
+  void bind(int c, int u, float* slot) {
+    const auto& unit = buckets_->unit(c, u);
+    auto& buffer = buckets_->chunks()[static_cast<std::size_t>(c)]->parameter_buffer();
+    for (nn::Parameter* p : unit.params)
+      p->value.rebind(slot ? slot + (buffer.packed_range(*p, *p).first - unit.begin) : nullptr, B::host_readable);
+  }
+
+  const Buckets* buckets_;
+  Options opt_;
+  B be_;
+  typename B::template buffer<float> shards_, wte_;
+  std::optional<std::size_t> wte_bucket_;
+  bool wte_held_ = false;
+  std::vector<Slot> slots_;
+  std::vector<std::vector<int>> resident_;  // [chunk][unit]: its slot, or -1
+  int prefetched_ = 0;
+};
+
+}  // namespace trellis::train
