@@ -7,9 +7,13 @@
 //   the formula: the ZeRO paper's per-rank model state for Adam, written for this fp32 trainer
 //     (weights 4 bytes per parameter, gradients 4, moments 8: K = 8 instead of mixed precision's
 //     2 + 2 + 12): stage 0 16 P, stage 1 8 P + 8 P/N, stage 2 4 P + 12 P/N, stage 3 16 P/N;
-//   + what our implementation adds on top: ZeRO-2/3's two gradient slots (each the largest weight
-//     unit and its reduced shard) and wte's whole gradient, ZeRO-3's two value slots and wte's
-//     whole value during a step.
+//   + what our implementation adds on top: ZeRO-1's reduced shards beside the whole gradient
+//     buffer, ZeRO-2/3's two gradient slots (each a block and its reduced shard) and wte's whole
+//     gradient, ZeRO-3's two value slots and wte's whole value during a step, and with the
+//     optimizer offloaded the host copies of the values and gradients an update stages.
+// "model" is everything the trainer holds for parameters, gradients and optimizer state, in
+// device and host memory and on disk together (offloaded: the moments and the staging are host
+// memory; the disk tier: the moments are a file, its bounded buffers host memory).
 // The same columns for GPT-2 1.5B (48 layers, width 1600, 25 heads), counted from the shapes with
 // the same formula and extras, NOT run (it does not fit this machine's memory at stage 0).
 //
@@ -20,9 +24,13 @@
 // fastest step, the time rank 0 was blocked in communication, and the modelled traffic, for ZeRO
 // 0..3 and ZeRO-3 without prefetch. Kernels run on one thread per rank.
 //   bench_zero [--memory | --link] [--iters N] [--share S] [--json FILE]
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -66,7 +74,7 @@ struct Shape {
 struct Predicted {
   double formula = 0, extras = 0;
 };
-Predicted predict(const Shape& s, int zero, double n) {
+Predicted predict(const Shape& s, int zero, double n, bool offload = false) {
   Predicted p;
   const double P = s.all;
   switch (zero) {
@@ -75,14 +83,35 @@ Predicted predict(const Shape& s, int zero, double n) {
     case 2: p.formula = 4 * P + 12 * P / n; break;
     default: p.formula = 16 * P / n; break;
   }
+  if (zero == 1) p.extras += 4 * P / n;  // the reduced shards beside the whole gradient buffer
   if (zero >= 2) p.extras += 4 * (2 * (s.block + s.block / n) + s.wte);  // gradient slots + wte's gradient
   if (zero >= 3) p.extras += 4 * (2 * s.block + s.wte);                  // value slots + wte's value
+  if (offload) p.extras += 4 * 2 * (zero >= 1 ? P / n : P);            // an unfused update's staged values + gradients
   return p;
 }
 
 double gb(double bytes) { return bytes / 1e9; }
 
+// The process's resident memory (/proc/self/status, kB -> bytes): now (VmRSS) and its peak since
+// the last reset (VmHWM; reset_peak_rss writes 5 to /proc/self/clear_refs). Linux only; -1 where
+// not readable.
+double status_bytes(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key + ":", 0) == 0) return 1024.0 * std::stod(line.substr(key.size() + 1));
+  return -1;
+}
+void reset_peak_rss() {
+  malloc_trim(0);  // what the allocator holds free goes back first, so the peak counts what is in use
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
 int memory_main(int argc, char** argv) {
+  // Allocations of 1 MiB and more are mapped and unmapped directly (glibc otherwise raises this
+  // threshold as large blocks are freed and keeps them resident in its arenas): the process's
+  // resident size then follows what the trainers hold.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   train::TrainerConfig c;
   c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
   c.seq = 64;
@@ -92,27 +121,44 @@ int memory_main(int argc, char** argv) {
   struct Case {
     std::string name;
     int zero;
-    bool offload;
+    bool offload, disk;
   };
-  const std::vector<Case> cases = {{"zero0", 0, false}, {"zero1", 1, false}, {"zero2", 2, false},
-                                   {"zero3", 3, false}, {"zero3 + offload optimizer", 3, true}};
+  const std::vector<Case> cases = {{"zero0", 0, false, false},
+                                   {"zero1", 1, false, false},
+                                   {"zero2", 2, false, false},
+                                   {"zero3", 3, false, false},
+                                   {"zero3 + offload optimizer", 3, true, false},
+                                   {"zero3 + optimizer on disk", 3, false, true}};
+  const std::filesystem::path disk_dir = std::filesystem::temp_directory_path() / "trellis-bench-zero-moments";
   const Shape s124(c.model);
   std::printf("# GPT-2 124M (%.1f M parameters), dp 4 thread ranks, fp32, T 64, one row per rank: rank 0's bytes "
               "after one step (Trainer::memory)\n", s124.all / 1e6);
   std::printf("# formula: the ZeRO paper's model state per rank for fp32 Adam (16 P, 8 P + 8 P/N, 4 P + 12 P/N, "
               "16 P/N); extras: unit slots and wte kept whole (see the file's header)\n");
-  std::printf("%-28s %9s %9s %9s %9s %9s %11s %9s %9s %12s %8s\n", "case", "weights", "grads", "AdamW", "host opt",
-              "act peak", "model (GB)", "formula", "+extras", "measured/f+e", "step s");
+  std::printf("# RSS/rank, build and step: the process's resident peak (VmHWM) while the 4 trainers are built, and "
+              "(reset after that) during one step, less its resident size before, over the 4 ranks: everything "
+              "(activations, workspace, temporaries) included\n");
+  std::printf("%-28s %9s %9s %9s %9s %9s %9s %11s %9s %9s %12s %10s %10s %8s\n", "case", "weights", "grads",
+              "AdamW", "host opt", "disk opt", "act peak", "model (GB)", "formula", "+extras", "measured/f+e",
+              "RSS build", "RSS step", "step s");
   bench::JsonReport report("bench_zero_memory");
   for (const auto& k : cases) {
     train::TrainerConfig ck = c;
     ck.zero = k.zero;
     ck.offload_optimizer = k.offload;
+    if (k.disk) ck.offload_dir = disk_dir;
     train::MemoryUse mem;
-    double step_s = 0;
+    double step_s = 0, build_peak = 0;
+    const double rss0 = status_bytes("VmRSS");
+    reset_peak_rss();
     comm::ThreadWorld(4).run([&](comm::ThreadComm& comm) {
       train::Trainer<comm::ThreadComm> t(comm, ck);
       const auto b = make_batch(1, c.seq, c.model.vocab, comm.rank());
+      comm.barrier();
+      if (comm.rank() == 0) {
+        build_peak = (status_bytes("VmHWM") - rss0) / 4;
+        reset_peak_rss();
+      }
       comm.barrier();
       const double t0 = bench::now_seconds();
       t.step(b);
@@ -122,23 +168,30 @@ int memory_main(int argc, char** argv) {
         mem = t.memory();
       }
     });
-    const double model = static_cast<double>(mem.parameters + mem.gradients + mem.optimizer + mem.host_optimizer);
-    const Predicted p = predict(s124, k.zero, 4);
-    std::printf("%-28s %9.3f %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %12.4f %8.2f\n", k.name.c_str(),
-                gb(static_cast<double>(mem.parameters)), gb(static_cast<double>(mem.gradients)),
+    const double step_peak = (status_bytes("VmHWM") - rss0) / 4;
+    const double model = static_cast<double>(mem.parameters + mem.gradients + mem.optimizer + mem.host_optimizer +
+                                             mem.disk_optimizer);
+    Predicted p = predict(s124, k.zero, 4, k.offload);
+    if (k.disk) p.extras += static_cast<double>(mem.host_optimizer);  // the disk tier's bounded buffers
+    std::printf("%-28s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %12.4f %10.3f %10.3f %8.2f\n",
+                k.name.c_str(), gb(static_cast<double>(mem.parameters)), gb(static_cast<double>(mem.gradients)),
                 gb(static_cast<double>(mem.optimizer)), gb(static_cast<double>(mem.host_optimizer)),
+                gb(static_cast<double>(mem.disk_optimizer)),
                 gb(static_cast<double>(mem.activations_peak)), gb(model), gb(p.formula), gb(p.formula + p.extras),
-                model / (p.formula + p.extras), step_s);
+                model / (p.formula + p.extras), gb(build_peak), gb(step_peak), step_s);
     bench::Row row;
     row.add_text("case", k.name)
         .add("weights_gb", gb(static_cast<double>(mem.parameters)))
         .add("gradients_gb", gb(static_cast<double>(mem.gradients)))
         .add("adamw_gb", gb(static_cast<double>(mem.optimizer)))
         .add("host_optimizer_gb", gb(static_cast<double>(mem.host_optimizer)))
+        .add("disk_optimizer_gb", gb(static_cast<double>(mem.disk_optimizer)))
         .add("activations_peak_gb", gb(static_cast<double>(mem.activations_peak)))
         .add("model_state_gb", gb(model))
         .add("formula_gb", gb(p.formula))
         .add("formula_plus_extras_gb", gb(p.formula + p.extras))
+        .add("rss_build_per_rank_gb", gb(build_peak))
+        .add("rss_step_per_rank_gb", gb(step_peak))
         .add("step_s", step_s);
     report.add(row);
   }

@@ -42,6 +42,7 @@ struct Options {
   bool prefetch = true;  // ZeRO-3: the next block's gather while one computes
   std::string fused_update;  // empty: off; unclipped | previous-clip
   std::string offload;       // comma list of tiers to offload to host memory: optimizer
+  std::string offload_dir;   // the optimizer state's disk tier
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
@@ -109,6 +110,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            gradients are reduced; clipping by the global norm needs them all, so unclipped needs
            --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
            --offload optimizer (AdamW moments in host memory, the update on the CPU)
+           --offload-dir DIR (AdamW moments in a scratch file under DIR, streamed through
+           bounded host buffers for each update: state larger than host memory)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
@@ -233,6 +236,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.fused_update = value();
     else if (f == "--offload")
       o.offload = value();
+    else if (f == "--offload-dir")
+      o.offload_dir = value();
     else if (f == "--schedule") {
       o.schedule = value();
       o.schedule_given = true;
@@ -353,6 +358,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.zero = o.zero;
   c.prefetch_values = o.prefetch;
   c.offload_optimizer = o.offload == "optimizer";
+  c.offload_dir = o.offload_dir;
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
   c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
                    : o.fused_update == "previous-clip" ? Fused::previous_clip
@@ -457,7 +463,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
   if (!o.offload.empty() && o.offload != "optimizer")
     out.push_back("--offload '" + o.offload + "': this trainer offloads the optimizer state only (--offload optimizer; "
-                  "activations and a disk tier are not built yet)");
+                  "activations are not built yet; the disk tier is --offload-dir DIR)");
   if (!o.fused_update.empty() && o.fused_update != "unclipped" && o.fused_update != "previous-clip")
     out.push_back("--fused-update must be unclipped or previous-clip, got '" + o.fused_update + "'");
   if (o.zero >= 1 && o.dp * o.cp == 1)
@@ -539,6 +545,7 @@ inline std::vector<std::string> path_problems(const Options& o, const std::strin
   if (!o.schedule_file.empty()) file("--schedule-file", o.schedule_file, false);
   directory(o.ckpt_dir.empty() ? "the checkpoint directory (--ckpt-dir)" : "--ckpt-dir", checkpoint_root(o));
   if (!o.log.empty()) directory("--log", fs::path(o.log).parent_path());
+  if (!o.offload_dir.empty()) directory("--offload-dir", o.offload_dir);
   return out;
 }
 

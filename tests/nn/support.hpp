@@ -36,6 +36,11 @@ inline std::mutex& catch_mutex() {
     std::lock_guard<std::mutex> rank_check_lock_(nn_test::catch_mutex()); \
     CHECK_THROWS_AS(expr, type);                                      \
   } while (0)
+#define RANK_CHECK_THAT(arg, matcher)                                  \
+  do {                                                                \
+    std::lock_guard<std::mutex> rank_check_lock_(nn_test::catch_mutex()); \
+    CHECK_THAT(arg, matcher);                                         \
+  } while (0)
 #define RANK_CHECK_THROWS_WITH(expr, matcher)                         \
   do {                                                                \
     std::lock_guard<std::mutex> rank_check_lock_(nn_test::catch_mutex()); \

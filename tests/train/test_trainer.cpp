@@ -29,6 +29,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
@@ -460,6 +462,84 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
     RANK_CHECK(fused_host > moments);
     RANK_CHECK(fused_host < moments + moments / 2);  // one unit's shard staged at a time
   });
+}
+
+// The disk tier (TrainerConfig::offload_dir): the moments in a scratch file, each update streamed
+// through host buffers of offload_buffer_elements (1000 here: every tensor cut into chunks). The
+// same host kernel on each chunk: the bits of the run without offloading, in every layout;
+// checkpoints move between the two; the bytes are the file's, the host buffers stay bounded.
+// Faults: a directory that cannot be made, or a cap below the moments' size (a full disk), is an
+// error naming it before the first step, and the checkpoint saved before still resumes.
+TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers, and clear errors",
+          "[train][trainer][offload][disk]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  const auto tiny = tiny_config();
+  TempDir dir("disk-tier");
+  auto on_disk = [&](TrainerConfig c) {
+    c.offload_dir = dir.path / "moments";
+    c.offload_buffer_elements = 1000;
+    return c;
+  };
+  TrainerConfig fused = with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2});
+  fused.clip = 0;
+  fused.fused_update = Fused::unclipped;
+  for (const TrainerConfig& c : {with_layout(tiny, {}), with_layout(tiny, {.dp = 2, .zero = 1}),
+                                 with_layout(tiny, {.dp = 2, .zero = 3, .microbatches = 2}), fused}) {
+    INFO("dp " << c.dp << " zero " << c.zero << " fused " << (c.fused_update != Fused::off));
+    nn_test::Collector w, dw;
+    RunResult r, dr;
+    train(c, kSteps, r, w);
+    train(on_disk(c), kSteps, dr, dw);
+    check_bitwise(dr, dw, r, w);
+  }
+  check_resumes_bitwise(on_disk(with_layout(tiny, {.dp = 2, .zero = 1})), with_layout(tiny, {.dp = 2, .zero = 1}),
+                        "disk-resume");
+  check_resumes_bitwise(with_layout(tiny, {.dp = 2, .zero = 1}), on_disk(with_layout(tiny, {.dp = 2, .zero = 1})),
+                        "disk-resume-back");
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    const TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1});
+    Trainer<ThreadComm> plain(comm, c), disk(comm, on_disk(c));
+    trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
+    disk.step(loader.next());
+    const auto moments = plain.memory().optimizer;
+    RANK_CHECK(disk.memory().optimizer == 0);
+    RANK_CHECK(disk.memory().disk_optimizer == moments);
+    RANK_CHECK(disk.memory().host_optimizer == 4 * 1000 * sizeof(float));  // m, v, values, gradients: one chunk
+    RANK_CHECK(std::filesystem::is_empty(dir.path / "moments"));  // the file is unlinked: nothing left behind
+  });
+  // Faults, with a checkpoint saved before them
+  TempDir ckpt("disk-tier-ckpt");
+  const TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1});
+  {
+    nn_test::Collector w;
+    RunResult r;
+    train(c, 3, r, w, {}, ckpt.path);
+  }
+  const std::filesystem::path not_a_dir = dir.path / "a-file";
+  { std::ofstream(not_a_dir) << "x"; }
+  TrainerConfig bad_dir = on_disk(c), full = on_disk(c);
+  bad_dir.offload_dir = not_a_dir / "moments";
+  full.offload_dir_cap_bytes = 1000;
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    std::string e1, e2;
+    try {
+      Trainer<ThreadComm> t(comm, bad_dir);
+    } catch (const trellis::Error& e) {
+      e1 = e.what();
+    }
+    try {
+      Trainer<ThreadComm> t(comm, full);
+    } catch (const trellis::Error& e) {
+      e2 = e.what();
+    }
+    RANK_CHECK_THAT(e1, Catch::Matchers::Contains("a-file/moments is not a directory and cannot be created"));
+    RANK_CHECK_THAT(e2, Catch::Matchers::Contains("more than the 1000 bytes the directory may take (no space left)"));
+  });
+  nn_test::Collector w6, w33;
+  RunResult six, after;
+  train(c, 6, six, w6);
+  train(c, 3, after, w33, *trellis::train::latest_checkpoint(ckpt.path));  // the one saved before the faults
+  for (int i = 0; i < 3; ++i) CHECK(after.losses[i] == six.losses[3 + i]);
 }
 
 TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {

@@ -7,11 +7,18 @@
 // On the host backends both tiers are RAM, but separate allocations counted apart
 // (device_bytes, host_bytes), so the logic and the accounting are tested on any machine, and the
 // host kernel is the one the host backends run: offloading changes no bits there.
+// The disk tier (Offload::dir set; ZeRO-Infinity's NVMe tier): the moments live in a file
+// (train/disk_moments.hpp) and an update streams them through bounded host buffers, a chunk of
+// at most Offload::buffer_elements elements of one tensor at a time (moments read, values and
+// gradients staged, the host kernel, values uploaded, moments written back). AdamW is
+// elementwise, so chunks give the bits of one update.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -19,16 +26,29 @@
 #include "trellis/backend/host.hpp"
 #include "trellis/core/error.hpp"
 #include "trellis/optim/adamw.hpp"
+#include "trellis/train/disk_moments.hpp"
 
 namespace trellis::train {
+
+// Where the moments live: B's memory (default), host memory (`host`), or files under `dir`.
+struct Offload {
+  bool host = false;
+  std::filesystem::path dir;        // non-empty: the disk tier
+  std::uint64_t dir_cap_bytes = 0;  // the most the disk tier may take (0: no cap; tests: a full disk)
+  std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it)
+};
 
 template <backend::Backend B>
 class OptimizerState {
  public:
   OptimizerState() = default;
   // One moment pair per tensor of `sizes` (parameters' local shards, or ZeRO pieces).
-  OptimizerState(std::span<const index_t> sizes, bool offload, B be) : be_(std::move(be)), offload_(offload) {
-    if (offload_)
+  OptimizerState(std::span<const index_t> sizes, const Offload& where, B be)
+      : be_(std::move(be)), offload_(where.host || !where.dir.empty()), buffer_(where.buffer_elements) {
+    TRELLIS_CHECK(buffer_ >= 1, "OptimizerState: a disk buffer of ", buffer_, " elements");
+    if (!where.dir.empty())
+      disk_.emplace(where.dir, sizes, where.dir_cap_bytes);
+    else if (offload_)
       host_ = optim::AdamWState<backend::Host<float>>(sizes);
     else
       device_ = optim::AdamWState<B>(sizes, be_);
@@ -36,15 +56,31 @@ class OptimizerState {
   }
 
   bool offloaded() const { return offload_; }
+  bool on_disk() const { return disk_.has_value(); }
   std::size_t tensors() const { return sizes_.size(); }
   std::size_t size(std::size_t i) const { return sizes_.at(i); }
-  std::int64_t step() const { return offload_ ? host_.step() : device_.step(); }
-  void set_step(std::int64_t s) { offload_ ? host_.set_step(s) : device_.set_step(s); }
-  void advance_step() { offload_ ? host_.advance_step() : device_.advance_step(); }
-  void reset() { offload_ ? host_.reset() : device_.reset(); }
-  // Moments in B's memory; offloaded moments and the staging buffers' largest size, in host memory.
+  std::int64_t step() const { return disk_ ? disk_step_ : offload_ ? host_.step() : device_.step(); }
+  void set_step(std::int64_t s) {
+    TRELLIS_CHECK(s >= 0, "OptimizerState: negative step ", s);
+    disk_ ? void(disk_step_ = s) : offload_ ? host_.set_step(s) : device_.set_step(s);
+  }
+  void advance_step() { disk_ ? void(++disk_step_) : offload_ ? host_.advance_step() : device_.advance_step(); }
+  void reset() {
+    if (disk_) {
+      disk_->zero();
+      disk_step_ = 0;
+      return;
+    }
+    offload_ ? host_.reset() : device_.reset();
+  }
+  // Moments in B's memory; offloaded moments (disk: the bounded buffers) and the staging
+  // buffers' largest size, in host memory; the disk tier's file.
   std::size_t device_bytes() const { return offload_ ? 0 : device_.bytes(); }
-  std::size_t host_bytes() const { return offload_ ? host_.bytes() + staged_peak_ * 2 * sizeof(float) : 0; }
+  std::size_t host_bytes() const {
+    if (disk_) return (disk_m_.size() + disk_v_.size() + staged_values_.size() + staged_grads_.size()) * sizeof(float);
+    return offload_ ? host_.bytes() + staged_peak_ * 2 * sizeof(float) : 0;
+  }
+  std::uint64_t disk_bytes() const { return disk_ ? disk_->bytes() : 0; }
 
   // Tensor i's moments from / to host memory (checkpoints).
   void read_m(std::size_t i, float* dst) const { read(i, dst, true); }
@@ -59,6 +95,10 @@ class OptimizerState {
               std::span<const float> decay, float scale) {
     if (!offload_) {
       device_.update_part(hp, lr, which, values, grads, decay, scale);
+      return;
+    }
+    if (disk_) {
+      update_from_disk(hp, lr, which, values, grads, decay, scale);
       return;
     }
     std::size_t n = 0;
@@ -83,7 +123,36 @@ class OptimizerState {
   }
 
  private:
+  // Each tensor in chunks of at most buffer_ elements through the host buffers.
+  void update_from_disk(const optim::AdamW& hp, float lr, std::span<const std::size_t> which,
+                        std::span<const std::span<float>> values, std::span<const std::span<const float>> grads,
+                        std::span<const float> decay, float scale) {
+    for (std::size_t k = 0; k < which.size(); ++k) {
+      const std::size_t i = which[k], n = values[k].size();
+      TRELLIS_CHECK(i < sizes_.size() && n == sizes_[i] && grads[k].size() == n, "OptimizerState: tensor ", i,
+                    " given ", n, " values and ", grads[k].size(), " gradients");
+      for (std::size_t at = 0; at < n; at += buffer_) {
+        const std::size_t c = std::min(buffer_, n - at);
+        for (auto* b : {&disk_m_, &disk_v_, &staged_values_, &staged_grads_}) b->resize(std::max(b->size(), c));
+        disk_->read(i, true, at, c, disk_m_.data());
+        disk_->read(i, false, at, c, disk_v_.data());
+        be_.download(staged_values_.data(), values[k].data() + at, c);
+        be_.download(staged_grads_.data(), grads[k].data() + at, c);
+        const kernels::AdamWTensor<float> t{{staged_values_.data(), c}, {staged_grads_.data(), c},
+                                            {disk_m_.data(), c}, {disk_v_.data(), c}, decay[k]};
+        backend::Host<float>{}.adamw(std::span<const kernels::AdamWTensor<float>>(&t, 1), hp.config(lr), disk_step_ + 1,
+                                     scale);
+        be_.upload(values[k].data() + at, staged_values_.data(), c);
+        disk_->write(i, true, at, c, disk_m_.data());
+        disk_->write(i, false, at, c, disk_v_.data());
+      }
+    }
+  }
   void read(std::size_t i, float* dst, bool m) const {
+    if (disk_) {
+      disk_->read(i, m, 0, sizes_.at(i), dst);
+      return;
+    }
     if (offload_) {
       const auto src = m ? host_.m(i) : host_.v(i);
       std::copy(src.begin(), src.end(), dst);
@@ -93,6 +162,10 @@ class OptimizerState {
     }
   }
   void write(std::size_t i, const float* src, bool m) {
+    if (disk_) {
+      disk_->write(i, m, 0, sizes_.at(i), src);
+      return;
+    }
     if (offload_) {
       auto dst = m ? host_.m(i) : host_.v(i);
       std::copy_n(src, dst.size(), dst.begin());
@@ -109,6 +182,10 @@ class OptimizerState {
   optim::AdamWState<backend::Host<float>> host_;
   std::vector<float> staged_values_, staged_grads_;  // one update's values and gradients, on the host
   std::size_t staged_peak_ = 0;
+  std::optional<DiskMoments> disk_;
+  std::size_t buffer_ = std::size_t{1} << 22;
+  std::vector<float> disk_m_, disk_v_;  // the disk tier's chunk of moments
+  std::int64_t disk_step_ = 0;
 };
 
 }  // namespace trellis::train

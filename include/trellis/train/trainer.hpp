@@ -236,11 +236,11 @@ class Trainer {
         sizes.push_back(pc.size);
         zdecay_.push_back(decay_[pc.param]);
       }
-      state_ = OptimizerState<B>(std::span<const index_t>(sizes), cfg_.offload_optimizer, be_);
+      state_ = OptimizerState<B>(std::span<const index_t>(sizes), offload(), be_);
     } else {
       std::vector<index_t> sizes;
       for (nn::Parameter* p : params_) sizes.push_back(p->numel());
-      state_ = OptimizerState<B>(std::span<const index_t>(sizes), cfg_.offload_optimizer, be_);
+      state_ = OptimizerState<B>(std::span<const index_t>(sizes), offload(), be_);
     }
     // What the global norm sums (a tp-replicated tensor and a duplicate wte once; under ZeRO the
     // reduced shards): fixed ranges of the packed buffers, so the spans are made once.
@@ -308,6 +308,7 @@ class Trainer {
     u.gradients = gradient_bytes();
     u.optimizer = state_.device_bytes();
     u.host_optimizer = state_.host_bytes();
+    u.disk_optimizer = static_cast<std::size_t>(state_.disk_bytes());
     u.activations = arena_->capacity_bytes();
     u.activations_peak = arena_->peak_held_bytes();
     u.workspace = be_.workspace_reserved();
@@ -536,6 +537,10 @@ class Trainer {
     }
   };
 
+  // Where the AdamW moments live (TrainerConfig's offload fields).
+  Offload offload() const {
+    return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements};
+  }
   // The fused update's clip factor for the next step, as float bits (checkpoint metadata).
   static constexpr const char* fused_scale_key = "train.fused_clip_scale";
 

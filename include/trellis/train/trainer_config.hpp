@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -67,6 +68,13 @@ struct TrainerConfig {
   // AdamW moments in host memory, each update on the CPU over staged copies of the values and
   // gradients (train/optimizer_state.hpp; ZeRO-Offload's optimizer tier). The same bits on the host.
   bool offload_optimizer = false;
+  // The disk tier (ZeRO-Infinity's): the AdamW moments in a scratch file under this directory
+  // (train/disk_moments.hpp), streamed through host buffers of offload_buffer_elements; set, it
+  // is used whatever offload_optimizer says. offload_dir_cap_bytes: the most the file may take
+  // (0: no cap; tests simulate a full disk with it).
+  std::filesystem::path offload_dir{};
+  std::uint64_t offload_dir_cap_bytes = 0;
+  std::size_t offload_buffer_elements = std::size_t{1} << 22;
   std::size_t bucket_elements = std::size_t{1} << 18;
   // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
@@ -258,6 +266,7 @@ struct MemoryUse {
   std::size_t gradients = 0;         // packed gradients, or ZeRO's shards (ZeRO-2/3: + unit slots, wte)
   std::size_t optimizer = 0;         // AdamW moments (ZeRO: this rank's shards) in the backend's memory
   std::size_t host_optimizer = 0;    // offloaded: the moments and the update's staging, in host memory
+  std::size_t disk_optimizer = 0;    // the disk tier: the moments' file
   std::size_t activations = 0;       // the activation arena's reserve
   std::size_t activations_peak = 0;  // the most it held at once so far
   std::size_t workspace = 0;         // kernel scratch reserved
