@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "support/counting_comm.hpp"
+#include "support/synthetic_batch.hpp"
 #include "support/gpt_sgemm_floor.hpp"
 #include "support/report.hpp"
 #include "trellis/comm/threads.hpp"
@@ -48,6 +49,7 @@
 #include "trellis/train/trainer.hpp"
 
 using namespace trellis;
+using bench::make_batch;
 
 namespace {
 
@@ -85,21 +87,6 @@ TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
   return r;
 }
 
-// Builds a batch of `rows` x `seq` tokens whose global sample index starts at `first_row`.
-train::Batch make_batch(index_t rows, index_t seq, index_t vocab, index_t first_row = 0) {
-  train::Batch b;
-  b.rows = rows;
-  b.seq_len = seq;
-  const auto n = static_cast<std::size_t>(rows * seq);
-  b.inputs.resize(n);
-  b.targets.resize(n);
-  const auto base = static_cast<std::size_t>(first_row * seq);
-  for (std::size_t i = 0; i < n; ++i) {
-    b.inputs[i] = static_cast<std::int32_t>(((base + i) * 7919) % static_cast<std::size_t>(vocab));
-    b.targets[i] = static_cast<std::int32_t>(((base + i) * 104729 + 3) % static_cast<std::size_t>(vocab));
-  }
-  return b;
-}
 
 // The memory traffic any fp32 AdamW step must make, as plain parallel memcpy: per parameter, the
 // gradient zeroed (4 bytes), read for the global norm (4) and AdamW's reads of p, g, m, v (16) and

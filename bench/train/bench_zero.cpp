@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "support/report.hpp"
+#include "support/synthetic_batch.hpp"
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/kernels/thread_pool.hpp"
@@ -44,20 +45,7 @@ using namespace trellis;
 
 namespace {
 
-train::Batch make_batch(index_t rows, index_t seq, index_t vocab, index_t first_row) {
-  train::Batch b;
-  b.rows = rows;
-  b.seq_len = seq;
-  const auto n = static_cast<std::size_t>(rows * seq);
-  b.inputs.resize(n);
-  b.targets.resize(n);
-  const auto base = static_cast<std::size_t>(first_row * seq);
-  for (std::size_t i = 0; i < n; ++i) {
-    b.inputs[i] = static_cast<std::int32_t>(((base + i) * 7919) % static_cast<std::size_t>(vocab));
-    b.targets[i] = static_cast<std::int32_t>(((base + i) * 104729 + 3) % static_cast<std::size_t>(vocab));
-  }
-  return b;
-}
+using bench::make_batch;
 
 // Parameter counts of a GPT-2 shape: all, one block, wte.
 struct Shape {
