@@ -100,6 +100,7 @@
 #include "trellis/train/grad_buckets.hpp"
 #include "trellis/train/hf_gpt2.hpp"
 #include "trellis/train/host_scalars.hpp"
+#include "trellis/train/microbatch_inputs.hpp"
 #include "trellis/train/moe_stats.hpp"
 #include "trellis/train/optimizer_state.hpp"
 #include "trellis/train/param_shards.hpp"
@@ -573,20 +574,11 @@ class Trainer {
     TRELLIS_CHECK(b.segments.empty() || b.segments.size() == b.inputs.size(), "Trainer (rank ", mesh_.rank(),
                   "): ", b.segments.size(), " document ids for ", b.inputs.size(), " tokens");
   }
-  // Rows (rows, seq) -> this cp rank's positions of each row (rows, seq / cp).
-  std::vector<std::int32_t> local_positions(const std::vector<std::int32_t>& full) const {
-    const index_t rows = static_cast<index_t>(full.size()) / cfg_.seq, local = shape_.seq;
-    std::vector<std::int32_t> out(static_cast<std::size_t>(rows * local));
-    for (index_t r = 0; r < rows; ++r)
-      for (index_t p = 0; p < local; ++p)
-        out[static_cast<std::size_t>(r * local + p)] = full[static_cast<std::size_t>(r * cfg_.seq + shape_.global_position(p))];
-    return out;
-  }
   // The loss normaliser: targets over every rank's tokens (each cp rank counts its positions).
   double global_token_count(const Batch& b) {
     double local = 0;
     if (cfg_.cp > 1) {
-      for (auto t : local_positions(b.targets)) local += t >= 0;
+      for (auto t : MicrobatchInputs::local_positions(b.targets, cfg_.seq, shape_)) local += t >= 0;
       return reduce_scalar(*replica_comm_, local);
     }
     for (auto t : b.targets) local += t >= 0;
@@ -595,33 +587,12 @@ class Trainer {
   // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
   // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
   void set_microbatches(const Batch& b, double token_count, bool train) {
-    std::vector<const std::int32_t*> tokens, targets, segments;
-    const index_t per = shape_.batch * cfg_.seq;  // a microbatch's ids (full sequences)
-    const std::int32_t* inputs = b.inputs.data();
-    const std::int32_t* labels = b.targets.data();
-    const std::int32_t* ids = b.segments.data();
-    const std::vector<std::int32_t>*full_inputs = &b.inputs, *full_targets = &b.targets;
-    if (cfg_.cp_balance_documents && b.packed()) {  // rows reordered for equal work per cp rank
-      balanced_[0] = b.inputs, balanced_[1] = b.targets;
-      balanced_ids_ = nn::balance_documents(b.segments, cfg_.seq, cfg_.cp, {&balanced_[0], &balanced_[1]});
-      ids = balanced_ids_.data(), full_inputs = &balanced_[0], full_targets = &balanced_[1];
-    }
-    if (cfg_.cp > 1) {  // this rank's zig-zag positions of every row (the ids stay whole)
-      local_inputs_ = local_positions(*full_inputs);
-      local_targets_ = local_positions(*full_targets);
-      inputs = local_inputs_.data();
-      labels = local_targets_.data();
-    }
-    for (int mb = 0; mb < cfg_.microbatches; ++mb) {
-      tokens.push_back(inputs + mb * shape_.rows());
-      targets.push_back(labels + mb * shape_.rows());
-      if (b.packed()) segments.push_back(ids + mb * per);
-    }
+    auto ids = inputs_.cut(b, cfg_, shape_);
     nn::DropoutContext dropout;
     dropout.seed = dropout_seed(cfg_.seed, state_.step());
     dropout.first_sample = static_cast<index_t>(mesh_.template coord<trellis::dp>()) * (cfg_.batch / cfg_.dp);
     dropout.train = train;
-    stage_->set_batch(std::move(tokens), std::move(targets), token_count, dropout, std::move(segments));
+    stage_->set_batch(std::move(ids.tokens), std::move(ids.targets), token_count, dropout, std::move(ids.segments));
   }
 
   // One arena pool per chunk: as many slots as the schedule keeps that chunk's microbatches alive
@@ -897,8 +868,7 @@ class Trainer {
   std::unique_ptr<nn::ActivationArena<B>> arena_;  // saved activations of every chunk
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
-  std::vector<std::int32_t> local_inputs_, local_targets_;  // cp > 1: this rank's positions of the batch
-  std::vector<std::int32_t> balanced_ids_, balanced_[2];    // cp_balance_documents: ids, inputs, targets reordered
+  MicrobatchInputs inputs_;  // the step's batch as each microbatch's ids (cp positions, balanced rows)
   std::unique_ptr<nn::GptPipelineStage<C, B>> stage_;
   std::vector<nn::Parameter*> params_;
   std::vector<int> chunk_of_;
