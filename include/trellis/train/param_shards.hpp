@@ -57,7 +57,14 @@ class ParamShards {
     for (std::size_t c = 0; c < buckets.chunks().size(); ++c) {
       const int units = buckets.chunks()[c]->weight_units();
       resident_.emplace_back(static_cast<std::size_t>(units), -1);
-      for (int u = 0; u < units; ++u) largest = std::max(largest, buckets.unit(static_cast<int>(c), u).size);
+      auto& offsets = offsets_.emplace_back();
+      for (int u = 0; u < units; ++u) {
+        const auto& unit = buckets.unit(static_cast<int>(c), u);
+        largest = std::max(largest, unit.size);
+        auto& mine = offsets.emplace_back();
+        for (nn::Parameter* p : unit.params)
+          mine.push_back(buckets.chunks()[c]->parameter_buffer().packed_range(*p, *p).first - unit.begin);
+      }
     }
     slots_.resize(static_cast<std::size_t>(o.slots));
     for (auto& s : slots_) s.values = be_.template allocate<float>(largest);
@@ -196,10 +203,10 @@ class ParamShards {
   }
   // The unit's value views onto `slot` (its packed layout from unit.begin), or unbound (nullptr).
   void bind(int c, int u, float* slot) {
-    const auto& unit = buckets_->unit(c, u);
-    auto& buffer = buckets_->chunks()[static_cast<std::size_t>(c)]->parameter_buffer();
-    for (nn::Parameter* p : unit.params)
-      p->value.rebind(slot ? slot + (buffer.packed_range(*p, *p).first - unit.begin) : nullptr, B::host_readable);
+    const auto& params = buckets_->unit(c, u).params;
+    const auto& offsets = offsets_[static_cast<std::size_t>(c)][static_cast<std::size_t>(u)];
+    for (std::size_t k = 0; k < params.size(); ++k)
+      params[k]->value.rebind(slot ? slot + offsets[k] : nullptr, B::host_readable);
   }
 
   const Buckets* buckets_;
@@ -210,6 +217,7 @@ class ParamShards {
   bool wte_held_ = false;
   std::vector<Slot> slots_;
   std::vector<std::vector<int>> resident_;  // [chunk][unit]: its slot, or -1
+  std::vector<std::vector<std::vector<std::size_t>>> offsets_;  // [chunk][unit][k]: param k's offset in the unit
   int prefetched_ = 0;
 };
 
