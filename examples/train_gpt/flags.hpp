@@ -40,6 +40,7 @@ struct Options {
   bool sp = false;
   int zero = 0;  // ZeRO stage over the dp x cp replicas
   bool prefetch = true;  // ZeRO-3: the next block's gather while one computes
+  int shard_degree = 0;  // hybrid sharding: ZeRO shards over groups of this many replicas (0: all)
   std::string fused_update;  // empty: off; unclipped | previous-clip
   std::string offload;       // comma list of tiers to offload to host memory: optimizer
   std::string offload_dir;   // the optimizer state's disk tier
@@ -106,6 +107,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            gradients too, reduce-scattered every microbatch, 3 the weights too, each block's
            gathered while it computes, the next one's prefetched; --zero1 is --zero 1)
            --no-prefetch (with --zero 3: each block's gather starts when it is needed)
+           --shard-degree N (0; with --zero: hybrid sharding, shards over groups of N consecutive
+           replicas, replicated across the groups, whose gradients are all-reduced once a step)
            --fused-update unclipped|previous-clip (each block's AdamW step as soon as its
            gradients are reduced; clipping by the global norm needs them all, so unclipped needs
            --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
@@ -232,6 +235,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.zero);
     else if (f == "--no-prefetch")
       o.prefetch = false;
+    else if (f == "--shard-degree")
+      int_flag(o.shard_degree);
     else if (f == "--fused-update")
       o.fused_update = value();
     else if (f == "--offload")
@@ -357,6 +362,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.seq = o.context;
   c.zero = o.zero;
   c.prefetch_values = o.prefetch;
+  c.shard_degree = o.shard_degree;
   c.offload_optimizer = o.offload == "optimizer";
   c.offload_dir = o.offload_dir;
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
@@ -383,8 +389,10 @@ inline double state_bytes(const Options& o, bool per_mpi_rank) {
   const double params = V * W + P * W + L * (12.0 * W * W + 13.0 * W) + 2.0 * W;
   const double tp_pp = std::max(1.0, static_cast<double>(o.tp)) * std::max(1.0, static_cast<double>(o.pp));
   const double R = std::max(1, o.dp) * std::max(1, o.cp);  // replicas; ZeRO shards over them
-  // every replica's weights (4 bytes), gradients (4) and moments (8), or one copy of what is sharded
-  const double all = params * ((o.zero >= 3 ? 4.0 : 4.0 * R) + (o.zero >= 2 ? 4.0 : 4.0 * R) + (o.zero >= 1 ? 8.0 : 8.0 * R));
+  const double G = o.shard_degree > 0 ? std::max(1.0, R / o.shard_degree) : 1.0;  // hybrid: a copy per group
+  // every replica's weights (4 bytes), gradients (4) and moments (8), or a copy per shard group of what is sharded
+  const double all =
+      params * ((o.zero >= 3 ? 4.0 * G : 4.0 * R) + (o.zero >= 2 ? 4.0 * G : 4.0 * R) + (o.zero >= 1 ? 8.0 * G : 8.0 * R));
   return per_mpi_rank ? all / (R * tp_pp) : all;
 }
 inline double physical_memory_bytes() {

@@ -15,6 +15,7 @@
 // DeviceChecked (device-memory discipline on the host): nine layouts (one MoE: dp4.tp2+sp ep2
 // ZeRO-1 with capacity and the load-balancing loss; one ZeRO-3) equal host fp32 bitwise.
 // ZeRO-2 and ZeRO-3 ([zero]): against one rank in every layout; ZeRO-3 equals ZeRO-2 bitwise.
+// Hybrid sharding ([hybrid]): ZeRO 1-3 over groups of replicas against one rank in every layout.
 // Mixture of Experts: expert-parallel layouts against one rank or against the same layout without ep.
 // Context parallel (ring attention): cp2, cp4, dp2.cp2 ZeRO-1, tp2+sp.cp2, pp2.cp2 zb_v, dp2 m2.cp2
 // with dropout and recompute, cp2 packed, dp2.tp2+sp.pp2.cp2 packed equal one rank; Ulysses cp4,
@@ -310,6 +311,51 @@ TEST_CASE("ZeRO-3 holds a shard and two unit slots of values, not the whole mode
   });
 }
 
+// Hybrid sharding (TrainerConfig::shard_degree; FSDP's HYBRID_SHARD): ZeRO over groups of
+// consecutive replicas, replicated across the groups, whose shards' gradients are all-reduced once
+// a step. Against one rank (ZeRO-1, 2 and 3; with tp+sp, pp, cp, MoE; groups of one replica);
+// ZeRO-2 and ZeRO-3 hybrid give the same bits (the same reductions); a dp4 rank in groups of 2
+// holds exactly what a dp2 ZeRO rank holds.
+TEST_CASE("hybrid sharding equals one rank in every layout, and holds a group's shard", "[train][trainer][parity][zero][hybrid]") {
+  check_against_reference({.dp = 4, .zero = 1, .shard_degree = 2, .microbatches = 2}, "dp4 zero1 shard2 m2");
+  check_against_reference({.dp = 4, .zero = 2, .shard_degree = 2, .microbatches = 2}, "dp4 zero2 shard2 m2");
+  check_against_reference({.dp = 4, .zero = 3, .shard_degree = 2}, "dp4 zero3 shard2");
+  check_against_reference({.dp = 4, .tp = 2, .sp = true, .zero = 3, .shard_degree = 2, .microbatches = 2},
+                          "dp4.tp2+sp zero3 shard2 m2");
+  check_against_reference({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 3, .shard_degree = 1, .schedule = "zb_h1",
+                           .microbatches = 2},
+                          "dp2.tp2+sp.pp2 zb_h1 zero3 shard1");
+  check_against_reference({.dp = 2, .zero = 3, .shard_degree = 2, .cp = 2}, "dp2.cp2 zero3 shard2");
+  check_layouts({.dp = 4, .zero = 3, .shard_degree = 2, .microbatches = 2, .moe = true, .ep = 2}, {.moe = true},
+                "dp4 m2 ep2 zero3 shard2 (experts over their 2 replicas)");
+  {
+    nn_test::Collector w2, w3;
+    RunResult r2, r3;
+    train(with_layout(tiny_config(), {.pp = 2, .dp = 4, .zero = 2, .shard_degree = 2, .schedule = "zb_h1", .microbatches = 2}),
+          kSteps, r2, w2);
+    train(with_layout(tiny_config(), {.pp = 2, .dp = 4, .zero = 3, .shard_degree = 2, .schedule = "zb_h1", .microbatches = 2}),
+          kSteps, r3, w3);
+    INFO("dp4.pp2 zb_h1 m2 shard2: ZeRO-3 against ZeRO-2");
+    check_bitwise(r3, w3, r2, w2);
+  }
+  const auto dp2 = with_layout(tiny_config(), {.dp = 2, .zero = 3});
+  const auto hybrid = with_layout(tiny_config(), {.dp = 4, .zero = 3, .shard_degree = 2});
+  const auto dp4 = with_layout(tiny_config(), {.dp = 4, .zero = 3});
+  std::vector<trellis::train::MemoryUse> two(2), four(4), full(4);
+  nn_test::run_ranks(2, [&](ThreadComm& comm) { two[static_cast<std::size_t>(comm.rank())] = Trainer<ThreadComm>(comm, dp2).memory(); });
+  nn_test::run_ranks(4, [&](ThreadComm& comm) {
+    four[static_cast<std::size_t>(comm.rank())] = Trainer<ThreadComm>(comm, hybrid).memory();
+    full[static_cast<std::size_t>(comm.rank())] = Trainer<ThreadComm>(comm, dp4).memory();
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(four[r].parameters == two[r % 2].parameters);
+    CHECK(four[r].gradients == two[r % 2].gradients);
+    CHECK(four[r].optimizer == two[r % 2].optimizer);
+    CHECK(four[r].optimizer > full[r].optimizer);  // twice dp4's shards, less padding
+  }
+}
+
 // The optimizer step fused into the backward (TrainerConfig::fused_update): each weight unit's
 // AdamW update as soon as its gradients are reduced. AdamW is elementwise, so without clipping it
 // is the unfused step's arithmetic on the same gradients: the same bits in every layout.
@@ -318,6 +364,7 @@ TEST_CASE("fused update without clipping equals the unfused step bitwise", "[tra
   for (const Layout& l : {Layout{}, Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 2, .zero = 1},
                           Layout{.dp = 2, .zero = 2, .microbatches = 2}, Layout{.tp = 2, .sp = true},
                           Layout{.dp = 2, .zero = 3, .microbatches = 2},
+                          Layout{.dp = 4, .zero = 3, .shard_degree = 2, .microbatches = 2},
                           Layout{.pp = 2, .dp = 2, .schedule = "zb_v", .microbatches = 4},
                           Layout{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4},
                           Layout{.dp = 2, .overlap_off = true},

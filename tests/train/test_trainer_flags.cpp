@@ -77,6 +77,10 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(!z3.prefetch);
   CHECK(!train_gpt::trainer_config(z3).prefetch_values);
   CHECK(train_gpt::trainer_config(parse_flags({"--dp", "2", "--zero", "3"})).prefetch_values);
+  CHECK(train_gpt::trainer_config(parse_flags({"--dp", "4", "--zero", "3", "--shard-degree", "2"})).shard_degree == 2);
+  CHECK(contains(error_of({"--dp", "4", "--shard-degree", "2"}), "--shard-degree 2 shards the ZeRO state: give --zero 1, 2 or 3"));
+  CHECK(contains(error_of({"--dp", "4", "--zero", "2", "--shard-degree", "3"}), "--shard-degree 3 must divide the replicas dp x cp = 4"));
+  CHECK(contains(error_of({"--dp", "4", "--zero", "2", "--shard-degree", "-1"}), "--shard-degree must be >= 0"));
   CHECK(contains(error_of({"--fused-update", "unclipped"}), "give --clip 0, or --fused-update previous-clip"));
   CHECK(error_of({"--fused-update", "unclipped", "--clip", "0"}).empty());
   CHECK(error_of({"--fused-update", "previous-clip"}).empty());

@@ -6,7 +6,8 @@
 //    then 3 more steps: the same losses (1e-5 relative) and weights (1e-5 of each tensor's scale)
 //    as the straight run (other layouts sum in another order, so not bitwise);
 //  - ZeRO stages: a dp2 ZeRO-2 checkpoint continues under dp2 (no ZeRO), dp4 ZeRO-1 and dp2.pp2
-//    ZeRO-3, whose checkpoints continue under ZeRO-2 again (1e-5, as a reshard);
+//    ZeRO-3 and dp4 ZeRO-3 hybrid-sharded in groups of 2, whose checkpoints continue under ZeRO-2
+//    again (1e-5, as a reshard); a hybrid dp4 ZeRO-3 run resumes bitwise;
 //  - an MoE checkpoint (dp4 ep2 ZeRO-1) resumes bitwise and continues the same under one rank,
 //    dp2 ep2, dp4 ep4 and dp2.tp2.pp2 ep2;
 //  - refusals: another model shape or configuration; ranks that saved different data positions
@@ -57,6 +58,7 @@ TEST_CASE("resume continues bitwise", "[train][trainer][resume]") {
   for (const Layout& l :
        {Layout{.pp = 2, .tp = 2, .schedule = "zb_h1", .microbatches = 2}, Layout{.dp = 2, .zero = 1},
         Layout{.dp = 2, .zero = 2, .microbatches = 2}, Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "zb_h1", .microbatches = 2},
+        Layout{.dp = 4, .zero = 3, .shard_degree = 2, .microbatches = 2},
         Layout{.pp = 2, .tp = 2, .sp = true, .schedule = "zb_h1", .microbatches = 2, .dropout = 0.1f},
         Layout{.dp = 2, .microbatches = 2, .dropout = 0.1f}}) {
     INFO("pp " << l.pp << " dp " << l.dp << " tp " << l.tp << " zero " << l.zero << " dropout " << l.dropout);
@@ -108,8 +110,9 @@ TEST_CASE("checkpoints move between ZeRO stages: a ZeRO-2 save loads into ZeRO-0
   Straight s;
   straight(zero2, s);
   for (const Layout& other : {Layout{.dp = 2, .microbatches = 2}, Layout{.dp = 4, .zero = 1, .microbatches = 1},
-                              Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "1f1b", .microbatches = 2}}) {
-    INFO("the other layout: dp " << other.dp << " zero " << other.zero);
+                              Layout{.pp = 2, .dp = 2, .zero = 3, .schedule = "1f1b", .microbatches = 2},
+                              Layout{.dp = 4, .zero = 3, .shard_degree = 2, .microbatches = 2}}) {
+    INFO("the other layout: dp " << other.dp << " zero " << other.zero << " shard degree " << other.shard_degree);
     TempDir dir("trainer-zero-stages");
     save_three_steps(zero2, dir.path);
     nn_test::Collector w, w_back;

@@ -91,6 +91,7 @@ struct Layout {
   int pp = 1, dp = 1, tp = 1;
   bool sp = false;
   int zero = 0;  // ZeRO stage
+  int shard_degree = 0;  // hybrid sharding: ZeRO over groups of this many replicas (0: all)
   std::string schedule = "1f1b";
   int microbatches = 1;
   float dropout = 0.0f;
@@ -120,6 +121,7 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.cp_balance_documents = l.balance_documents;
   c.options.sequence_parallel = l.sp;
   c.zero = l.zero;
+  c.shard_degree = l.shard_degree;
   c.schedule = l.schedule;
   c.microbatches = l.microbatches;
   c.options.dropout = l.dropout;

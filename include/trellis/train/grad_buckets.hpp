@@ -15,6 +15,13 @@
 //           reduce-scatters once, after that sum;
 //   ZeRO 3: the gradients as ZeRO 2; the values are sharded too, by train::ParamShards on the same
 //           buckets (train/param_shards.hpp).
+// Hybrid sharding (ZeRO 1-3 with `groups`: FSDP's HYBRID_SHARD, Megatron's distributed-optimizer
+// instances): `replicas` is then a shard group, a part of the replicas; the groups hold the same
+// shards, so a bucket's reduced shard is all-reduced over `groups` (the ranks with the same shard
+// in every group) once per step, after its last microbatch (ZeRO-2/3: started as that
+// microbatch's reduce-scatter is retired, overlapping the rest of the backward; ZeRO-1 and wte:
+// after their reduce-scatters, at the end): every group then updates the same shard. Expert
+// buckets shard over all their replicas.
 // A bucket's padding is zero in every buffer, so reducing it adds zeros. The optimizer then runs
 // on the shards (pieces(), cut at parameter boundaries), and gather_values() all-gathers each
 // bucket's updated values in place in the packed values (ZeRO 1, 2).
@@ -23,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <deque>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -57,6 +65,7 @@ class GradBuckets {
     int chunk = 0, unit = 0;  // chunk -1: wte, after the tied sum
     int owner = 0;            // the chunk whose packed layout holds it (wte's too)
     C* comm = nullptr;        // the ranks holding the same values: dp x cp, or its expert replicas
+    C* groups = nullptr;      // hybrid sharding: the same shard in the other shard groups
     std::vector<std::size_t> params;         // indices into params_
     std::vector<std::size_t> param_offsets;  // each one's offset in the range
     std::size_t packed_begin = 0, size = 0;  // the range in the owner's packed layout (floats)
@@ -64,6 +73,7 @@ class GradBuckets {
     std::size_t shard_begin = 0;  // ZeRO-1/2/3: this rank's reduced shard, at shards_[shard_begin]
     std::optional<typename C::request_type> request;
     bool reduced = false;  // this step's reduction finished (waited for)
+    bool summed_over_groups = false;  // hybrid: this step's all-reduce over `groups` done
 
     std::size_t shard_size() const { return size / static_cast<std::size_t>(comm->size()); }
   };
@@ -77,11 +87,14 @@ class GradBuckets {
   GradBuckets() = default;
   // chunks: this rank's models (their packed buffers: ZeRO-2 needs GptOptions::packed_gradients
   // off); params: this rank's parameters, each once; replicas: the ranks holding the same dense
-  // parameters, expert_replicas: the same experts (the same communicator without ep).
+  // parameters, expert_replicas: the same experts (the same communicator without ep). groups:
+  // hybrid sharding (ZeRO 1-3): `replicas` is one shard group, `groups` the same rank of every
+  // group (null: no hybrid).
   GradBuckets(const Options& o, std::vector<Model*> chunks, std::vector<nn::Parameter*> params, C& replicas,
-              C& expert_replicas, B be)
-      : opt_(o), chunks_(std::move(chunks)), params_(std::move(params)), be_(std::move(be)) {
+              C& expert_replicas, B be, C* groups = nullptr)
+      : opt_(o), chunks_(std::move(chunks)), params_(std::move(params)), be_(std::move(be)), groups_(groups) {
     TRELLIS_CHECK(o.zero >= 0 && o.zero <= 3, "GradBuckets: ZeRO stage ", o.zero, " (0 to 3)");
+    TRELLIS_CHECK(!groups || o.zero >= 1, "GradBuckets: hybrid sharding needs a ZeRO stage (1 to 3)");
     TRELLIS_CHECK(o.slots >= 1, "GradBuckets: ", o.slots, " gradient slots");
     for (Model* m : chunks_)
       TRELLIS_CHECK((m->parameter_buffer().gradients() == nn::ParameterBuffer<B>::Gradients::external) == (o.zero >= 2),
@@ -108,6 +121,12 @@ class GradBuckets {
   // ZeRO-1/2/3: floats of this rank's shards of every bucket (the shards' layout).
   std::size_t shard_elements() const { return shards_.size(); }
   const std::vector<Piece>& pieces() const { return pieces_; }
+  // Whether piece pc is counted on this rank (the global norm): hybrid sharding's first group
+  // holds the shards once; every rank without it.
+  bool first_group(const Piece& pc) const {
+    const Bucket& b = buckets_[pc.bucket];
+    return !b.groups || b.groups->rank() == 0;
+  }
   // Piece k's reduced gradient (in the shards) and value (in the packed values).
   std::span<const float> piece_grad(const Piece& pc) const {
     return {shards_.data() + buckets_[pc.bucket].shard_begin + pc.shard_offset, static_cast<std::size_t>(pc.size)};
@@ -125,7 +144,7 @@ class GradBuckets {
 
   // ---- during the step --------------------------------------------------------------------------
   void begin_step() {
-    for (auto& b : buckets_) b.reduced = false;
+    for (auto& b : buckets_) b.reduced = b.summed_over_groups = false;
     if (opt_.zero < 2) return;
     be_.fill_zero(shards_.data(), shards_.size());
     be_.fill_zero(wte_grad_.data(), wte_grad_.size());
@@ -154,7 +173,8 @@ class GradBuckets {
       for (std::size_t k : unit.buckets) {
         Bucket& b = buckets_[k];
         const std::size_t n = b.shard_size();
-        s.pending.push_back({k, received, start(b, s.grads.data() + (b.packed_begin - unit.begin), s.received.data() + received)});
+        s.pending.push_back(
+            {k, received, start(b, s.grads.data() + (b.packed_begin - unit.begin), s.received.data() + received), last});
         received += n;
       }
       for (nn::Parameter* p : unit.params) p->grad.rebind(nullptr, B::host_readable);  // misuse shows at once
@@ -173,6 +193,9 @@ class GradBuckets {
       if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero < 2)) b.request = start(b, b.grads, shard_of(b));
     while (!in_flight_.empty()) retire_oldest();
     for (auto& b : buckets_) wait(b);
+    std::vector<std::size_t> all(buckets_.size());
+    std::iota(all.begin(), all.end(), std::size_t{0});
+    sum_over_groups(all);
   }
   // Unit u of chunk c (-1: wte, after the tied sum) reduced: its buckets started if they were not
   // and waited for (ZeRO-2: every slot in flight retired). For an update of that unit alone (the
@@ -180,11 +203,13 @@ class GradBuckets {
   void wait_unit(int c, int u) {
     if (opt_.zero >= 2)
       while (!in_flight_.empty()) retire_oldest();
-    for (std::size_t k : bucket_indices(c, u)) {
+    const auto ks = bucket_indices(c, u);
+    for (std::size_t k : ks) {
       Bucket& b = buckets_[k];
       if (!b.request && !b.reduced && (b.chunk < 0 || opt_.zero < 2)) b.request = start(b, b.grads, shard_of(b));
       wait(b);
     }
+    sum_over_groups(ks);
   }
   // ZeRO-1/2/3: the indices (into pieces()) of unit u of chunk c's shard pieces (-1: wte's).
   std::vector<std::size_t> pieces_of(int c, int u) const {
@@ -242,6 +267,7 @@ class GradBuckets {
   struct Pending {
     std::size_t bucket, received;
     std::optional<typename C::request_type> request;
+    bool last = false;  // the bucket's last microbatch of the step
   };
   struct Slot {
     typename B::template buffer<float> grads, received;  // a unit's gradients; its buckets' reduced shards
@@ -261,6 +287,19 @@ class GradBuckets {
       b.request.reset();
     }
     b.reduced = true;
+  }
+  // Hybrid sharding: buckets ks' reduced shards (every microbatch's part in) summed over the
+  // shard groups, all started, then waited for.
+  void sum_over_groups(const std::vector<std::size_t>& ks) {
+    std::vector<typename C::request_type> started;
+    for (std::size_t k : ks) {
+      Bucket& b = buckets_[k];
+      if (!b.groups || b.summed_over_groups) continue;
+      float* shard = shards_.data() + b.shard_begin;
+      started.push_back(b.groups->all_reduce_async(shard, shard, b.shard_size(), comm::ReduceOp::sum));
+      b.summed_over_groups = true;
+    }
+    for (auto& r : started) r.wait();
   }
   Unit& unit_at(int c, int u) { return unit_of_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)); }
   std::size_t offset_of(int c, const nn::Parameter& p) const {
@@ -299,6 +338,7 @@ class GradBuckets {
       b.chunk = b.owner = c;
       b.unit = u;
       b.comm = run.front()->expert() ? &expert_replicas : &replicas;
+      b.groups = run.front()->expert() ? nullptr : groups_;
       std::tie(b.packed_begin, b.size) = buffer.packed_range(*run.front(), *run.back());
       for (nn::Parameter* p : run) {
         b.params.push_back(param_index(p));
@@ -334,6 +374,7 @@ class GradBuckets {
     b.chunk = -1;
     b.owner = static_cast<int>(owner - chunks_.begin());
     b.comm = &replicas;
+    b.groups = groups_;
     b.params.push_back(i);
     b.param_offsets.push_back(0);
     std::tie(b.packed_begin, b.size) = buffer.packed_range(w, w);
@@ -400,10 +441,14 @@ class GradBuckets {
     Slot& slot = slots_[static_cast<std::size_t>(s)];
     for (auto& p : slot.pending) {
       if (p.request) p.request->wait();
-      const Bucket& b = buckets_[p.bucket];
+      Bucket& b = buckets_[p.bucket];
       const auto n = static_cast<index_t>(b.shard_size());
       float* shard = shards_.data() + b.shard_begin;
       be_.add(n, shard, slot.received.data() + p.received, shard);
+      if (p.last && b.groups) {  // hybrid: the shard is final in this group; its sum over the groups overlaps what follows
+        b.request = b.groups->all_reduce_async(shard, shard, b.shard_size(), comm::ReduceOp::sum);
+        b.summed_over_groups = true;
+      }
     }
     slot.pending.clear();
     return s;
@@ -413,6 +458,7 @@ class GradBuckets {
   std::vector<Model*> chunks_;
   std::vector<nn::Parameter*> params_;
   B be_;
+  C* groups_ = nullptr;  // hybrid sharding (see the top)
   std::vector<Bucket> buckets_;
   std::vector<std::vector<Unit>> unit_of_;  // [chunk][unit]
   std::vector<Piece> pieces_;

@@ -20,12 +20,9 @@
 //     (nn/parameter_buffer.hpp), reduced in place (no pack/unpack copies); when a unit's LAST W of
 //     the step is done its grads are final, and its buckets start at once as all_reduce_async on
 //     the dp communicator.
-//     What overlaps: those reductions run while the rest of the schedule runs (at pp = 1 the
-//     backward of the blocks before it; under pp, the remaining units of the W, the other virtual
-//     chunk under interleaved / zb_v / dualpipe_v, and the pipeline drain). Not overlapped: the
-//     rank's last unit (the embedding's wpe), and wte (its gradient is final only after the tied
-//     first/last-stage sum).
-//     overlap_dp = false starts every bucket after the schedule instead (the baseline);
+//     They overlap the rest of the schedule (pp = 1: the blocks before; pp: the remaining W, the
+//     other virtual chunk, the drain), except the rank's last unit (wpe) and wte (final only after
+//     the tied sum). overlap_dp = false starts every bucket after the schedule (the baseline);
 //  4. the tied wte gradient is summed over the ranks/chunks holding a copy (pp communicator),
 //     then reduced over dp;
 //     zero = 1 instead: the same buckets, each split over the dp ranks; a bucket's reduce-scatter
@@ -37,6 +34,7 @@
 //     zero = 3: as 2, and the values sharded too: AdamW updates the shards in place, and a weight
 //     unit's values are all-gathered into a slot around its forward and its backward_input, the
 //     next unit's gather prefetched (train/param_shards.hpp); wte is gathered once per step;
+//     shard_degree: ZeRO 1-3 over groups of replicas, the groups' shards all-reduced (hybrid);
 //  5. global gradient norm: squares summed over this rank's gradients, counting a tp-replicated
 //     tensor on tp rank 0 only and wte on the embedding's rank only, reduced over (pp, tp) (over
 //     the whole world with ZeRO, where dp ranks hold different partitions); clip factor fused
@@ -47,9 +45,9 @@
 // (dp / ep x cp), in their own buckets (and ZeRO partitions); the norm adds the expert squares
 // over the world, once per such replica; each MoE layer's auxiliary losses enter the loss as a
 // mean over microbatches and replicas (StepResult::moe_aux_loss reports it).
-// Dropout (options.dropout): step s uses dropout_seed(seed, s), and a token's mask depends on its
-// global sample index, so every layout of the same global batch drops the same elements and a
-// resumed run draws the uninterrupted run's masks; evaluate() runs without dropout.
+// Dropout (options.dropout): step s uses dropout_seed(seed, s), a token's mask depends on its global
+// sample index: every layout drops the same elements, a resumed run draws the uninterrupted run's
+// masks; evaluate() runs without dropout.
 //
 // Memory and backends: Trainer<C, B> runs on compute backend B (backend::Host<float> by default,
 // Host<bfloat16>, backend::Cuda with NcclComm). Parameters, gradients, AdamW moments, ZeRO
@@ -144,8 +142,14 @@ class Trainer {
       ep_comm_ = std::make_unique<C>(mesh_.template comm<trellis::dp>().split(d / cfg_.ep, d));
       expert_replica_comm_ = std::make_unique<C>(replica_comm_->split(d % cfg_.ep, replica_rank()));
     }
+    if (cfg_.zero >= 1 && cfg_.shard_degree > 0 && cfg_.shard_degree < replicas()) {  // hybrid sharding
+      const int r = replica_comm_->rank(), s = cfg_.shard_degree;
+      shard_group_comm_ = std::make_unique<C>(replica_comm_->split(r / s, r));
+      across_groups_comm_ = std::make_unique<C>(replica_comm_->split(r % s, r));
+    }
     std::vector<C*> comms{&mesh_.world(), pp_comm_, replica_comm_, tp_comm_, cp_comm_, pp_replica_comm_, pp_tp_comm_};
-    if (ep_comm_) comms.insert(comms.end(), {ep_comm_.get(), expert_replica_comm_.get()});
+    for (C* c : {ep_comm_.get(), expert_replica_comm_.get(), shard_group_comm_.get(), across_groups_comm_.get()})
+      if (c) comms.push_back(c);
     for (C* c : comms) {
       if constexpr (requires(C& x, typename B::stream_type st) { x.set_compute_stream(st); }) {
         if (cfg_.comm_stream) {
@@ -227,8 +231,9 @@ class Trainer {
       decay_.push_back(p->global_shape.size() >= 2 ? 1.0f : 0.0f);
     }
     if (replicas() > 1 || cfg_.zero >= 1)
-      grads_.emplace(typename GradBuckets<C, B>::Options{cfg_.zero, cfg_.bucket_elements}, raw, params_, *replica_comm_,
-                     expert_replicas(), be_);
+      grads_.emplace(typename GradBuckets<C, B>::Options{cfg_.zero, cfg_.bucket_elements}, raw, params_,
+                     shard_group_comm_ ? *shard_group_comm_ : *replica_comm_, expert_replicas(), be_,
+                     across_groups_comm_.get());
     if (cfg_.zero == 3)  // from here on the values are shards; a unit's are whole only while it computes
       values_.emplace(*grads_, typename ParamShards<C, B>::Options{2, cfg_.prefetch_values}, be_);
     if (cfg_.zero >= 1) {
@@ -247,7 +252,7 @@ class Trainer {
     // reduced shards): fixed ranges of the packed buffers, so the spans are made once.
     if (cfg_.zero >= 1) {
       for (const auto& pc : grads_->pieces())
-        if (norm_weight_[pc.param] != 0.0f) norm_spans_.push_back(grads_->piece_grad(pc));
+        if (norm_weight_[pc.param] != 0.0f && grads_->first_group(pc)) norm_spans_.push_back(grads_->piece_grad(pc));
     } else {
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (norm_weight_[i] != 0.0f)
@@ -862,6 +867,8 @@ class Trainer {
   std::unique_ptr<nn::HybridComms<C>> hybrid_;  // cp_mode hybrid: the Ulysses groups and the ring across them
   C* pp_tp_comm_;
   std::unique_ptr<C> ep_comm_, expert_replica_comm_;  // ep > 1: an MoE layer's group; ranks with the same experts
+  // Hybrid sharding: this rank's group of consecutive replicas; across the groups, the same group rank.
+  std::unique_ptr<C> shard_group_comm_, across_groups_comm_;
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
   std::optional<pipe::Schedule> schedule_;

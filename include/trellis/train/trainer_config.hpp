@@ -55,6 +55,11 @@ struct TrainerConfig {
   // ZeRO-3: the next unit's gather starts while the current unit computes (false: each unit's
   // gather starts when it is needed -- the baseline; the same bits either way).
   bool prefetch_values = true;
+  // Hybrid sharding (ZeRO 1-3; FSDP's HYBRID_SHARD, torchtitan's dp_shard x dp_replicate): shard
+  // over groups of this many consecutive replicas and replicate across the groups, whose shards'
+  // gradients are all-reduced once per step (train/grad_buckets.hpp). 0 (or dp x cp): every
+  // replica holds one shard. Must divide dp x cp; MoE experts shard over all their replicas.
+  int shard_degree = 0;
   optim::AdamW adamw{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   optim::WarmupCosine lr{.max_lr = 1e-3, .min_lr = 1e-4, .warmup_steps = 10, .total_steps = 100};
   double clip = 1.0;  // max global grad norm (<= 0: no clipping)
@@ -235,6 +240,12 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.fused_update == TrainerConfig::FusedUpdate::previous_clip && c.clip <= 0)
     add("--fused-update previous-clip needs --clip > 0 (without clipping use --fused-update unclipped)");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
+  if (c.shard_degree < 0) add("--shard-degree must be >= 0 (0: shard over every replica), got ", c.shard_degree);
+  if (c.shard_degree > 0 && c.zero == 0)
+    add("--shard-degree ", c.shard_degree, " shards the ZeRO state: give --zero 1, 2 or 3");
+  if (c.shard_degree > 0 && c.dp >= 1 && c.cp >= 1 && (c.dp * c.cp) % c.shard_degree != 0)
+    add("--shard-degree ", c.shard_degree, " must divide the replicas dp x cp = ", c.dp * c.cp,
+        " (shard groups of equal size)");
   if (c.zero < 0 || c.zero > 3)
     add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients, "
         "3: and parameters)");
