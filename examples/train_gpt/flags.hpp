@@ -42,7 +42,7 @@ struct Options {
   bool prefetch = true;  // ZeRO-3: the next block's gather while one computes
   int shard_degree = 0;  // hybrid sharding: ZeRO shards over groups of this many replicas (0: all)
   std::string fused_update;  // empty: off; unclipped | previous-clip
-  std::string offload;       // comma list of tiers to offload to host memory: optimizer
+  std::string offload;       // comma list of what to offload to host memory: optimizer, activations
   std::string offload_dir;   // the optimizer state's disk tier
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
@@ -112,7 +112,9 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --fused-update unclipped|previous-clip (each block's AdamW step as soon as its
            gradients are reduced; clipping by the global norm needs them all, so unclipped needs
            --clip 0, and previous-clip scales by the clip factor of the previous step's norm)
-           --offload optimizer (AdamW moments in host memory, the update on the CPU)
+           --offload optimizer,activations (AdamW moments in host memory, the update on the
+             CPU; saved activations in host memory unit by unit, a unit's fetched back
+             before its backward, the next one while it computes)
            --offload-dir DIR (AdamW moments in a scratch file under DIR, streamed through
            bounded host buffers for each update: state larger than host memory)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
@@ -326,6 +328,18 @@ inline Options parse_flags(const std::vector<std::string>& args) {
 
 // The trainer's configuration; loads --schedule-file (throws naming the file, line and column:
 // problems() reports that first).
+// --offload's comma list (empty items dropped).
+inline std::vector<std::string> offload_list(const std::string& list) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', at), list.size());
+    if (comma > at) out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
 inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   trellis::train::TrainerConfig c;
   c.model.layers = o.layers;
@@ -363,7 +377,10 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.zero = o.zero;
   c.prefetch_values = o.prefetch;
   c.shard_degree = o.shard_degree;
-  c.offload_optimizer = o.offload == "optimizer";
+  for (const auto& what : offload_list(o.offload)) {
+    c.offload_optimizer = c.offload_optimizer || what == "optimizer";
+    c.offload_activations = c.offload_activations || what == "activations";
+  }
   c.offload_dir = o.offload_dir;
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
   c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
@@ -469,9 +486,11 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
-  if (!o.offload.empty() && o.offload != "optimizer")
-    out.push_back("--offload '" + o.offload + "': this trainer offloads the optimizer state only (--offload optimizer; "
-                  "activations are not built yet; the disk tier is --offload-dir DIR)");
+  for (const auto& what : offload_list(o.offload))
+    if (what != "optimizer" && what != "activations")
+      out.push_back("--offload '" + o.offload + "': '" + what +
+                    "' is not something to offload (a comma list of optimizer, activations; the disk tier is "
+                    "--offload-dir DIR)");
   if (!o.fused_update.empty() && o.fused_update != "unclipped" && o.fused_update != "previous-clip")
     out.push_back("--fused-update must be unclipped or previous-clip, got '" + o.fused_update + "'");
   if (o.zero >= 1 && o.dp * o.cp == 1)

@@ -124,6 +124,7 @@ struct Outcome {
   double seconds = 0;
   std::string checkpoint;
   double activation_peak_bytes = 0;  // saved activations held at once, the largest over the ranks (measured)
+  double activation_host_peak_bytes = 0;  // the same, offloaded to host memory (--offload activations)
   std::vector<std::pair<int, std::vector<double>>> expert_load;  // MoE: tokens routed per expert, per MoE layer
 };
 
@@ -225,8 +226,13 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                 mib(mem.parameters), mib(mem.gradients),
                 o.zero >= 2 ? " (ZeRO: shards + unit slots)" : "", mib(mem.optimizer), mib(mem.activations),
                 mib(mem.workspace), mib(mem.total()));
-    if (mem.host_optimizer > 0)  // measured after the first step; here the moments alone
-      std::printf("; offloaded to host memory: AdamW state %.2f MiB", mib(mem.host_optimizer));
+    if (mem.host_optimizer > 0 || mem.host_activations > 0) {  // measured after the first step; here the moments alone
+      std::printf("; offloaded to host memory:");
+      if (mem.host_optimizer > 0) std::printf(" AdamW state %.2f MiB", mib(mem.host_optimizer));
+      if (mem.host_activations > 0)
+        std::printf("%s saved activations %.2f MiB reserved", mem.host_optimizer > 0 ? "," : "",
+                    mib(mem.host_activations));
+    }
     std::printf("\n");
     const char* dtype_peak = o.dtype == "bf16" ? " (bf16 machine peak)" : " (fp32 machine peak)";
     std::printf(
@@ -308,8 +314,10 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
   save();
   // Saved activations: the most bytes any rank's arena held at once (a collective max).
   const double act_peak = trainer.peak_activation_bytes_over_ranks();
+  const double act_host_peak = trainer.peak_activation_bytes_over_ranks(/*host=*/true);
   if (lead) {
     outcome.activation_peak_bytes = act_peak;
+    outcome.activation_host_peak_bytes = act_host_peak;
     bar->finish();
     outcome.first_step = first_step;
     outcome.first_loss = first_loss;
@@ -378,6 +386,11 @@ inline std::string summary(const Options& o, const Data& data, const Outcome& ou
     std::snprintf(buf, sizeof buf, "\nsaved activations: peak %.1f MiB per rank (the largest rank, measured in its arena)",
                   out.activation_peak_bytes / (1024.0 * 1024.0));
     line += buf;
+    if (out.activation_host_peak_bytes > 0) {
+      std::snprintf(buf, sizeof buf, ", and %.1f MiB offloaded to host memory at most",
+                    out.activation_host_peak_bytes / (1024.0 * 1024.0));
+      line += buf;
+    }
   }
   return line;
 }

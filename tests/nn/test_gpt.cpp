@@ -369,6 +369,61 @@ TEST_CASE("the activation arena refuses a microbatch beyond its slots and a slot
   CHECK(arena.peak_held_bytes() == 768);
 }
 
+// Offloaded pools: regions per (microbatch, unit) cached in a few device frames, the least
+// recently used unpinned one evicted to its host room; handles resolve to the frame a region
+// is in now; reads outside begin_unit / end_unit and a fourth pin into three frames are errors.
+TEST_CASE("an offloaded arena pool evicts the least recently used unit to host memory and fetches it back",
+          "[nn][arena][offload]") {
+  using Host = trellis::backend::Host<float>;
+  using Arena = trellis::nn::ActivationArena<Host>;
+  const Host be;
+  Arena arena;
+  const int pool = arena.add_offloaded_pool("chunk 0", {1000, 300, 600}, 2, 2);
+  CHECK(arena.slot_bytes(pool) == 1024);           // a frame: the largest unit, rounded
+  CHECK(arena.capacity_bytes() == 2 * 1024);       // two frames on the device
+  CHECK(arena.host_capacity_bytes() == 2 * (1024 + 512 + 768));  // two microbatches' rooms on the host
+  arena.allocate(/*poison=*/true);
+  trellis::nn::SavedMemory<Host> saved(&arena, pool);
+  auto fill = [](float* p, int n, float v) { std::fill(p, p + n, v); };
+  // microbatch 5: units 0, 1, 2 forward; unit 0 is evicted when unit 2 wants a frame
+  std::vector<trellis::nn::SavedTensor<Host, float>> t;
+  for (int u = 0; u < 3; ++u) {
+    arena.begin_unit(pool, 5, u);
+    t.push_back(saved.take<float>(be, 5, 50, "x"));
+    fill(t.back().data(), 50, 10.0f + u);
+    arena.end_unit(pool, 5, u);
+  }
+  CHECK(arena.offloaded_bytes() == 256);
+  CHECK(arena.host_held_bytes() == 256);
+  CHECK(arena.held_bytes() == 512);
+  CHECK_THROWS_WITH(t[0].data(), Catch::Contains("chunk 0") && Catch::Contains("offloaded to host memory"));
+  CHECK_THROWS_WITH(t[1].data(), Catch::Contains("not pinned"));
+  CHECK_THROWS_WITH(saved.take<float>(be, 5, 1, "y"), Catch::Contains("outside any begin_unit"));
+  // unit 0 comes back (evicting unit 1, the least recently used) with its values
+  arena.begin_unit(pool, 5, 0);
+  CHECK(std::all_of(t[0].data(), t[0].data() + 50, [](float v) { return v == 10.0f; }));
+  CHECK(arena.fetched_bytes() == 256);
+  CHECK(arena.offloaded_bytes() == 512);
+  CHECK(arena.prefetch(pool, 5, 1));  // unit 1 to the frame of unit 2 (unpinned)
+  CHECK_FALSE(arena.prefetch(pool, 5, 2));  // every frame pinned or wanted: no room, no copy
+  CHECK_THROWS_WITH(saved.take<float>(be, 5, 300, "logits"),
+                    Catch::Contains("unit 0 saves more than its 1024 bytes") && Catch::Contains("logits"));
+  arena.release_unit(pool, 5, 0);
+  arena.end_unit(pool, 5, 0);  // released inside its unit: nothing to unpin
+  arena.begin_unit(pool, 5, 1);
+  arena.begin_unit(pool, 5, 2);
+  CHECK(std::all_of(t[1].data(), t[1].data() + 50, [](float v) { return v == 11.0f; }));
+  CHECK(std::all_of(t[2].data(), t[2].data() + 50, [](float v) { return v == 12.0f; }));
+  // a third pinned unit in two frames (microbatch 6's first unit) names the pool
+  CHECK_THROWS_WITH(arena.begin_unit(pool, 6, 0), Catch::Contains("all 2 frames") && Catch::Contains("chunk 0"));
+  arena.release(pool, 5);
+  arena.release(pool, 6);
+  CHECK(arena.held_bytes() == 0);
+  CHECK(arena.host_held_bytes() == 0);
+  CHECK(arena.held_slots() == 0);
+  CHECK(arena.peak_held_bytes() <= arena.capacity_bytes());
+}
+
 TEST_CASE("GPT-2 with dropout: tp / sp / overlap / recompute equal the 1-rank model", "[nn][gpt][tp][dropout]") {
   ModelRun base;
   base.dropout = 0.1f;

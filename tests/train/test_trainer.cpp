@@ -511,6 +511,72 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
   });
 }
 
+// Offloaded activations (TrainerConfig::offload_activations; nn/activation_arena.hpp's offloaded
+// pools): each chunk keeps a few units' saved tensors on the device and the rest in host memory.
+// Every layout gives the bits of the same run without offloading (the arena poisons each frame it
+// hands out, and a read of a unit that is not computing throws, so a wrong fetch cannot pass);
+// the device keeps frames x the largest unit, the host holds what the device held before, and
+// every byte offloaded in a step is fetched back.
+TEST_CASE("offloaded activations give the same bits, and their bytes leave the device",
+          "[train][trainer][offload][activations]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  const auto tiny = tiny_config();
+  auto offloaded = [](TrainerConfig c, int frames = 2) {
+    c.offload_activations = true;
+    c.offload_activation_frames = frames;
+    return c;
+  };
+  TrainerConfig fused = with_layout(tiny, {.dp = 2, .zero = 3, .microbatches = 2});
+  fused.clip = 0;
+  fused.fused_update = Fused::unclipped;
+  struct Row {
+    TrainerConfig c;
+    int frames;
+  };
+  for (const Row& row : {Row{with_layout(tiny, {}), 2}, Row{with_layout(tiny, {.microbatches = 2, .recompute = true}), 1},
+                         Row{with_layout(tiny, {.dp = 2, .microbatches = 2, .dropout = 0.1f}), 2},
+                         Row{with_layout(tiny, {.pp = 2, .schedule = "gpipe", .microbatches = 4}), 2},
+                         Row{with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 4}), 1},
+                         Row{with_layout(tiny, {.pp = 2, .schedule = "zb_h1", .microbatches = 4}), 2},
+                         Row{with_layout(tiny, {.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}), 3},
+                         Row{with_layout(tiny, {.pp = 2, .tp = 2, .sp = true, .schedule = "zb_v", .microbatches = 4}), 2},
+                         Row{with_layout(tiny, {.dp = 2, .zero = 3, .microbatches = 2}), 2}, Row{fused, 2},
+                         Row{with_layout(tiny, {.cp = 2}), 2}, Row{with_layout(tiny, {.dp = 2, .moe = true, .ep = 2}), 2}}) {
+    const TrainerConfig& c = row.c;
+    INFO("pp " << c.pp << " " << c.schedule << " dp " << c.dp << " tp " << c.tp << " cp " << c.cp << " zero "
+               << c.zero << " m" << c.microbatches << " frames " << row.frames);
+    nn_test::Collector w, ow;
+    RunResult r, orr;
+    train(c, kSteps, r, w);
+    train(offloaded(c, row.frames), kSteps, orr, ow);
+    check_bitwise(orr, ow, r, w);
+  }
+  check_resumes_bitwise(offloaded(with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2})),
+                        with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2}), "activations-resume");
+  // Bytes, on the first pipeline rank of gpipe m4 (all four microbatches alive at once)
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    const TrainerConfig c = with_layout(tiny, {.pp = 2, .schedule = "gpipe", .microbatches = 4});
+    Trainer<ThreadComm> plain(comm, c), off(comm, offloaded(c));
+    trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+    const auto batch = loader.next();
+    plain.step(batch);
+    off.step(batch);
+    const auto& arena = off.activation_arena();
+    RANK_CHECK(off.memory().activations == 2 * arena.slot_bytes(0));  // two frames (of the largest unit)
+    RANK_CHECK(arena.slot_bytes(0) < plain.activation_arena().slot_bytes(0));
+    RANK_CHECK(off.memory().activations < plain.memory().activations / 2);
+    RANK_CHECK(off.memory().host_activations == plain.memory().activations);  // the host holds what the device did
+    RANK_CHECK(plain.memory().host_activations == 0);
+    RANK_CHECK(arena.peak_held_bytes() <= off.memory().activations);
+    RANK_CHECK(arena.peak_held_bytes() + arena.peak_host_held_bytes() >= plain.activation_arena().peak_held_bytes());
+    RANK_CHECK(arena.offloaded_bytes() > 0);
+    RANK_CHECK(arena.fetched_bytes() == arena.offloaded_bytes());  // everything offloaded came back
+    RANK_CHECK(arena.host_held_bytes() == 0);
+    RANK_CHECK(arena.held_bytes() == 0);
+    RANK_CHECK(arena.prefetches() > 0);
+  });
+}
+
 // The disk tier (TrainerConfig::offload_dir): the moments in a scratch file, each update streamed
 // through host buffers of offload_buffer_elements (1000 here: every tensor cut into chunks). The
 // same host kernel on each chunk: the bits of the run without offloading, in every layout;

@@ -87,7 +87,16 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--fused-update", "previous-clip", "--clip", "0"}), "needs --clip > 0"));
   CHECK(contains(error_of({"--fused-update", "later"}), "--fused-update must be unclipped or previous-clip, got 'later'"));
   CHECK(train_gpt::trainer_config(parse_flags({"--offload", "optimizer"})).offload_optimizer);
-  CHECK(contains(error_of({"--offload", "activations"}), "offloads the optimizer state only"));
+  CHECK_FALSE(train_gpt::trainer_config(parse_flags({"--offload", "optimizer"})).offload_activations);
+  {
+    const auto both = train_gpt::trainer_config(parse_flags({"--offload", "activations,optimizer"}));
+    CHECK((both.offload_activations && both.offload_optimizer));
+    const auto acts = train_gpt::trainer_config(parse_flags({"--offload", "activations"}));
+    CHECK((acts.offload_activations && !acts.offload_optimizer));
+  }
+  CHECK(error_of({"--offload", "activations"}).empty());
+  CHECK(contains(error_of({"--offload", "optimizer,weights"}),
+                 "'weights' is not something to offload (a comma list of optimizer, activations"));
   CHECK(train_gpt::trainer_config(parse_flags({"--fused-update", "previous-clip"})).fused_update ==
         trellis::train::TrainerConfig::FusedUpdate::previous_clip);
   CHECK(error_of({"--cp", "2", "--context", "64", "--zero", "2"}).empty());

@@ -16,6 +16,19 @@
 // owning backend buffer as before. A slot's memory is not cleared between uses: every saved tensor
 // is written in full before it is read (the tests fill new slots with NaN to prove it: poison).
 //
+// Offloaded pools (add_offloaded_pool; ZeRO-Offload / Megatron's activation offloading): a
+// microbatch's saved tensors are cut per weight unit (a block, the head, the embedding) into a
+// region, and the pool's device memory is only `frames` frames of the largest unit's bytes, a
+// cache of regions. The caller brackets each unit's compute with begin_unit / end_unit (the
+// region is pinned in a frame meanwhile, fetched from host memory if it was offloaded) and frees
+// it with release_unit after its W; a frame wanted while none is free evicts the least recently
+// used unpinned region to its place in the pool's host memory (every microbatch slot has room for
+// every unit there, so host memory holds what the device did without offloading). prefetch()
+// fetches the next unit's region while the current one computes. Saved tensors of these pools
+// are handles (region, offset), resolved at each read, so a region may come back to another frame;
+// a read of a region that is not pinned is an error (it would read whatever the frame holds).
+// Copies are synchronous on the backend's stream (no copy stream yet).
+//
 // Figures: capacity_bytes() (what was reserved), peak_held_bytes() (the most bytes of saved
 // tensors alive at once, measured) and peak_held_slots() (microbatch-chunks alive at once,
 // measured), to compare with the simulator's prediction.
@@ -68,12 +81,51 @@ class ActivationArena {
     pools_.push_back(std::move(p));
     return static_cast<int>(pools_.size()) - 1;
   }
+  // An offloaded pool (see above): `unit_bytes` per weight unit (saved bytes of one microbatch in
+  // that unit, GptModel::unit_saved_bytes), room in host memory for `slots` microbatches, and
+  // `frames` device frames of the largest unit's bytes (2: one computing, one prefetched).
+  int add_offloaded_pool(std::string name, std::vector<std::size_t> unit_bytes, int slots, int frames) {
+    TRELLIS_CHECK(frames >= 1, "ActivationArena: offloaded pool \"", name, "\" needs at least one frame, got ", frames);
+    TRELLIS_CHECK(!unit_bytes.empty(), "ActivationArena: offloaded pool \"", name, "\" without units");
+    std::size_t frame = 1, host_slot = 0;
+    std::vector<std::size_t> offsets;
+    for (auto& b : unit_bytes) {
+      b = saved_round(b);
+      frame = std::max(frame, b);
+      offsets.push_back(host_slot);
+      host_slot += b;
+    }
+    TRELLIS_CHECK(slots >= 1, "ActivationArena: offloaded pool \"", name, "\" needs room for a microbatch, got ", slots);
+    const int id = add_pool(std::move(name), frame, frames);
+    Pool& p = pools_.back();
+    p.offloaded = true;
+    p.owner.assign(static_cast<std::size_t>(slots), -1);  // slots are host rooms; frames are device memory
+    p.used.assign(static_cast<std::size_t>(slots), 0);
+    p.unit_host_offset = std::move(offsets);
+    p.unit_bytes = std::move(unit_bytes);
+    p.host_slot_bytes = saved_round(host_slot);
+    p.host_first_byte = host_capacity_;
+    host_capacity_ += p.host_slot_bytes * static_cast<std::size_t>(slots);
+    p.frame_region.assign(static_cast<std::size_t>(frames), -1);
+    p.frame_pins.assign(static_cast<std::size_t>(frames), 0);
+    p.frame_prefetched.assign(static_cast<std::size_t>(frames), 0);
+    p.frame_used_at.assign(static_cast<std::size_t>(frames), 0);
+    const std::size_t regions = static_cast<std::size_t>(slots) * p.unit_bytes.size();
+    p.region_frame.assign(regions, -1);
+    p.region_used.assign(regions, 0);
+    p.region_alive.assign(regions, 0);
+    p.region_on_host.assign(regions, 0);
+    return id;
+  }
+  bool offloaded(int pool) const { return pools_.at(static_cast<std::size_t>(pool)).offloaded; }
+
   // Reserves the memory of every pool (one backend buffer). poison: fill each slot with NaN bytes
   // when a microbatch claims it (tests: a read before a write shows up as NaN).
   void allocate(bool poison = false) {
     TRELLIS_CHECK(memory_.size() == 0, "ActivationArena: allocate() twice");
     TRELLIS_CHECK(capacity_ > 0, "ActivationArena: allocate() without pools");
     memory_ = be_.template allocate<std::uint8_t>(capacity_);
+    host_.assign(host_capacity_, 0);  // offloaded pools' rooms: host memory, apart from B's
     poison_ = poison;
   }
   bool allocated() const { return memory_.size() != 0; }
@@ -84,6 +136,8 @@ class ActivationArena {
   T* take(int pool, int mb, index_t n, const char* what) {
     TRELLIS_CHECK(allocated(), "ActivationArena: take before allocate() (", what, ")");
     Pool& p = pool_at(pool);
+    TRELLIS_CHECK(!p.offloaded, "ActivationArena: take from offloaded pool \"", p.name, "\" (", what,
+                  "): use take_in_region");
     const std::size_t s = slot_of(p, mb, what);
     const std::size_t bytes = saved_size<T>(n);
     TRELLIS_CHECK(p.used[s] + bytes <= p.slot_bytes, "ActivationArena: pool \"", p.name, "\": microbatch ", mb,
@@ -99,6 +153,12 @@ class ActivationArena {
   // microbatch without a slot is fine (it saved nothing).
   void release(int pool, int mb) {
     Pool& p = pool_at(pool);
+    if (p.offloaded) {
+      for (std::size_t s = 0; s < p.owner.size(); ++s)
+        if (p.owner[s] == mb)
+          for (int u = 0; u < p.units(); ++u) drop_region(p, static_cast<int>(s) * p.units() + u);
+      return;
+    }
     for (std::size_t s = 0; s < p.owner.size(); ++s)
       if (p.owner[s] == mb) {
         held_bytes_ -= p.used[s];
@@ -108,6 +168,94 @@ class ActivationArena {
         return;
       }
   }
+
+  // ---- offloaded pools -------------------------------------------------------------------------
+  // Unit `unit` of microbatch mb computes: its region is pinned in a frame (fetched back if it was
+  // offloaded; evicting the least recently used unpinned region when no frame is free), and takes
+  // of mb cut from it until end_unit. A no-op on other pools.
+  void begin_unit(int pool, int mb, int unit) {
+    Pool& p = pool_at(pool);
+    if (!p.offloaded) return;
+    const int r = region_of(p, mb, unit, "begin_unit");
+    if (!p.region_alive[r]) {
+      p.region_alive[r] = 1;
+      p.region_used[r] = 0;
+      p.region_on_host[r] = 0;
+    }
+    const int f = make_resident(p, r, "begin_unit");
+    ++p.frame_pins[f];
+    p.frame_prefetched[f] = 0;
+    p.current = r;
+  }
+  void end_unit(int pool, int mb, int unit) {
+    Pool& p = pool_at(pool);
+    if (!p.offloaded) return;
+    const int r = find_region(p, mb, unit);
+    if (r < 0 || !p.region_alive[r]) return;  // released inside its unit (a fused W)
+    const int f = p.region_frame[r];
+    TRELLIS_CHECK(f >= 0 && p.frame_pins[f] > 0, "ActivationArena: pool \"", p.name, "\": end_unit of microbatch ", mb,
+                  " unit ", unit, " without begin_unit");
+    --p.frame_pins[f];
+    if (p.current == r && p.frame_pins[f] == 0) p.current = -1;
+  }
+  // Unit `unit` of microbatch mb is done (after its W): its region is freed on both tiers.
+  void release_unit(int pool, int mb, int unit) {
+    Pool& p = pool_at(pool);
+    if (!p.offloaded) return;
+    const int r = find_region(p, mb, unit);
+    if (r >= 0) drop_region(p, r);
+  }
+  // Fetches unit `unit` of microbatch mb back into a frame ahead of its begin_unit, if it is
+  // offloaded and a frame is free or holds a region neither pinned nor itself prefetched.
+  // Returns whether it copied.
+  bool prefetch(int pool, int mb, int unit) {
+    Pool& p = pool_at(pool);
+    if (!p.offloaded || unit < 0 || unit >= p.units()) return false;
+    const int r = find_region(p, mb, unit);
+    if (r < 0 || !p.region_alive[r] || p.region_frame[r] >= 0) return false;
+    if (free_or_evictable(p, /*for_prefetch=*/true) < 0) return false;
+    p.frame_prefetched[make_resident(p, r, "prefetch", true)] = 1;
+    ++prefetched_;
+    return true;
+  }
+  // Where take<T> put a saved tensor of an offloaded pool: (region, byte offset in it).
+  template <class T>
+  std::pair<int, std::size_t> take_in_region(int pool, int mb, index_t n, const char* what) {
+    TRELLIS_CHECK(allocated(), "ActivationArena: take before allocate() (", what, ")");
+    Pool& p = pool_at(pool);
+    const int r = p.current;
+    TRELLIS_CHECK(r >= 0 && p.owner[static_cast<std::size_t>(r / p.units())] == mb, "ActivationArena: pool \"",
+                  p.name, "\": microbatch ", mb, " saves a tensor (", what, ") outside any begin_unit of it");
+    const int unit = r % p.units();
+    const std::size_t bytes = saved_size<T>(n), at = p.region_used[r];
+    TRELLIS_CHECK(at + bytes <= p.unit_bytes[unit], "ActivationArena: pool \"", p.name, "\": microbatch ", mb,
+                  " unit ", unit, " saves more than its ", p.unit_bytes[unit], " bytes (", at, " used, ", what,
+                  " asks ", bytes, "): the saved-bytes formula of this unit is out of date");
+    p.region_used[r] += bytes;
+    p.used[static_cast<std::size_t>(r / p.units())] += bytes;
+    held_bytes_ += bytes;
+    peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+    return {r, at};
+  }
+  // The device address of a saved tensor of an offloaded pool; its region must be pinned.
+  template <class T>
+  T* address(int pool, int region, std::size_t offset) {
+    Pool& p = pool_at(pool);
+    const int f = region >= 0 && region < static_cast<int>(p.region_frame.size()) && p.region_alive[region]
+                      ? p.region_frame[region] : -1;
+    TRELLIS_CHECK(f >= 0 && p.frame_pins[f] > 0, "ActivationArena: pool \"", p.name, "\": a saved tensor of unit ",
+                  region % std::max(1, p.units()), " read while its unit is not computing (",
+                  f < 0 ? "offloaded to host memory" : "not pinned", "): begin_unit first");
+    return reinterpret_cast<T*>(memory_.data() + p.first_byte + static_cast<std::size_t>(f) * p.slot_bytes + offset);
+  }
+  // Host memory of the offloaded pools (every microbatch slot's room), bytes offloaded there now
+  // and at most, bytes copied each way, and fetches made ahead of their unit.
+  std::size_t host_capacity_bytes() const { return host_capacity_; }
+  std::size_t host_held_bytes() const { return host_held_; }
+  std::size_t peak_host_held_bytes() const { return peak_host_held_; }
+  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
+  std::size_t fetched_bytes() const { return fetched_bytes_; }
+  std::size_t prefetches() const { return prefetched_; }
 
   // ---- figures -----------------------------------------------------------------------------------
   std::size_t capacity_bytes() const { return capacity_; }
@@ -130,6 +278,7 @@ class ActivationArena {
   void reset_peaks() {
     peak_held_bytes_ = held_bytes_;
     peak_held_slots_ = held_slots_;
+    peak_host_held_ = host_held_;
     for (auto& p : pools_) p.peak = static_cast<int>(std::count_if(p.owner.begin(), p.owner.end(), [](int o) { return o >= 0; }));
   }
 
@@ -140,6 +289,20 @@ class ActivationArena {
     std::vector<int> owner;         // microbatch holding each slot, -1: free
     std::vector<std::size_t> used;  // bytes cut from each slot
     int peak = 0;
+    // ---- offloaded pools: slot_bytes is a frame's, first_byte the first frame's; a slot is a
+    // microbatch's room in host memory (host_first_byte + slot * host_slot_bytes)
+    bool offloaded = false;
+    std::vector<std::size_t> unit_bytes, unit_host_offset;  // per unit: formula, place in a host slot
+    std::size_t host_slot_bytes = 0, host_first_byte = 0;
+    std::vector<int> frame_region, frame_pins;  // per frame: region held (-1 none), pins
+    std::vector<char> frame_prefetched;         // per frame: fetched ahead, not begun yet
+    std::vector<std::uint64_t> frame_used_at;   // per frame: last use (LRU)
+    // per region (slot * units + unit): frame (-1: not on the device), bytes cut, alive, on host
+    std::vector<int> region_frame;
+    std::vector<std::size_t> region_used;
+    std::vector<char> region_alive, region_on_host;
+    int current = -1;  // the region takes cut from (the last begin_unit)
+    int units() const { return static_cast<int>(unit_bytes.size()); }
   };
 
   Pool& pool_at(int pool) {
@@ -163,23 +326,121 @@ class ActivationArena {
     ++held_slots_;
     peak_held_slots_ = std::max(peak_held_slots_, held_slots_);
     p.peak = std::max(p.peak, static_cast<int>(std::count_if(p.owner.begin(), p.owner.end(), [](int o) { return o >= 0; })));
-    if (poison_) {
+    if (poison_ && !p.offloaded) {
       const std::vector<std::uint8_t> nan_bytes(p.slot_bytes, 0xFF);  // 0xFFFF.. is a NaN in fp32 and bf16
       be_.upload(memory_.data() + p.first_byte + free * p.slot_bytes, nan_bytes.data(), nan_bytes.size());
     }
     return free;
   }
 
+  // ---- offloaded pools ---------------------------------------------------------------------------
+  int find_region(const Pool& p, int mb, int unit) const {
+    for (std::size_t s = 0; s < p.owner.size(); ++s)
+      if (p.owner[s] == mb) return static_cast<int>(s) * p.units() + unit;
+    return -1;
+  }
+  int region_of(Pool& p, int mb, int unit, const char* what) {
+    TRELLIS_CHECK(unit >= 0 && unit < p.units(), "ActivationArena: pool \"", p.name, "\": ", what, " of unit ", unit,
+                  " of ", p.units());
+    return static_cast<int>(slot_of(p, mb, what)) * p.units() + unit;
+  }
+  std::uint8_t* frame_at(const Pool& p, int f) {
+    return memory_.data() + p.first_byte + static_cast<std::size_t>(f) * p.slot_bytes;
+  }
+  std::uint8_t* host_room(const Pool& p, int r) {
+    return host_.data() + p.host_first_byte + static_cast<std::size_t>(r / p.units()) * p.host_slot_bytes +
+           p.unit_host_offset[static_cast<std::size_t>(r % p.units())];
+  }
+  // A free frame, else the least recently used unpinned one (a prefetch spares the regions
+  // prefetched before it); -1 when there is none.
+  int free_or_evictable(const Pool& p, bool for_prefetch = false) const {
+    int best = -1;
+    for (int f = 0; f < static_cast<int>(p.frame_region.size()); ++f) {
+      if (p.frame_region[f] < 0) return f;
+      const bool spare = p.frame_pins[f] > 0 || (for_prefetch && p.frame_prefetched[f]);
+      if (!spare && (best < 0 || p.frame_used_at[f] < p.frame_used_at[best])) best = f;
+    }
+    return best;
+  }
+  // Region r in a frame (evicting to host memory when needed); returns the frame.
+  int make_resident(Pool& p, int r, const char* what, bool for_prefetch = false) {
+    int f = p.region_frame[r];
+    if (f < 0) {
+      f = free_or_evictable(p, for_prefetch);
+      TRELLIS_CHECK(f >= 0, "ActivationArena: pool \"", p.name, "\": all ", p.frame_region.size(),
+                    " frames hold units that are computing (", what, "): the pool needs more frames");
+      if (const int old = p.frame_region[f]; old >= 0) {  // evict: the old region's bytes to its host room
+        const std::size_t n = p.region_used[old];
+        be_.download(host_room(p, old), frame_at(p, f), n);
+        p.region_on_host[old] = 1;
+        p.region_frame[old] = -1;
+        held_bytes_ -= n;
+        host_held_ += n;
+        offloaded_bytes_ += n;
+      }
+      if (poison_) {
+        const std::vector<std::uint8_t> nan_bytes(p.slot_bytes, 0xFF);
+        be_.upload(frame_at(p, f), nan_bytes.data(), nan_bytes.size());
+      }
+      if (p.region_on_host[r]) {  // fetch
+        const std::size_t n = p.region_used[r];
+        be_.upload(frame_at(p, f), host_room(p, r), n);
+        p.region_on_host[r] = 0;
+        host_held_ -= n;
+        held_bytes_ += n;
+        fetched_bytes_ += n;
+      }
+      p.frame_region[f] = r;
+      p.frame_pins[f] = 0;
+      p.frame_prefetched[f] = 0;
+      p.region_frame[r] = f;
+      peak_host_held_ = std::max(peak_host_held_, host_held_);
+      peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+    }
+    p.frame_used_at[f] = ++clock_;
+    return f;
+  }
+  // Frees region r on both tiers, and its microbatch's slot once no region of it is alive.
+  void drop_region(Pool& p, int r) {
+    if (!p.region_alive[r]) return;
+    const std::size_t n = p.region_used[r];
+    if (const int f = p.region_frame[r]; f >= 0) {
+      p.frame_region[f] = -1;
+      p.frame_pins[f] = 0;
+      p.frame_prefetched[f] = 0;
+      held_bytes_ -= n;
+    } else if (p.region_on_host[r]) {
+      host_held_ -= n;
+    }
+    p.region_frame[r] = -1;
+    p.region_alive[r] = 0;
+    p.region_on_host[r] = 0;
+    p.region_used[r] = 0;
+    if (p.current == r) p.current = -1;
+    const std::size_t s = static_cast<std::size_t>(r / p.units());
+    p.used[s] -= n;
+    for (int u = 0; u < p.units(); ++u)
+      if (p.region_alive[s * p.units() + u]) return;
+    p.owner[s] = -1;
+    p.used[s] = 0;
+    --held_slots_;
+  }
+
   B be_;
   typename B::template buffer<std::uint8_t> memory_;
+  std::vector<std::uint8_t> host_;  // offloaded pools' host rooms
+  std::size_t host_capacity_ = 0, host_held_ = 0, peak_host_held_ = 0;
+  std::size_t offloaded_bytes_ = 0, fetched_bytes_ = 0, prefetched_ = 0;
+  std::uint64_t clock_ = 0;
   std::vector<Pool> pools_;
   std::size_t capacity_ = 0, held_bytes_ = 0, peak_held_bytes_ = 0;
   int held_slots_ = 0, peak_held_slots_ = 0;
   bool poison_ = false;
 };
 
-// A saved tensor: a view into an arena slot, or an owning backend buffer (layer not bound to an
-// arena). Move-only, like the buffers it replaces.
+// A saved tensor: a view into an arena slot, a handle into an offloaded pool's region (resolved at
+// each read: the region may come back to another frame), or an owning backend buffer (layer not
+// bound to an arena). Move-only, like the buffers it replaces.
 template <backend::Backend B, class T>
 class SavedTensor {
  public:
@@ -187,27 +448,35 @@ class SavedTensor {
   explicit SavedTensor(typename B::template buffer<T> own)
       : own_(std::move(own)), data_(own_.data()), size_(own_.size()) {}
   SavedTensor(T* view, std::size_t n) : data_(view), size_(n) {}
-  SavedTensor(SavedTensor&& o) noexcept
-      : own_(std::move(o.own_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  SavedTensor(ActivationArena<B>* arena, int pool, std::pair<int, std::size_t> at, std::size_t n)
+      : arena_(arena), pool_(pool), region_(at.first), offset_(at.second), size_(n) {}
+  SavedTensor(SavedTensor&& o) noexcept { *this = std::move(o); }
   SavedTensor& operator=(SavedTensor&& o) noexcept {
     if (this != &o) {
       own_ = std::move(o.own_);
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      arena_ = std::exchange(o.arena_, nullptr);
+      pool_ = o.pool_;
+      region_ = o.region_;
+      offset_ = o.offset_;
     }
     return *this;
   }
   SavedTensor(const SavedTensor&) = delete;
   SavedTensor& operator=(const SavedTensor&) = delete;
 
-  T* data() { return data_; }
-  const T* data() const { return data_; }
+  T* data() { return arena_ ? arena_->template address<T>(pool_, region_, offset_) : data_; }
+  const T* data() const { return arena_ ? arena_->template address<T>(pool_, region_, offset_) : data_; }
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
 
  private:
   typename B::template buffer<T> own_;
   T* data_ = nullptr;
+  ActivationArena<B>* arena_ = nullptr;  // set: an offloaded pool's handle
+  int pool_ = -1, region_ = -1;
+  std::size_t offset_ = 0;
   std::size_t size_ = 0;
 };
 
@@ -221,6 +490,9 @@ class SavedMemory {
   template <class T>
   SavedTensor<B, T> take(const B& be, int mb, index_t n, const char* what) const {
     if (!arena_) return SavedTensor<B, T>(be.template allocate<T>(static_cast<std::size_t>(n)));
+    if (arena_->offloaded(pool_))
+      return SavedTensor<B, T>(arena_, pool_, arena_->template take_in_region<T>(pool_, mb, n, what),
+                               static_cast<std::size_t>(n));
     return SavedTensor<B, T>(arena_->template take<T>(pool_, mb, n, what), static_cast<std::size_t>(n));
   }
   void release(int mb) const {

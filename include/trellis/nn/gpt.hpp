@@ -54,7 +54,8 @@ namespace trellis::nn {
 // (the forward reads the unit's values); backward_begin, [weight_begin, weight_end,] backward_end
 // (backward_input reads the values; in a fused backward the unit's W runs inside); and, when W runs
 // apart from B (zero-bubble schedules), weight_begin, weight_end later (W adds into the gradients).
-// The embedding's backward reads no values: it hears only weight_begin, weight_end.
+// Every unit hears them all; the embedding's backward reads no values (wte's gradient comes from
+// its W).
 enum class UnitPhase { forward_begin, forward_end, backward_begin, backward_end, weight_begin, weight_end };
 
 struct GptConfig {
@@ -419,6 +420,15 @@ class GptModel {
     if (head_) bytes += head_->saved_bytes(shape);
     return bytes;
   }
+  // The same bytes per weight unit, in unit order (head, blocks last to first, embedding): the
+  // regions of an offloaded arena pool (ActivationArena::add_offloaded_pool).
+  std::vector<std::size_t> unit_saved_bytes(const TokenShape& shape) const {
+    std::vector<std::size_t> bytes;
+    if (head_) bytes.push_back(ln_f_->saved_bytes(shape) + head_->saved_bytes(shape));
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) bytes.push_back((*it)->saved_bytes(shape));
+    if (embedding_) bytes.push_back(embedding_->saved_bytes(shape));
+    return bytes;
+  }
 
   // Microbatch states still held anywhere in the stage (0 after every W: no leak).
   std::size_t saved_microbatches() const {
@@ -514,7 +524,8 @@ class GptModel {
       }
       unit_hook(unit++, UnitPhase::backward_end);
     }
-    if (embedding_) {  // its backward_input keeps dy for W and reads no values: no backward_begin/end
+    if (embedding_) {  // its backward_input keeps dy for W and reads no values (ZeRO-3 gathers none)
+      unit_hook(unit, UnitPhase::backward_begin);
       {
         auto r = be_.range("embedding backward_input");
         drop_embedding_.apply(be_, shape, tp_.first_local_row(shape), tp_.local_rows(shape), cfg_.width, g.data());
@@ -526,8 +537,9 @@ class GptModel {
           auto r = be_.range("embedding backward_weight");
           embedding_->backward_weight(mb);
         }
-        unit_hook(unit++, UnitPhase::weight_end);
+        unit_hook(unit, UnitPhase::weight_end);
       }
+      unit_hook(unit++, UnitPhase::backward_end);
     } else {
       TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
       be_.copy(dinput, g.data(), g.size());

@@ -103,6 +103,7 @@
 #include "trellis/train/optimizer_state.hpp"
 #include "trellis/train/param_shards.hpp"
 #include "trellis/train/rng.hpp"
+#include "trellis/train/saved_activations.hpp"
 #include "trellis/train/train_state.hpp"
 #include "trellis/train/trainer_config.hpp"
 
@@ -209,7 +210,10 @@ class Trainer {
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
-    stage_->set_unit_hook([this](int, int c, int u, nn::UnitPhase ph) { on_unit(c, u, ph); });
+    stage_->set_unit_hook([this](int mb, int c, int u, nn::UnitPhase ph) {
+      saved_->on_unit(mb, c, u, ph);
+      on_unit(c, u, ph);
+    });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
     for (std::size_t c = 0; c < models_.size(); ++c)
       for (nn::Parameter* p : models_[c]->parameters()) {
@@ -258,7 +262,10 @@ class Trainer {
         if (norm_weight_[i] != 0.0f)
           (params_[i]->expert() ? expert_norm_spans_ : norm_spans_).emplace_back(params_[i]->grad.elements());
     }
-    setup_activation_arena(pp_rank);
+    saved_.emplace(models_, cfg_.pp > 1 ? &*schedule_ : nullptr, pp_rank, shape_,
+                   typename SavedActivations<C, B>::Options{cfg_.offload_activations, cfg_.offload_activation_frames,
+                                                            cfg_.poison_activations},
+                   be_);
     // Scratch reserved once, before the first step (CUB style; backend::Cuda refuses growth later).
     for (auto& m : models_) m->reserve_workspace(shape_);
     be_.reserve_workspace(std::max(be_.sum_of_squares_workspace(norm_spans_), be_.sum_of_squares_workspace(expert_norm_spans_)));
@@ -293,11 +300,13 @@ class Trainer {
   std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
   // Where the chunks keep saved activations (nn/activation_arena.hpp): capacity and measured peaks.
-  const nn::ActivationArena<B>& activation_arena() const { return *arena_; }
-  // The most bytes of saved activations any rank's arena held at once so far (measured): a
-  // collective over the world (max).
-  double peak_activation_bytes_over_ranks() {
-    return reduce_scalar(mesh_.world(), static_cast<double>(arena_->peak_held_bytes()), comm::ReduceOp::max);
+  const nn::ActivationArena<B>& activation_arena() const { return saved_->arena(); }
+  // The most bytes of saved activations any rank's arena held at once so far (measured; host:
+  // offloaded to host memory): a collective over the world (max).
+  double peak_activation_bytes_over_ranks(bool host = false) {
+    const auto& a = activation_arena();
+    return reduce_scalar(mesh_.world(), static_cast<double>(host ? a.peak_host_held_bytes() : a.peak_held_bytes()),
+                         comm::ReduceOp::max);
   }
   // Bytes of gradient storage this rank holds: the chunks' packed gradient buffers (none under
   // ZeRO-2) and GradBuckets' shards, slots and wte gradient.
@@ -315,8 +324,10 @@ class Trainer {
     u.optimizer = state_.device_bytes();
     u.host_optimizer = state_.host_bytes();
     u.disk_optimizer = static_cast<std::size_t>(state_.disk_bytes());
-    u.activations = arena_->capacity_bytes();
-    u.activations_peak = arena_->peak_held_bytes();
+    u.activations = activation_arena().capacity_bytes();
+    u.activations_peak = activation_arena().peak_held_bytes();
+    u.host_activations = activation_arena().host_capacity_bytes();
+    u.host_activations_peak = activation_arena().peak_host_held_bytes();
     u.workspace = be_.workspace_reserved();
     return u;
   }
@@ -600,23 +611,6 @@ class Trainer {
     stage_->set_batch(std::move(ids.tokens), std::move(ids.targets), token_count, dropout, std::move(ids.segments));
   }
 
-  // One arena pool per chunk: as many slots as the schedule keeps that chunk's microbatches alive
-  // (F to W; the simulator counts them), each one microbatch's saved bytes (GptModel's formula).
-  // pp = 1 runs one microbatch at a time (run_local_loop, evaluate): one slot per chunk.
-  void setup_activation_arena(int pp_rank) {
-    std::vector<int> slots(models_.size(), 1);
-    if (cfg_.pp > 1) slots = pipe::simulate(*schedule_).peak_activations_by_chunk.at(static_cast<std::size_t>(pp_rank));
-    arena_ = std::make_unique<nn::ActivationArena<B>>(be_);
-    std::vector<int> pools;
-    for (std::size_t c = 0; c < models_.size(); ++c) {
-      const int vs = cfg_.pp > 1 ? schedule_->virtual_stage(pp_rank, static_cast<int>(c)) : static_cast<int>(c);
-      pools.push_back(arena_->add_pool("chunk " + std::to_string(c) + " (virtual stage " + std::to_string(vs) + ")",
-                                       models_[c]->saved_bytes(shape_), std::max(1, slots[c])));
-    }
-    arena_->allocate(cfg_.poison_activations);
-    for (std::size_t c = 0; c < models_.size(); ++c) models_[c]->set_saved_memory(arena_.get(), pools[c]);
-  }
-
   // pp = 1: per microbatch F through the chunks, then the fused backward (each unit's W right
   // after its B) through them in reverse, so the last microbatch's buckets start during its
   // backward.
@@ -663,21 +657,22 @@ class Trainer {
   // A W: its begin binds ZeRO-2/3's gradient slot, its end goes to on_weight_end.
   void on_unit(int c, int u, nn::UnitPhase phase) {
     using P = nn::UnitPhase;
+    const Model& m = *models_[static_cast<std::size_t>(c)];
+    const bool embedding = m.stage().embedding && u == m.weight_units() - 1;
     switch (phase) {
       case P::forward_begin:
       case P::backward_begin:
-        if (!values_) return;
+        if (!values_ || (embedding && phase == P::backward_begin)) return;  // its backward reads no values
         values_->need(c, u);
         if (phase == P::forward_begin) {
           values_->prefetch(c, u - 1);
-        } else {
-          const Model& m = *models_[static_cast<std::size_t>(c)];
-          if (u + 1 < m.weight_units() - (m.stage().embedding ? 1 : 0)) values_->prefetch(c, u + 1);
+        } else if (u + 1 < m.weight_units() - (m.stage().embedding ? 1 : 0)) {
+          values_->prefetch(c, u + 1);
         }
         return;
       case P::forward_end:
       case P::backward_end:
-        if (values_) values_->done(c, u);
+        if (values_ && !(embedding && phase == P::backward_end)) values_->done(c, u);
         return;
       case P::weight_begin:
         if (grads_) grads_->begin_unit(c, u);
@@ -872,7 +867,7 @@ class Trainer {
   Rng rng_;
   B be_;  // shared with the models (a backend's copies share its stream, handles and memory registry)
   std::optional<pipe::Schedule> schedule_;
-  std::unique_ptr<nn::ActivationArena<B>> arena_;  // saved activations of every chunk
+  std::optional<SavedActivations<C, B>> saved_;  // the chunks' saved activations (arena)
   std::vector<std::unique_ptr<Model>> models_;
   nn::TokenShape shape_{};
   MicrobatchInputs inputs_;  // the step's batch as each microbatch's ids (cp positions, balanced rows)

@@ -80,6 +80,12 @@ struct TrainerConfig {
   std::filesystem::path offload_dir{};
   std::uint64_t offload_dir_cap_bytes = 0;
   std::size_t offload_buffer_elements = std::size_t{1} << 22;
+  // Saved activations offloaded to host memory unit by unit (a block, the head, the embedding;
+  // nn/activation_arena.hpp's offloaded pools): each chunk keeps offload_activation_frames units'
+  // worth in device memory, a cache that evicts the least recently used unit to host memory and
+  // fetches the next unit of a backward while the current one computes. The same bits.
+  bool offload_activations = false;
+  int offload_activation_frames = 2;
   std::size_t bucket_elements = std::size_t{1} << 18;
   // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
@@ -240,6 +246,8 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.fused_update == TrainerConfig::FusedUpdate::previous_clip && c.clip <= 0)
     add("--fused-update previous-clip needs --clip > 0 (without clipping use --fused-update unclipped)");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
+  if (c.offload_activations && c.offload_activation_frames < 1)
+    add("offloaded activations need at least 1 device frame per chunk (got ", c.offload_activation_frames, ")");
   if (c.shard_degree < 0) add("--shard-degree must be >= 0 (0: shard over every replica), got ", c.shard_degree);
   if (c.shard_degree > 0 && c.zero == 0)
     add("--shard-degree ", c.shard_degree, " shards the ZeRO state: give --zero 1, 2 or 3");
@@ -280,6 +288,8 @@ struct MemoryUse {
   std::size_t disk_optimizer = 0;    // the disk tier: the moments' file
   std::size_t activations = 0;       // the activation arena's reserve
   std::size_t activations_peak = 0;  // the most it held at once so far
+  std::size_t host_activations = 0;       // offloaded activations: the arena's host memory
+  std::size_t host_activations_peak = 0;  // the most bytes offloaded there at once so far
   std::size_t workspace = 0;         // kernel scratch reserved
   std::size_t total() const { return parameters + gradients + optimizer + activations + workspace; }
 };
