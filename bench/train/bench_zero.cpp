@@ -27,10 +27,18 @@
 // shard-group and across-group communicators, split off inside the trainer, so only its step time
 // is reported; the simulated link has one bandwidth, so the faster link inside a node that makes
 // hybrid sharding pay off is not modelled). Kernels run on one thread per rank.
-//   bench_zero [--memory | --link] [--iters N] [--share S] [--json FILE]
+//
+// --activations: saved activations offloaded to host memory (TrainerConfig::offload_activations,
+// two device frames per chunk) against the same run without, GPT-2 124M at T 256, one thread
+// rank with 4 rows, and pp2 gpipe with 4 microbatches of 2 rows (every microbatch alive on the
+// first stage before its backward). Per rank: the arena's device reserve and measured peak, the
+// host memory it offloads to and its measured peak, the bytes copied each way in a step, and the
+// fastest step of --iters (both tiers are RAM here, so the copies are memcpy, not PCIe).
+//   bench_zero [--memory | --link | --activations] [--iters N] [--share S] [--json FILE]
 #include <malloc.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -308,9 +316,84 @@ int link_main(int argc, char** argv) {
 
 }  // namespace
 
+// ---- saved activations offloaded -------------------------------------------------------------
+
+int activations_main(int argc, char** argv) {
+  const int iters = static_cast<int>(bench::int_flag(argc, argv, "--iters", 3));
+  struct Case {
+    std::string name;
+    int pp, microbatches;
+    index_t batch;
+  };
+  std::printf("# GPT-2 124M, T 256, fp32 thread ranks: saved activations per rank, without and with "
+              "--offload activations (2 device frames per chunk); GB; copies per step; fastest of %d steps\n",
+              iters);
+  std::printf("%-26s %4s %9s %11s %9s %11s %9s %9s %9s %10s\n", "case", "rank", "offload", "dev reserve",
+              "dev peak", "host reserve", "host peak", "out/step", "in/step", "step ms");
+  bench::JsonReport report("bench_zero_activations");
+  for (const Case& k : {Case{"1 rank, 4 rows", 1, 1, 4}, Case{"pp2 gpipe, 4 x 2 rows", 2, 4, 8}}) {
+    double base_ms = 0;
+    for (bool offload : {false, true}) {
+      train::TrainerConfig c;
+      c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
+      c.seq = 256;
+      c.batch = k.batch;
+      c.pp = k.pp;
+      c.schedule = "gpipe";
+      c.microbatches = k.microbatches;
+      c.offload_activations = offload;
+      c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+      std::vector<std::array<double, 7>> per_rank(static_cast<std::size_t>(k.pp));
+      comm::ThreadWorld(k.pp).run([&](comm::ThreadComm& comm) {
+        train::Trainer<comm::ThreadComm> t(comm, c);
+        const auto b = make_batch(static_cast<int>(k.batch), c.seq, c.model.vocab, 0);
+        double best = 1e9;
+        std::size_t out0 = 0, in0 = 0;
+        for (int i = 0; i < iters; ++i) {
+          const auto& a = t.activation_arena();
+          out0 = a.offloaded_bytes();
+          in0 = a.fetched_bytes();
+          comm.barrier();
+          const double t0 = bench::now_seconds();
+          t.step(b);
+          comm.barrier();
+          best = std::min(best, bench::now_seconds() - t0);
+        }
+        const auto& a = t.activation_arena();
+        per_rank[static_cast<std::size_t>(comm.rank())] = {
+            static_cast<double>(a.capacity_bytes()), static_cast<double>(a.peak_held_bytes()),
+            static_cast<double>(a.host_capacity_bytes()), static_cast<double>(a.peak_host_held_bytes()),
+            static_cast<double>(a.offloaded_bytes() - out0), static_cast<double>(a.fetched_bytes() - in0), best * 1e3};
+      });
+      for (int r = 0; r < k.pp; ++r) {
+        const auto& v = per_rank[static_cast<std::size_t>(r)];
+        if (!offload && r == 0) base_ms = v[6];
+        std::printf("%-26s %4d %9s %11.3f %9.3f %11.3f %9.3f %9.3f %9.3f %10.1f%s\n", k.name.c_str(), r,
+                    offload ? "on" : "off", gb(v[0]), gb(v[1]), gb(v[2]), gb(v[3]), gb(v[4]), gb(v[5]), v[6],
+                    offload && r == 0 ? (" (" + std::to_string(v[6] / base_ms).substr(0, 5) + "x off)").c_str() : "");
+        bench::Row row;
+        row.add_text("case", k.name)
+            .add("rank", static_cast<double>(r))
+            .add("offload", offload ? 1.0 : 0.0)
+            .add("device_reserve_gb", gb(v[0]))
+            .add("device_peak_gb", gb(v[1]))
+            .add("host_reserve_gb", gb(v[2]))
+            .add("host_peak_gb", gb(v[3]))
+            .add("offloaded_gb_per_step", gb(v[4]))
+            .add("fetched_gb_per_step", gb(v[5]))
+            .add("step_ms", v[6]);
+        report.add(row);
+      }
+    }
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
     if (bench::has_flag(argc, argv, "--link")) return link_main(argc, argv);
+    if (bench::has_flag(argc, argv, "--activations")) return activations_main(argc, argv);
     return memory_main(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_zero: %s\n", e.what());

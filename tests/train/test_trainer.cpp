@@ -29,9 +29,12 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "temp_dir.hpp"
 #include "test_trainer_support.hpp"
@@ -508,6 +511,49 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
     const auto fused_host = offloaded_fused.memory().host_optimizer;
     RANK_CHECK(fused_host > moments);
     RANK_CHECK(fused_host < moments + moments / 2);  // one unit's shard staged at a time
+  });
+}
+
+// The offloaded update on its own thread (TrainerConfig::offload_update_thread, ZeRO-Offload's CPU
+// step overlapping the backward): the worker holds the first unit's update back until the
+// training thread has submitted the next unit's. Run on the training thread, the first update
+// would wait for a submission that can only come after it (the probe gives up after 10 s and the
+// check fails); the same bits either way.
+TEST_CASE("the offloaded CPU update of a unit runs while the backward goes on", "[train][trainer][offload][overlap]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  TrainerConfig c = with_layout(tiny_config(), {.dp = 2, .zero = 2, .microbatches = 2});
+  c.clip = 0;
+  c.fused_update = Fused::unclipped;
+  c.offload_optimizer = true;
+  for (bool thread : {true, false}) {
+    TrainerConfig t = c;
+    t.offload_update_thread = thread;
+    nn_test::Collector w, ow;
+    RunResult r, orr;
+    TrainerConfig plain = c;
+    plain.offload_optimizer = false;
+    train(plain, kSteps, r, w);
+    train(t, kSteps, orr, ow);
+    INFO("update thread " << thread);
+    check_bitwise(orr, ow, r, w);
+  }
+  nn_test::run_ranks(2, [&](ThreadComm& comm) {
+    Trainer<ThreadComm> trainer(comm, c);
+    auto& state = trainer.optimizer_state();
+    std::atomic<bool> held{false}, released{false};
+    state.set_update_probe([&](std::size_t job) {
+      if (job != 0) return;
+      held = true;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (state.updates_submitted() < 2 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      released = state.updates_submitted() >= 2;
+    });
+    trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
+    trainer.step(loader.next());
+    RANK_CHECK(held.load());
+    RANK_CHECK(released.load());
+    RANK_CHECK(state.updates_submitted() >= 3);
   });
 }
 

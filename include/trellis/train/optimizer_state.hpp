@@ -12,12 +12,21 @@
 // at most Offload::buffer_elements elements of one tensor at a time (moments read, values and
 // gradients staged, the host kernel, values uploaded, moments written back). AdamW is
 // elementwise, so chunks give the bits of one update.
+// Overlapped (Offload::overlap, the host tier): an update stages its tensors' values and
+// gradients on the calling thread (the device's copies: its work so far is done), then the host
+// kernel runs on a worker thread (train/update_worker.hpp) while the caller goes on with the
+// backward; the updated values are uploaded when the staging buffer is wanted again (two buffers:
+// one update staged while the one before runs) or when the step ends (advance_step), so nothing
+// reads them stale: a unit is updated after its last use in the step. The same bits.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -27,6 +36,7 @@
 #include "trellis/core/error.hpp"
 #include "trellis/optim/adamw.hpp"
 #include "trellis/train/disk_moments.hpp"
+#include "trellis/train/update_worker.hpp"
 
 namespace trellis::train {
 
@@ -36,6 +46,7 @@ struct Offload {
   std::filesystem::path dir;        // non-empty: the disk tier
   std::uint64_t dir_cap_bytes = 0;  // the most the disk tier may take (0: no cap; tests: a full disk)
   std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it)
+  bool overlap = true;  // the host tier: updates on a worker thread (false: on the caller's)
 };
 
 template <backend::Backend B>
@@ -44,7 +55,8 @@ class OptimizerState {
   OptimizerState() = default;
   // One moment pair per tensor of `sizes` (parameters' local shards, or ZeRO pieces).
   OptimizerState(std::span<const index_t> sizes, const Offload& where, B be)
-      : be_(std::move(be)), offload_(where.host || !where.dir.empty()), buffer_(where.buffer_elements) {
+      : be_(std::move(be)), offload_(where.host || !where.dir.empty()), overlap_(where.host && where.overlap && where.dir.empty()),
+        buffer_(where.buffer_elements) {
     TRELLIS_CHECK(buffer_ >= 1, "OptimizerState: a disk buffer of ", buffer_, " elements");
     if (!where.dir.empty())
       disk_.emplace(where.dir, sizes, where.dir_cap_bytes);
@@ -62,10 +74,16 @@ class OptimizerState {
   std::int64_t step() const { return disk_ ? disk_step_ : offload_ ? host_.step() : device_.step(); }
   void set_step(std::int64_t s) {
     TRELLIS_CHECK(s >= 0, "OptimizerState: negative step ", s);
+    finish_updates();
     disk_ ? void(disk_step_ = s) : offload_ ? host_.set_step(s) : device_.set_step(s);
   }
-  void advance_step() { disk_ ? void(++disk_step_) : offload_ ? host_.advance_step() : device_.advance_step(); }
+  // Counts a step; the updates still running finish first (their values uploaded).
+  void advance_step() {
+    finish_updates();
+    disk_ ? void(++disk_step_) : offload_ ? host_.advance_step() : device_.advance_step();
+  }
   void reset() {
+    finish_updates();
     if (disk_) {
       disk_->zero();
       disk_step_ = 0;
@@ -78,11 +96,23 @@ class OptimizerState {
   std::size_t device_bytes() const { return offload_ ? 0 : device_.bytes(); }
   std::size_t host_bytes() const {
     if (disk_) return (disk_m_.size() + disk_v_.size() + staged_values_.size() + staged_grads_.size()) * sizeof(float);
-    return offload_ ? host_.bytes() + staged_peak_ * 2 * sizeof(float) : 0;
+    std::size_t staged = 0;
+    for (const auto& st : staging_) staged += (st.values.size() + st.grads.size()) * sizeof(float);
+    return offload_ ? host_.bytes() + staged : 0;
   }
   std::uint64_t disk_bytes() const { return disk_ ? disk_->bytes() : 0; }
 
   // Tensor i's moments from / to host memory (checkpoints).
+  // Overlapped updates submitted so far, and the test probe run on the worker before each.
+  std::size_t updates_submitted() const { return worker_ ? worker_->submitted() : 0; }
+  void set_update_probe(std::function<void(std::size_t)> probe) { worker().set_probe(std::move(probe)); }
+  // Waits for the overlapped updates and uploads their values (advance_step does it).
+  void finish_updates() {
+    const bool second_first = staging_[0].job && staging_[1].job && *staging_[1].job < *staging_[0].job;
+    retire(staging_[second_first ? 1 : 0]);  // the older one first
+    retire(staging_[second_first ? 0 : 1]);
+  }
+
   void read_m(std::size_t i, float* dst) const { read(i, dst, true); }
   void read_v(std::size_t i, float* dst) const { read(i, dst, false); }
   void write_m(std::size_t i, const float* src) { write(i, src, true); }
@@ -101,28 +131,66 @@ class OptimizerState {
       update_from_disk(hp, lr, which, values, grads, decay, scale);
       return;
     }
+    Staging& st = free_staging();
     std::size_t n = 0;
     for (const auto& v : values) n += v.size();
-    staged_values_.resize(std::max(staged_values_.size(), n));
-    staged_grads_.resize(std::max(staged_grads_.size(), n));
-    staged_peak_ = std::max(staged_peak_, n);
-    std::vector<std::span<float>> hv;
+    st.values.resize(std::max(st.values.size(), n));
+    st.grads.resize(std::max(st.grads.size(), n));
+    st.host.clear();
+    st.device.assign(values.begin(), values.end());
     std::vector<std::span<const float>> hg;
     std::size_t at = 0;
     for (std::size_t k = 0; k < values.size(); ++k) {
       TRELLIS_CHECK(grads[k].size() == values[k].size(), "OptimizerState: tensor ", which[k], " has ",
                     values[k].size(), " values and ", grads[k].size(), " gradients");
-      be_.download(staged_values_.data() + at, values[k].data(), values[k].size());
-      be_.download(staged_grads_.data() + at, grads[k].data(), grads[k].size());
-      hv.emplace_back(staged_values_.data() + at, values[k].size());
-      hg.emplace_back(staged_grads_.data() + at, grads[k].size());
+      be_.download(st.values.data() + at, values[k].data(), values[k].size());
+      be_.download(st.grads.data() + at, grads[k].data(), grads[k].size());
+      st.host.emplace_back(st.values.data() + at, values[k].size());
+      hg.emplace_back(st.grads.data() + at, grads[k].size());
       at += values[k].size();
     }
-    host_.update_part(hp, lr, which, hv, hg, decay, scale);
-    for (std::size_t k = 0; k < values.size(); ++k) be_.upload(values[k].data(), hv[k].data(), hv[k].size());
+    auto run = [this, &st, hp, lr, which = std::vector<std::size_t>(which.begin(), which.end()), hg = std::move(hg),
+                decay = std::vector<float>(decay.begin(), decay.end()), scale] {
+      host_.update_part(hp, lr, which, st.host, hg, decay, scale);
+    };
+    if (overlap_) {
+      st.job = worker().submit(std::move(run));
+    } else {
+      run();
+      upload(st);
+    }
   }
 
  private:
+  // One update's values and gradients staged in host memory, and where the values go back.
+  struct Staging {
+    std::vector<float> values, grads;
+    std::vector<std::span<float>> host, device;  // per tensor: staged values, B's values
+    std::optional<std::size_t> job;              // overlapped: its worker job until retired
+  };
+  // The first buffer without a running update (overlapped: if both run, the older one retired).
+  Staging& free_staging() {
+    for (auto& st : staging_)
+      if (!st.job) return st;
+    Staging& older = *staging_[0].job < *staging_[1].job ? staging_[0] : staging_[1];
+    retire(older);
+    return older;
+  }
+  UpdateWorker& worker() {
+    if (!worker_) worker_ = std::make_unique<UpdateWorker>();
+    return *worker_;
+  }
+  void upload(Staging& st) {
+    for (std::size_t k = 0; k < st.device.size(); ++k) be_.upload(st.device[k].data(), st.host[k].data(), st.host[k].size());
+  }
+  // An overlapped update's job waited for (its error rethrown) and its values uploaded.
+  void retire(Staging& st) {
+    if (!st.job) return;
+    const std::size_t job = *std::exchange(st.job, std::nullopt);
+    worker_->wait(job);
+    upload(st);
+  }
+
   // Each tensor in chunks of at most buffer_ elements through the host buffers.
   void update_from_disk(const optim::AdamW& hp, float lr, std::span<const std::size_t> which,
                         std::span<const std::span<float>> values, std::span<const std::span<const float>> grads,
@@ -149,6 +217,7 @@ class OptimizerState {
     }
   }
   void read(std::size_t i, float* dst, bool m) const {
+    TRELLIS_CHECK(!staging_[0].job && !staging_[1].job, "OptimizerState: moments read while an update runs");
     if (disk_) {
       disk_->read(i, m, 0, sizes_.at(i), dst);
       return;
@@ -162,6 +231,7 @@ class OptimizerState {
     }
   }
   void write(std::size_t i, const float* src, bool m) {
+    finish_updates();
     if (disk_) {
       disk_->write(i, m, 0, sizes_.at(i), src);
       return;
@@ -180,12 +250,14 @@ class OptimizerState {
   std::vector<std::size_t> sizes_;
   optim::AdamWState<B> device_;
   optim::AdamWState<backend::Host<float>> host_;
-  std::vector<float> staged_values_, staged_grads_;  // one update's values and gradients, on the host
-  std::size_t staged_peak_ = 0;
+  bool overlap_ = false;
+  std::array<Staging, 2> staging_;  // the host tier: the second while an overlapped update runs
+  std::vector<float> staged_values_, staged_grads_;  // the disk tier's values and gradients chunk
   std::optional<DiskMoments> disk_;
   std::size_t buffer_ = std::size_t{1} << 22;
   std::vector<float> disk_m_, disk_v_;  // the disk tier's chunk of moments
   std::int64_t disk_step_ = 0;
+  std::unique_ptr<UpdateWorker> worker_;  // last: joined before the buffers its jobs use go
 };
 
 }  // namespace trellis::train

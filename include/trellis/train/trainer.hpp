@@ -299,6 +299,7 @@ class Trainer {
   int prefetched_gathers() const { return values_ ? values_->prefetched() : 0; }
   std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
+  OptimizerState<B>& optimizer_state() { return state_; }
   // Where the chunks keep saved activations (nn/activation_arena.hpp): capacity and measured peaks.
   const nn::ActivationArena<B>& activation_arena() const { return saved_->arena(); }
   // The most bytes of saved activations any rank's arena held at once so far (measured; host:
@@ -556,7 +557,8 @@ class Trainer {
 
   // Where the AdamW moments live (TrainerConfig's offload fields).
   Offload offload() const {
-    return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements};
+    return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements,
+            cfg_.offload_update_thread};
   }
   // The fused update's clip factor for the next step, as float bits (checkpoint metadata).
   static constexpr const char* fused_scale_key = "train.fused_clip_scale";

@@ -72,7 +72,10 @@ struct TrainerConfig {
   FusedUpdate fused_update = FusedUpdate::off;
   // AdamW moments in host memory, each update on the CPU over staged copies of the values and
   // gradients (train/optimizer_state.hpp; ZeRO-Offload's optimizer tier). The same bits on the host.
+  // offload_update_thread: the CPU updates run on a thread of their own, so with fused_update a
+  // unit's update overlaps the rest of the backward (false: on the training thread).
   bool offload_optimizer = false;
+  bool offload_update_thread = true;
   // The disk tier (ZeRO-Infinity's): the AdamW moments in a scratch file under this directory
   // (train/disk_moments.hpp), streamed through host buffers of offload_buffer_elements; set, it
   // is used whatever offload_optimizer says. offload_dir_cap_bytes: the most the file may take
