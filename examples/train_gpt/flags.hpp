@@ -47,6 +47,7 @@ struct Options {
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
+  std::string local_head = "tied";  // local learning: tied | own
   int chunks = 2;
   int overlap = 1;              // tp collectives split into this many chunks, overlapped with GEMMs
   bool recompute = false;       // per-block activation recompute
@@ -117,7 +118,11 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
              before its backward, the next one while it computes)
            --offload-dir DIR (AdamW moments in a scratch file under DIR, streamed through
            bounded host buffers for each update: state larger than host memory)
-           --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v)
+           --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v,
+             local_learning: PPLL, every stage but the last trains on a loss of its own and no
+             gradient crosses a stage boundary)
+           --local-head tied|own (tied; local learning: a stage's LM head is the tied embedding,
+             or a matrix of its own)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
            include/trellis/pipe/text.hpp, one line per pipeline rank; replaces --schedule, needs
@@ -258,6 +263,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       dbl_flag(o.dropout);
     else if (f == "--chunks")
       int_flag(o.chunks);
+    else if (f == "--local-head")
+      o.local_head = value();
     else if (f == "--backend")
       o.backend = value();
     else if (f == "--dtype")
@@ -371,6 +378,8 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.schedule = o.schedule;
   if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;
+  c.local_head = o.local_head == "own" ? trellis::train::TrainerConfig::LocalHead::own
+                                       : trellis::train::TrainerConfig::LocalHead::tied;
   c.microbatches = o.microbatches;
   c.batch = o.batch;
   c.seq = o.context;
@@ -497,6 +506,8 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     out.push_back("--zero " + std::to_string(o.zero) + " shards over the data-parallel replicas (dp x cp): it needs --dp or --cp > 1");
   if (o.overlap > 1 && o.tp == 1)
     out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
+  if (o.local_head != "tied" && o.local_head != "own")
+    out.push_back("--local-head must be tied or own, got '" + o.local_head + "'");
   for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);
   if (const double need = state_bytes(o, world_size.has_value()), have = physical_memory_bytes();
       have > 0 && need > have)

@@ -514,6 +514,100 @@ TEST_CASE("offloaded optimizer state gives the same bits, and its bytes leave th
   });
 }
 
+// Local learning (PPLL; the local_learning schedule): every stage but the last trains on a head of
+// its own (LayerNorm + LM head: the tied wte or a matrix of its own) over its input as it came from
+// the stage before, and no gradient crosses a stage boundary. Reference written in the test: the
+// two stages as separate GptModels on one rank, stage 1 fed stage 0's output, each backward
+// started from its own loss and nothing passed back (the last stage's head tied to stage 0's wte,
+// as the Trainer's copy is through the tied sum). After one step the Trainer's gradients, the
+// model's loss and stage 0's local loss equal the reference's (1e-5), for pp2 m2 and dp2.pp2 m2
+// with either head; the same step under 1f1b gives stage 0 other gradients (the check can fail).
+TEST_CASE("local learning: each stage's gradients come from its own loss only", "[train][trainer][local]") {
+  using LocalHead = TrainerConfig::LocalHead;
+  using Model = trellis::nn::GptModel<ThreadComm>;
+  struct Grads {
+    nn_test::Collector g;
+    double loss = 0, local = 0;
+  };
+  auto trainer_grads = [](const TrainerConfig& c, Grads& out) {
+    trellis::comm::ThreadWorld(c.pp * c.dp).run([&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, c);
+      const int dp_rank = t.mesh().template coord<trellis::dp>();
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, dp_rank, c.dp});
+      const auto r = t.step(loader.next());
+      for (auto& m : t.chunks())
+        for (auto* p : m->parameters()) out.g.put_grad(*p);
+      if (comm.rank() == 0) {
+        out.loss = r.loss;
+        out.local = r.local_losses.empty() ? 0.0 : r.local_losses.front();
+      }
+    });
+  };
+  auto reference_grads = [](const TrainerConfig& c, Grads& out) {
+    trellis::comm::ThreadWorld(1).run([&](ThreadComm& comm) {
+      const int half = static_cast<int>(c.model.layers) / 2;
+      trellis::nn::GptStage first{0, half, true, false, 0, c.local_head == LocalHead::tied}, last{half, -1, false, true};
+      Model s0(c.model, comm, c.options, first);
+      Model s1(c.model, comm, c.options, last, {}, &s0.embedding()->wte());
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      const auto b = loader.next();
+      const index_t rows = c.batch / c.dp / c.microbatches;  // each microbatch as the Trainer cuts it
+      const trellis::nn::TokenShape shape{rows, c.seq};
+      const double count = static_cast<double>(b.targets.size());
+      std::vector<float> act(static_cast<std::size_t>(rows * c.seq * c.model.width));
+      auto none = [](int, trellis::nn::UnitPhase) {};
+      for (index_t r0 = 0, mb = 0; r0 < c.batch; r0 += rows, ++mb) {
+        const std::int32_t* in = b.inputs.data() + r0 * c.seq;
+        const std::int32_t* tg = b.targets.data() + r0 * c.seq;
+        out.local += s0.forward(static_cast<int>(mb), shape, {in, nullptr, tg, count}, act.data(), none);
+        out.loss += s1.forward(static_cast<int>(mb), shape, {nullptr, act.data(), tg, count}, nullptr, none);
+        s1.backward(static_cast<int>(mb), shape, nullptr, nullptr, none);
+        s0.backward(static_cast<int>(mb), shape, nullptr, nullptr, none);
+      }
+      for (Model* m : {&s0, &s1})
+        for (auto* p : m->parameters()) out.g.put_grad(*p);
+    });
+  };
+  auto worst = [](const nn_test::Collector& got, const nn_test::Collector& ref, const std::string& prefix) {
+    double err = 0;
+    for (const auto& name : ref.keys())
+      if (name.rfind(prefix, 0) == 0) err = std::max(err, static_cast<double>(nn_test::rel_error(got.get(name), ref.get(name))));
+    return err;
+  };
+  for (LocalHead head : {LocalHead::tied, LocalHead::own})
+    for (int dp : {1, 2}) {
+      TrainerConfig c = with_layout(tiny_config(), {.pp = 2, .dp = dp, .schedule = "local_learning", .microbatches = 2});
+      c.local_head = head;
+      INFO("dp " << dp << " head " << (head == LocalHead::tied ? "tied" : "own"));
+      Grads got, ref;
+      trainer_grads(c, got);
+      reference_grads(c, ref);
+      for (const auto& name : ref.g.keys()) {
+        INFO(name);
+        REQUIRE(got.g.complete(name));
+        CHECK(nn_test::rel_error(got.g.get(name), ref.g.get(name)) <= 1e-5);
+      }
+      CHECK(got.g.keys().size() == ref.g.keys().size());
+      CHECK(got.g.complete(head == LocalHead::own ? "local_head.0.lm_head.weight" : "local_head.0.ln_f.weight"));
+      CHECK(std::fabs(got.loss - ref.loss) <= 1e-5 * std::fabs(ref.loss));
+      CHECK(std::fabs(got.local - ref.local) <= 1e-5 * std::fabs(ref.local));
+      if (dp == 1 && head == LocalHead::tied) {  // 1f1b passes the last stage's gradient back
+        TrainerConfig pipelined = c;
+        pipelined.schedule = "1f1b";
+        Grads passed_back;
+        trainer_grads(pipelined, passed_back);
+        CHECK(worst(passed_back.g, ref.g, "h.0.") > 1e-2);
+      }
+    }
+  // No gradient message in the schedule; a checkpoint resumes bitwise.
+  for (const auto& rank : trellis::pipe::local_learning(2, 4).ranks)
+    for (const auto& a : rank)
+      CHECK_FALSE((a.kind == trellis::pipe::ActionKind::send && a.direction == trellis::pipe::Direction::gradient));
+  TrainerConfig own = with_layout(tiny_config(), {.pp = 2, .schedule = "local_learning", .microbatches = 2});
+  own.local_head = LocalHead::own;
+  check_resumes_bitwise(own, own, "local-resume");
+}
+
 // The offloaded update on its own thread (TrainerConfig::offload_update_thread, ZeRO-Offload's CPU
 // step overlapping the backward): the worker holds the first unit's update back until the
 // training thread has submitted the next unit's. Run on the training thread, the first update

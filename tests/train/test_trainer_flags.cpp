@@ -65,7 +65,11 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
   CHECK(contains(error_of({"--batch", "10", "--dp", "2", "--microbatches", "2"}),
                  "--batch 10 must be a multiple of dp x microbatches"));
   CHECK(contains(error_of({"--pp", "2", "--schedule", "magic"}), "unknown --schedule 'magic'"));
-  CHECK(contains(error_of({"--pp", "2", "--schedule", "local_learning"}), "auxiliary loss"));
+  CHECK(error_of({"--pp", "2", "--schedule", "local_learning"}).empty());
+  CHECK(train_gpt::trainer_config(parse_flags({"--pp", "2", "--schedule", "local_learning", "--local-head", "own"}))
+            .local_head == trellis::train::TrainerConfig::LocalHead::own);
+  CHECK(contains(error_of({"--pp", "2", "--schedule", "local_learning", "--local-head", "mine"}),
+                 "--local-head must be tied or own, got 'mine'"));
   CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}),
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));

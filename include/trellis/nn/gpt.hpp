@@ -108,6 +108,13 @@ struct GptStage {
   int end_layer = -1;  // exclusive; -1: all layers
   bool embedding = true;
   bool head = true;
+  // Local learning (PPLL): >= 0 on a stage other than the last, which then trains against a loss
+  // of its own through a head of its own (a LayerNorm and an LM head, named local_head.<k>.*) and
+  // still passes its output on; no gradient reaches it from the stages after it.
+  // local_head_tied: the LM head is the tied wte (a copy summed with the others, as the last
+  // stage's); false: a (vocab, width) matrix of its own, local_head.<k>.lm_head.weight.
+  int local_head = -1;
+  bool local_head_tied = true;
 
   // Stage `stage` of `stages`, blocks split by the library's uneven rule (earlier stages get the
   // extra block).
@@ -165,10 +172,16 @@ class GptModel {
       if (cfg.is_moe_layer(i)) block.moe = opt.moe(cfg);
       blocks_.push_back(std::make_unique<TransformerBlock<C, B>>("h." + std::to_string(i), block, tp_, be_, cp_, ep));
     }
-    if (stage_.head) {
-      ln_f_ = std::make_unique<LayerNorm<C, B>>("ln_f", cfg.width, tp_, cfg.ln_eps, be_);
+    TRELLIS_CHECK(!(stage_.head && stage_.local_head >= 0), "GptModel: the last stage's head is the model's, not a local one");
+    if (stage_.head || stage_.local_head >= 0) {
+      const std::string prefix = stage_.local_head >= 0 ? "local_head." + std::to_string(stage_.local_head) + "." : "";
+      ln_f_ = std::make_unique<LayerNorm<C, B>>(prefix + "ln_f", cfg.width, tp_, cfg.ln_eps, be_);
       Parameter* wte = nullptr;
-      if (embedding_) {
+      if (stage_.local_head >= 0 && !stage_.local_head_tied) {
+        local_lm_ = std::make_unique<Parameter>(make_parameter(prefix + "lm_head.weight", {cfg.vocab, cfg.width}, {},
+                                                               ParamSharding::tp_sharded(0), tp_.size(), tp_.rank()));
+        wte = local_lm_.get();
+      } else if (embedding_) {
         wte = &embedding_->wte();
       } else if (tied_wte) {
         TRELLIS_CHECK(tied_wte->name == "wte.weight" && tied_wte->sharding == ParamSharding::tp_sharded(0) &&
@@ -206,6 +219,7 @@ class GptModel {
     if (embedding_) embedding_->for_each_parameter(add);
     for (auto& b : blocks_) b->for_each_parameter(add);
     if (ln_f_) ln_f_->for_each_parameter(add);
+    if (local_lm_) out.push_back(local_lm_.get());
     if (head_wte_) out.push_back(head_wte_.get());
     return out;
   }
@@ -275,12 +289,12 @@ class GptModel {
       unit_hook(unit--, UnitPhase::forward_end);
       std::swap(x, y);
     }
-    if (!head_) {
+    if (!stage_.head) {  // the next stage's input (a local head's stage also computes its loss)
       TRELLIS_CHECK(output != nullptr, "GptModel::forward: stage without head needs an output buffer");
       be_.copy(output, x.data(), x.size());
-      return 0.0;
+      if (!head_) return 0.0;
     }
-    TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: the last stage needs targets");
+    TRELLIS_CHECK(in.targets != nullptr, "GptModel::forward: a stage with a head needs targets");
     unit_hook(unit, UnitPhase::forward_begin);
     double loss = 0.0;
     {
@@ -355,7 +369,10 @@ class GptModel {
       if (p.name != "wte.weight") out.push_back(&p);
     };
     int u = 0;
-    if (head_ && u++ == unit) ln_f_->for_each_parameter(add);
+    if (head_ && u++ == unit) {
+      ln_f_->for_each_parameter(add);
+      if (local_lm_) add(*local_lm_);
+    }
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
       if (u++ == unit) (*it)->for_each_parameter(add);
     if (embedding_ && u++ == unit) embedding_->for_each_parameter(add);
@@ -540,8 +557,7 @@ class GptModel {
         unit_hook(unit, UnitPhase::weight_end);
       }
       unit_hook(unit++, UnitPhase::backward_end);
-    } else {
-      TRELLIS_CHECK(dinput != nullptr, "GptModel::backward_input: stage without embedding needs a dinput buffer");
+    } else if (dinput != nullptr) {  // null: no stage before wants it (local learning)
       be_.copy(dinput, g.data(), g.size());
     }
     if (with_weights) saved_.release(mb);
@@ -576,6 +592,7 @@ class GptModel {
   std::vector<std::unique_ptr<TransformerBlock<C, B>>> blocks_;
   std::unique_ptr<LayerNorm<C, B>> ln_f_;
   std::unique_ptr<Parameter> head_wte_;
+  std::unique_ptr<Parameter> local_lm_;  // a local head's own LM matrix (local_head_tied = false)
   Parameter* shared_wte_ = nullptr;  // the embedding stage's wte on this rank (not ours)
   std::unique_ptr<VocabParallelLMHeadLoss<C, B>> head_;
   ParameterBuffer<B> buffer_;

@@ -41,6 +41,7 @@ class GptPipelineStage {
       : chunks_(std::move(chunks)), shape_(shape) {
     TRELLIS_CHECK(!chunks_.empty(), "GptPipelineStage: no model chunks");
     for (auto* m : chunks_) TRELLIS_CHECK(m != nullptr, "GptPipelineStage: null model chunk");
+    local_losses_.assign(chunks_.size(), 0.0);
   }
 
   // tokens[mb], targets[mb]: (batch, seq) ids of microbatch mb (only read by the chunks holding
@@ -58,8 +59,15 @@ class GptPipelineStage {
     segments_ = std::move(segments);
     token_count_ = token_count;
     loss_ = 0.0;
+    local_losses_.assign(chunks_.size(), 0.0);
+    weights_done_ = 0;
   }
+  // W passes (backward_weight, or the W inside backward) finished since set_batch.
+  int weights_done() const { return weights_done_; }
+  // The model's loss from this rank's last-stage chunk (0 elsewhere), summed over the microbatches
+  // since set_batch; local_loss(chunk): the same for a local head's loss (local learning).
   double loss() const { return loss_; }
+  double local_loss(int chunk) const { return local_losses_.at(static_cast<std::size_t>(chunk)); }
   const B& backend() const { return chunks_.front()->backend(); }
   buffer_type allocate(std::size_t n) const { return backend().template allocate<value_type>(n); }
 
@@ -76,10 +84,11 @@ class GptPipelineStage {
     auto* m = model(chunk);
     typename model_type::Input si;
     si.tokens = m->stage().embedding ? ids(tokens_, mb, "tokens") : nullptr;
-    si.targets = m->stage().head ? ids(targets_, mb, "targets") : nullptr;
+    si.targets = m->stage().head || m->stage().local_head >= 0 ? ids(targets_, mb, "targets") : nullptr;
     si.activation = in.empty() ? nullptr : in.data();
     si.token_count = token_count_;
-    loss_ += m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data(), hook(mb, chunk));
+    const double l = m->forward(mb, shape_of(mb), si, out.empty() ? nullptr : out.data(), hook(mb, chunk));
+    (m->stage().head ? loss_ : local_losses_.at(static_cast<std::size_t>(chunk))) += l;
   }
   void backward_input(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
@@ -89,8 +98,12 @@ class GptPipelineStage {
   void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
     model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                            grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
+    ++weights_done_;
   }
-  void backward_weight(int mb, int chunk) { model(chunk)->backward_weight(mb, hook(mb, chunk)); }
+  void backward_weight(int mb, int chunk) {
+    model(chunk)->backward_weight(mb, hook(mb, chunk));
+    ++weights_done_;
+  }
 
   // Sums the tied wte gradient over every pipeline rank that holds a wte (first and last virtual
   // stage) and leaves the sum in each. Collective over pp_comm (the ranks with this rank's tp
@@ -167,6 +180,8 @@ class GptPipelineStage {
   double token_count_ = 0;
   DropoutContext dropout_;
   double loss_ = 0;
+  std::vector<double> local_losses_;
+  int weights_done_ = 0;
   std::function<void(int, int, int, UnitPhase)> unit_hook_;
 };
 

@@ -99,7 +99,8 @@ inline void save_model_config(CheckpointWriter& w, const nn::GptConfig& c) {
   for (const auto& [field, member, min] : model_config_fields) w.set_metadata(model_config_key(field), std::to_string(c.*member));
 }
 
-inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c) {
+// extra: tensors this run has beyond GPT-2's (local learning's heads: local_head_names).
+inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c, std::span<const std::string> extra = {}) {
   const std::string where = "checkpoint " + ck.directory().string();
   std::string differ;
   for (const auto& [field, member, min] : model_config_fields) {
@@ -120,10 +121,12 @@ inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c) {
                                        .n_ctx = static_cast<int>(c.positions),
                                        .moe_every = static_cast<int>(c.moe_every),
                                        .experts = static_cast<int>(c.experts)});
-  for (const auto& p : params) {
-    loaded.insert(p.name);
-    loaded.insert(optim::adamw_m_name(p.name));
-    loaded.insert(optim::adamw_v_name(p.name));
+  std::vector<std::string> names(extra.begin(), extra.end());
+  for (const auto& p : params) names.push_back(p.name);
+  for (const auto& name : names) {
+    loaded.insert(name);
+    loaded.insert(optim::adamw_m_name(name));
+    loaded.insert(optim::adamw_v_name(name));
   }
   std::string unloaded;
   int count = 0;
@@ -132,6 +135,19 @@ inline void check_model_config(const Checkpoint& ck, const nn::GptConfig& c) {
   TRELLIS_CHECK(count == 0, where, ": ", count, " tensor(s) not loaded by this model (", c.layers, " layers, width ",
                 c.width, ", vocab ", c.vocab, ", context ", c.positions, "): ", unloaded, count > 4 ? ", ..." : "",
                 "; the checkpoint was saved from another model configuration");
+}
+
+// The parameters of local learning's heads (nn::GptStage::local_head) in a pipeline of
+// `virtual_stages`: every stage's but the last's LayerNorm and, untied, its LM matrix.
+inline std::vector<std::string> local_head_names(int virtual_stages, bool tied) {
+  std::vector<std::string> out;
+  for (int k = 0; k + 1 < virtual_stages; ++k) {
+    const std::string prefix = "local_head." + std::to_string(k) + ".";
+    out.push_back(prefix + "ln_f.weight");
+    out.push_back(prefix + "ln_f.bias");
+    if (!tied) out.push_back(prefix + "lm_head.weight");
+  }
+  return out;
 }
 
 }  // namespace trellis::train

@@ -197,7 +197,11 @@ class Trainer {
     std::stable_partition(order.begin(), order.end(), [&](int c) { return virtual_stage(c) == 0; });
     nn::Parameter* tied = nullptr;
     for (int c : order) {
-      const auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
+      auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
+      if (schedule_ && schedule_->local_learning && !st.head) {
+        st.local_head = virtual_stage(c);
+        st.local_head_tied = cfg_.local_head == TrainerConfig::LocalHead::tied;
+      }
       auto& m = models_[static_cast<std::size_t>(c)];
       m = std::make_unique<Model>(cfg_.model, *tp_comm_, options, st, be_, st.embedding ? nullptr : tied,
                                   context_parallel(), nn::ExpertParallel<C>{ep_comm_.get()});
@@ -357,17 +361,15 @@ class Trainer {
     moe_stats_.begin_step();
     const double token_count = global_token_count(batch);
     set_microbatches(batch, token_count, true);
-    w_done_.assign(models_.size(), 0);
     unit_done_.assign(models_.size(), {});
     for (std::size_t c = 0; c < models_.size(); ++c)
       unit_done_[c].assign(static_cast<std::size_t>(models_[c]->weight_units()), 0);
     overlapped_ = 0;
     if (values_) values_->hold_wte();
     if (cfg_.pp > 1) {
-      Counting counting{this};
       pipe::ExecuteOptions run;
       run.p2p = p2p_mode();
-      pipe::execute(*pp_comm_, *schedule_, counting, run);
+      pipe::execute(*pp_comm_, *schedule_, *stage_, run);
     } else {
       run_local_loop();
     }
@@ -379,6 +381,7 @@ class Trainer {
     stage_->all_reduce_tied_wte_grad(*pp_comm_);
     StepResult r;
     r.loss = reduce_scalar(*pp_replica_comm_, stage_->loss());
+    if (schedule_ && schedule_->local_learning) r.local_losses = local_losses();
     if (cfg_.model.moe_every > 0) r.moe_aux_loss = moe_stats_.step_loss(be_, *pp_replica_comm_);
     finish_dp_reduction();
     if (fused())
@@ -474,7 +477,10 @@ class Trainer {
   // saving run had this rank); returns the saved train state (restore the loader with .data).
   TrainState load(const std::filesystem::path& step_dir) {
     Checkpoint ck = with_host_world([&](auto& w) { return open_checkpoint_collectively(step_dir, w); });  // same index on every rank, or all throw
-    check_model_config(ck, cfg_.model);
+    const bool local = schedule_ && schedule_->local_learning;
+    check_model_config(ck, cfg_.model,
+                       local ? local_head_names(schedule_->virtual_stages(), cfg_.local_head == TrainerConfig::LocalHead::tied)
+                             : std::vector<std::string>{});
     TrainState s = load_train_state(ck, mesh_.world().rank());
     if (mesh_.world().rank() >= ck.world_size())
       s.rng = Rng(cfg_.seed, static_cast<std::uint64_t>(mesh_.world().rank()));
@@ -520,6 +526,8 @@ class Trainer {
   // against the model config, errors name the tensor): every rank reads its own boxes. Optimizer
   // state starts fresh (zero moments, step 0); the Rng is this rank's, as constructed.
   void init_from_hf(const std::filesystem::path& file) {
+    TRELLIS_CHECK(!(schedule_ && schedule_->local_learning), "Trainer: initialising from ", file.string(),
+                  " under local learning is not supported (its local heads are not GPT-2 tensors)");
     HfGpt2File hf(file, cfg_.model);
     std::vector<std::vector<float>> values;
     for (nn::Parameter* p : params_) {
@@ -535,26 +543,6 @@ class Trainer {
   }
 
  private:
-  // The pipe::Stage the executor drives: forwards to the model stage and counts W actions per
-  // chunk (a unit's reductions start from the stage's weight-unit hook, on_weight_unit).
-  struct Counting {
-    using value_type = act_t;
-    Trainer* t;
-    ActBuffer allocate(std::size_t n) const { return t->stage_->allocate(n); }
-    std::size_t input_size(int c) const { return t->stage_->input_size(c); }
-    std::size_t output_size(int c) const { return t->stage_->output_size(c); }
-    void forward(int mb, int c, std::span<const act_t> in, std::span<act_t> out) {
-      t->stage_->forward(mb, c, in, out);
-    }
-    void backward_input(int mb, int c, std::span<const act_t> g, std::span<act_t> gi) {
-      t->stage_->backward_input(mb, c, g, gi);
-    }
-    void backward_weight(int mb, int c) {
-      t->stage_->backward_weight(mb, c);  // each finished unit calls on_weight_unit
-      ++t->w_done_[static_cast<std::size_t>(c)];
-    }
-  };
-
   // Where the AdamW moments live (TrainerConfig's offload fields).
   Offload offload() const {
     return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements,
@@ -630,7 +618,6 @@ class Trainer {
       for (int c = chunks - 1; c >= 0; --c) {
         ActBuffer grad_in = stage_->allocate(c > 0 ? stage_->input_size(c) : 0);
         stage_->backward(mb, c, std::span<const act_t>(view(grad_out)), view(grad_in));
-        ++w_done_[static_cast<std::size_t>(c)];
         grad_out = std::move(grad_in);
       }
     }
@@ -693,8 +680,7 @@ class Trainer {
     if (!last && cfg_.zero < 2) return;
     nn::reduce_tp_partial_grads(*tp_comm_, models_[static_cast<std::size_t>(c)]->weight_unit_parameters(u));
     if (grads_) {
-      int w_total = 1;  // the W running now
-      for (int w : w_done_) w_total += w;
+      const int w_total = stage_->weights_done() + 1;  // + the W running now
       const bool compute_left = u + 1 < models_[static_cast<std::size_t>(c)]->weight_units() ||
                                 w_total < cfg_.microbatches * static_cast<int>(models_.size());
       const int started = grads_->end_unit(c, u, last, cfg_.overlap_dp);
@@ -816,6 +802,16 @@ class Trainer {
     update(lr, r.clip_scale);
   }
 
+  // Each virtual stage's local loss but the last's: a sum over the pipeline and dp x cp ranks.
+  std::vector<double> local_losses() {
+    std::vector<double> out;
+    for (int vs = 0; vs + 1 < schedule_->virtual_stages(); ++vs) {
+      const auto at = schedule_->locate(vs);
+      const bool mine = at.rank == mesh_.template coord<trellis::pp>();
+      out.push_back(reduce_scalar(*pp_replica_comm_, mine ? stage_->local_loss(at.chunk) : 0.0));
+    }
+    return out;
+  }
   // ---- ZeRO-1/2/3 --------------------------------------------------------------------------------
   // AdamW on this rank's shard of each bucket only (moments for those only), then the buckets'
   // all-gather rebuilds the parameters (train/grad_buckets.hpp; ZeRO-3 keeps the shards).
@@ -885,7 +881,6 @@ class Trainer {
   OptimizerState<B> state_;  // AdamW moments, in B's memory or offloaded to the host
   std::optional<GradBuckets<C, B>> grads_;  // dp buckets, ZeRO shards (none with one replica and no ZeRO)
   std::optional<ParamShards<C, B>> values_;  // ZeRO-3: the value shards and unit slots (uses grads_)
-  std::vector<int> w_done_;                   // W actions done per chunk, this step
   std::vector<std::vector<int>> unit_done_;  // microbatches whose W finished each (chunk, unit)
   int overlapped_ = 0;
   double exposed_reduce_s_ = 0;
