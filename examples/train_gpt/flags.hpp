@@ -48,6 +48,9 @@ struct Options {
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
   std::string local_head = "tied";  // local learning: tied | own
+  std::vector<int> stage_layers;     // uneven pipeline stages: blocks per stage
+  std::vector<double> rank_speed;    // pipeline ranks' relative speeds (the balanced split)
+  bool simulate_rank_speed = false;  // and each pipeline rank slowed to its speed
   int chunks = 2;
   int overlap = 1;              // tp collectives split into this many chunks, overlapped with GEMMs
   bool recompute = false;       // per-block activation recompute
@@ -123,6 +126,10 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
              gradient crosses a stage boundary)
            --local-head tied|own (tied; local learning: a stage's LM head is the tied embedding,
              or a matrix of its own)
+           --stage-layers N,N,.. (blocks per pipeline stage; default: even) or --rank-speed
+             S,S,.. (each pipeline rank's relative speed: the split whose slowest stage is
+             fastest, from a FLOP count per block and head) --simulate-rank-speed (each rank
+             also computes 1/S times slower: a slow device simulated on the host)
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
            include/trellis/pipe/text.hpp, one line per pipeline rank; replaces --schedule, needs
@@ -155,6 +162,18 @@ output:    --log FILE (metrics.jsonl; the SVG loss curve is written next to it)
            --prompt TEXT ("The ") --peak-gflops X (MFU reference; default: the machine peak of --dtype)
            --help
 )";
+}
+
+// A flag's comma list (empty items dropped).
+inline std::vector<std::string> comma_list(const std::string& list) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', at), list.size());
+    if (comma > at) out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
 }
 
 // Parses argv; throws trellis::Error naming the flag and what is wrong.
@@ -265,6 +284,13 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.chunks);
     else if (f == "--local-head")
       o.local_head = value();
+    else if (f == "--stage-layers" || f == "--rank-speed") {
+      const std::string list = value();
+      (f == "--rank-speed" ? o.rank_speed.clear() : o.stage_layers.clear());
+      for (const auto& item : comma_list(list))
+        f == "--rank-speed" ? o.rank_speed.push_back(to_double(f, item)) : o.stage_layers.push_back(to_int(f, item));
+    } else if (f == "--simulate-rank-speed")
+      o.simulate_rank_speed = true;
     else if (f == "--backend")
       o.backend = value();
     else if (f == "--dtype")
@@ -335,18 +361,6 @@ inline Options parse_flags(const std::vector<std::string>& args) {
 
 // The trainer's configuration; loads --schedule-file (throws naming the file, line and column:
 // problems() reports that first).
-// --offload's comma list (empty items dropped).
-inline std::vector<std::string> offload_list(const std::string& list) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at <= list.size()) {
-    const std::size_t comma = std::min(list.find(',', at), list.size());
-    if (comma > at) out.push_back(list.substr(at, comma - at));
-    at = comma + 1;
-  }
-  return out;
-}
-
 inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   trellis::train::TrainerConfig c;
   c.model.layers = o.layers;
@@ -378,6 +392,9 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.schedule = o.schedule;
   if (!o.schedule_file.empty()) c.custom_schedule = trellis::pipe::load_schedule(o.schedule_file);
   c.virtual_chunks = o.chunks;
+  c.stage_layers = o.stage_layers;
+  c.rank_speed = o.rank_speed;
+  c.simulate_rank_speed = o.simulate_rank_speed;
   c.local_head = o.local_head == "own" ? trellis::train::TrainerConfig::LocalHead::own
                                        : trellis::train::TrainerConfig::LocalHead::tied;
   c.microbatches = o.microbatches;
@@ -386,7 +403,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.zero = o.zero;
   c.prefetch_values = o.prefetch;
   c.shard_degree = o.shard_degree;
-  for (const auto& what : offload_list(o.offload)) {
+  for (const auto& what : comma_list(o.offload)) {
     c.offload_optimizer = c.offload_optimizer || what == "optimizer";
     c.offload_activations = c.offload_activations || what == "activations";
   }
@@ -495,7 +512,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (o.sample_tokens < 0) out.push_back("--sample-tokens must be >= 0");
   if (o.temperature < 0) out.push_back("--temperature must be >= 0");
   if (o.sp && o.tp == 1) out.push_back("--sp shards the sequence over tp ranks: it needs --tp > 1");
-  for (const auto& what : offload_list(o.offload))
+  for (const auto& what : comma_list(o.offload))
     if (what != "optimizer" && what != "activations")
       out.push_back("--offload '" + o.offload + "': '" + what +
                     "' is not something to offload (a comma list of optimizer, activations; the disk tier is "

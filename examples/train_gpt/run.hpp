@@ -206,6 +206,19 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     std::printf("layout: dp %d x tp %d x pp %d%s%s%s, schedule %s, %d microbatches of %lld rows; %s ranks; %s\n",
                 o.dp, o.tp, o.pp, cp.c_str(), o.sp ? " +sp" : "", zero.c_str(), schedule.c_str(), o.microbatches,
                 static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
+    if (o.pp > 1 && (!o.stage_layers.empty() || !o.rank_speed.empty())) {  // uneven stages: the split and its prediction
+      const auto pred = trellis::train::predict_pipeline(cfg);
+      const double block = trellis::train::layer_costs(cfg).layers.front();  // one block's forward
+      std::string blocks, times;
+      for (std::size_t s = 0; s + 1 < pred.bounds.size(); ++s) {
+        blocks += (s ? ", " : "") + std::to_string(pred.bounds[s + 1] - pred.bounds[s]);
+        times += (s ? " : " : "") + std::to_string(pred.stage_time[s] / block).substr(0, 4);
+      }
+      std::printf("pipeline stages: %s blocks; predicted time per stage and microbatch pass (FLOPs / --rank-speed, "
+                  "in block passes) %s; the schedule simulated with them: a step of %.1f block passes%s\n",
+                  blocks.c_str(), times.c_str(), pred.step / block,
+                  o.simulate_rank_speed ? "; ranks slowed to their speed (simulated on the host)" : "");
+    }
     if (loader.packed())
       std::printf("packing: documents start at token %d; %lld rows of %d tokens, %.1f %% of them real tokens "
                   "(the rest padding, not trained on); tok/s and MFU count real tokens over a mean attention "

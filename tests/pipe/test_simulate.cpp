@@ -13,11 +13,13 @@
 // And: where a receive is posted does not change the timeline (its consumer waits for the data),
 // checked by hand and against every receive placed right before its consumer.
 #include <algorithm>
+#include <cstdint>
 #include <catch2/catch.hpp>
 #include <tuple>
 #include <vector>
 
 #include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/partition.hpp"
 #include "trellis/pipe/simulate.hpp"
 
 using namespace trellis::pipe;
@@ -226,4 +228,56 @@ TEST_CASE("a receive posted early does not wait early: its consumer waits", "[pi
           }
           REQUIRE(a.step_time == b.step_time);
         }
+}
+
+// pipe::balanced_split (devices of different speeds): its slowest stage is the fastest over every
+// contiguous split, found by brute force over all compositions of the layers, for random costs,
+// speeds and fixed costs; the split is valid and stage_times agrees with a hand computation.
+TEST_CASE("balanced_split minimises the slowest stage (against brute force)", "[pipe][partition]") {
+  using trellis::pipe::balanced_split;
+  using trellis::pipe::stage_times;
+  std::uint64_t x = 12345;
+  auto uniform = [&] {  // xorshift in [0, 1)
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return static_cast<double>(x >> 11) / 9007199254740992.0;
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    const int L = 1 + static_cast<int>(uniform() * 9), P = 1 + static_cast<int>(uniform() * std::min(L, 4));
+    std::vector<double> costs, speeds, fixed;
+    for (int i = 0; i < L; ++i) costs.push_back(trial % 3 == 0 ? 1.0 : 0.1 + uniform());
+    for (int s = 0; s < P; ++s) speeds.push_back(trial % 5 == 0 ? 1.0 : 0.25 + uniform());
+    for (int s = 0; s < P; ++s) fixed.push_back(trial % 2 == 0 ? 0.0 : uniform() * 2);
+    const auto bounds = balanced_split(costs, speeds, fixed);
+    REQUIRE(static_cast<int>(bounds.size()) == P + 1);
+    CHECK((bounds.front() == 0 && bounds.back() == L));
+    for (int s = 0; s < P; ++s) CHECK(bounds[s] < bounds[s + 1]);
+    const auto times = stage_times(bounds, costs, speeds, fixed);
+    const double got = *std::max_element(times.begin(), times.end());
+    double brute = 1e300;  // every composition of L into P positive parts
+    std::vector<int> b(static_cast<std::size_t>(P) + 1, 0);
+    b[P] = L;
+    auto rec = [&](auto&& self, int s) -> void {
+      if (s == P) {
+        const auto t = stage_times(b, costs, speeds, fixed);
+        brute = std::min(brute, *std::max_element(t.begin(), t.end()));
+        return;
+      }
+      for (int e = b[s - 1] + 1; e <= L - (P - s); ++e) {
+        b[s] = e;
+        self(self, s + 1);
+      }
+    };
+    rec(rec, 1);
+    INFO("trial " << trial << ": L " << L << " P " << P);
+    CHECK(got == Approx(brute).epsilon(1e-12));
+  }
+  // by hand: 4 equal layers, the second stage half as fast -> 3 + 1 (times 3 and 2), not 2 + 2 (2 and 4)
+  const std::vector<double> ones(4, 1.0), speeds{1.0, 0.5};
+  CHECK(balanced_split(ones, speeds) == std::vector<int>{0, 3, 4});
+  CHECK(stage_times(std::vector<int>{0, 2, 4}, ones, speeds) == std::vector<double>{2.0, 4.0});
+  CHECK_THROWS_WITH(balanced_split(std::vector<double>(2, 1.0), std::vector<double>(3, 1.0)),
+                    Catch::Contains("2 layers cannot give each of 3 stages one"));
+  CHECK_THROWS_WITH(balanced_split(ones, std::vector<double>{1.0, 0.0}), Catch::Contains("speed of 0"));
 }

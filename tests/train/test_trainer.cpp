@@ -161,6 +161,34 @@ TEST_CASE("data parallel and tensor parallel equal one rank", "[train][trainer][
   check_against_reference({.tp = 2, .sp = true}, "tp2+sp");
 }
 
+// Uneven stages (devices of different speeds): an explicit split, and the balanced split for
+// speeds 1 and 0.5 (pipe::balanced_split over the FLOP counts), equal one rank; the split is the
+// one balanced_split picks, and a simulated slow rank changes no bits.
+TEST_CASE("uneven pipeline stages equal one rank", "[train][trainer][parity][pipe][uneven]") {
+  check_against_reference({.pp = 2, .schedule = "1f1b", .microbatches = 4, .stage_layers = {1, 3}}, "pp2 1+3");
+  check_against_reference({.pp = 2, .schedule = "zb_h1", .microbatches = 4, .stage_layers = {3, 1}}, "pp2 3+1 zb_h1");
+  check_against_reference({.pp = 2, .dp = 2, .schedule = "1f1b", .microbatches = 2, .rank_speed = {1.0, 0.5}},
+                          "dp2.pp2 speeds 1, 0.5");
+  TrainerConfig c = with_layout(tiny_config(), {.pp = 2, .schedule = "1f1b", .microbatches = 2, .rank_speed = {1.0, 0.5}});
+  const auto split = trellis::train::pipeline_split(c);
+  const auto k = trellis::train::layer_costs(c);
+  CHECK(split == trellis::pipe::balanced_split(k.layers, c.rank_speed, k.fixed));
+  CHECK(split[1] > 2);  // the slow second stage holds fewer than half the blocks
+  trellis::comm::ThreadWorld(2).run([&](ThreadComm& comm) {
+    Trainer<ThreadComm> t(comm, c);
+    const auto& st = t.chunks().front()->stage();
+    const int s = t.mesh().template coord<trellis::pp>();
+    RANK_CHECK((st.first_layer == split[s] && st.end_layer == split[s + 1]));
+  });
+  TrainerConfig slow = c;
+  slow.simulate_rank_speed = true;
+  nn_test::Collector w, sw;
+  RunResult r, sr;
+  train(c, 2, r, w);
+  train(slow, 2, sr, sw);
+  check_bitwise(sr, sw, r, w);
+}
+
 TEST_CASE("pp2 with every schedule equals one rank", "[train][trainer][parity][pipe]") {
   for (const char* s : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"})
     check_against_reference({.pp = 2, .schedule = s, .microbatches = 4}, s);

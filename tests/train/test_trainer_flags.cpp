@@ -70,6 +70,16 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
             .local_head == trellis::train::TrainerConfig::LocalHead::own);
   CHECK(contains(error_of({"--pp", "2", "--schedule", "local_learning", "--local-head", "mine"}),
                  "--local-head must be tied or own, got 'mine'"));
+  CHECK(train_gpt::trainer_config(parse_flags({"--pp", "2", "--stage-layers", "1,3"})).stage_layers == std::vector<int>{1, 3});
+  CHECK(train_gpt::trainer_config(parse_flags({"--pp", "2", "--rank-speed", "1,0.5"})).rank_speed ==
+        std::vector<double>{1.0, 0.5});
+  CHECK(error_of({"--pp", "2", "--rank-speed", "1,0.5", "--simulate-rank-speed"}).empty());
+  CHECK(contains(error_of({"--pp", "2", "--stage-layers", "1,2"}),
+                 "--stage-layers needs --pp 2 counts of at least 1 block summing to --layers 4 (got 2 counts summing to 3)"));
+  CHECK(contains(error_of({"--pp", "2", "--rank-speed", "1,0"}), "--rank-speed needs --pp 2 speeds in (0, 1e6]"));
+  CHECK(contains(error_of({"--pp", "2", "--schedule", "zb_v", "--rank-speed", "1,1"}), "a schedule of one chunk per rank"));
+  CHECK(contains(error_of({"--simulate-rank-speed"}), "--simulate-rank-speed needs --rank-speed"));
+  CHECK(contains(error_of({"--pp", "2", "--rank-speed", "1,x"}), "flag --rank-speed: 'x' is not a number"));
   CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}),
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));

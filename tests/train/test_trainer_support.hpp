@@ -109,6 +109,8 @@ struct Layout {
   float capacity = 0.0f;  // 0: dropless
   float aux_loss = 0.0f;  // load-balancing coefficient
   bool overlap_off = false;  // dp buckets start after the schedule (TrainerConfig::overlap_dp off)
+  std::vector<int> stage_layers{};   // uneven pipeline stages (blocks per stage)
+  std::vector<double> rank_speed{};  // the balanced split for these pipeline speeds
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -116,6 +118,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.dp = l.dp;
   c.tp = l.tp;
   c.cp = l.cp;
+  c.stage_layers = l.stage_layers;
+  c.rank_speed = l.rank_speed;
   c.cp_mode = l.cp_mode;
   c.cp_ulysses = l.cp_ulysses;
   c.cp_balance_documents = l.balance_documents;

@@ -123,6 +123,14 @@ struct GptStage {
     const auto c = shard::chunk(layers, stages, stage);
     return {static_cast<int>(c.offset), static_cast<int>(c.offset + c.size), stage == 0, stage == stages - 1};
   }
+  // Stage `stage` of a split given as bounds (stages + 1 entries: stage s holds blocks
+  // [bounds[s], bounds[s + 1]); pipe::split_layers, pipe::balanced_split).
+  static GptStage of(int stage, const std::vector<int>& bounds) {
+    const int stages = static_cast<int>(bounds.size()) - 1;
+    TRELLIS_CHECK(stages >= 1 && stage >= 0 && stage < stages && bounds[stage] < bounds[stage + 1],
+                  "GptStage::of: stage ", stage, " of a split into ", stages, " (every stage needs a block)");
+    return {bounds[stage], bounds[stage + 1], stage == 0, stage == stages - 1};
+  }
 };
 
 // What a stage consumes: tokens (first stage) or the previous stage's activation (Act: the

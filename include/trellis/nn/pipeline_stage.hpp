@@ -11,9 +11,11 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "trellis/nn/gpt.hpp"
@@ -80,7 +82,15 @@ class GptPipelineStage {
     return m->stage().head ? 0 : activation_size(*m);
   }
 
+  // A slow device simulated on the host: after each compute call the stage sleeps (factor - 1)
+  // times the call's time (1: off). Host timing: a device backend's kernels run asynchronously.
+  void set_slowdown(double factor) {
+    TRELLIS_CHECK(factor >= 1.0, "GptPipelineStage: a slowdown of ", factor, " (must be >= 1)");
+    slowdown_ = factor;
+  }
+
   void forward(int mb, int chunk, std::span<const value_type> in, std::span<value_type> out) {
+    Slowed slowed(slowdown_);
     auto* m = model(chunk);
     typename model_type::Input si;
     si.tokens = m->stage().embedding ? ids(tokens_, mb, "tokens") : nullptr;
@@ -91,16 +101,19 @@ class GptPipelineStage {
     (m->stage().head ? loss_ : local_losses_.at(static_cast<std::size_t>(chunk))) += l;
   }
   void backward_input(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
+    Slowed slowed(slowdown_);
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                                  grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
   }
   // backward_input + backward_weight fused per unit (GptModel::backward), for a plain loop.
   void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
+    Slowed slowed(slowdown_);
     model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                            grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
     ++weights_done_;
   }
   void backward_weight(int mb, int chunk) {
+    Slowed slowed(slowdown_);
     model(chunk)->backward_weight(mb, hook(mb, chunk));
     ++weights_done_;
   }
@@ -147,6 +160,15 @@ class GptPipelineStage {
   void set_unit_hook(std::function<void(int, int, int, UnitPhase)> hook) { unit_hook_ = std::move(hook); }
 
  private:
+  // Sleeps (factor - 1) x its lifetime when it ends (set_slowdown).
+  struct Slowed {
+    double factor;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~Slowed() {
+      if (factor > 1.0)
+        std::this_thread::sleep_for((std::chrono::steady_clock::now() - start) * (factor - 1.0));
+    }
+  };
   auto hook(int mb, int chunk) {
     return [this, mb, chunk](int unit, UnitPhase phase) {
       if (unit_hook_) unit_hook_(mb, chunk, unit, phase);
@@ -182,6 +204,7 @@ class GptPipelineStage {
   double loss_ = 0;
   std::vector<double> local_losses_;
   int weights_done_ = 0;
+  double slowdown_ = 1.0;
   std::function<void(int, int, int, UnitPhase)> unit_hook_;
 };
 

@@ -196,9 +196,12 @@ class Trainer {
     std::iota(order.begin(), order.end(), 0);
     std::stable_partition(order.begin(), order.end(), [&](int c) { return virtual_stage(c) == 0; });
     nn::Parameter* tied = nullptr;
+    const bool local = schedule_ && schedule_->local_learning;
+    const std::vector<int> split = pipeline_split(cfg_, local);  // empty: even
     for (int c : order) {
-      auto st = nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers);
-      if (schedule_ && schedule_->local_learning && !st.head) {
+      auto st = split.empty() ? nn::GptStage::of(virtual_stage(c), stages, cfg_.model.layers)
+                              : nn::GptStage::of(virtual_stage(c), split);
+      if (local && !st.head) {
         st.local_head = virtual_stage(c);
         st.local_head_tied = cfg_.local_head == TrainerConfig::LocalHead::tied;
       }
@@ -214,6 +217,7 @@ class Trainer {
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
+    if (cfg_.simulate_rank_speed) stage_->set_slowdown(1.0 / cfg_.rank_speed.at(static_cast<std::size_t>(pp_rank)));
     stage_->set_unit_hook([this](int mb, int c, int u, nn::UnitPhase ph) {
       saved_->on_unit(mb, c, u, ph);
       on_unit(c, u, ph);

@@ -5,6 +5,7 @@
 // trainer's machinery.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -20,7 +21,9 @@
 #include "trellis/optim/lr_schedule.hpp"
 #include "trellis/pipe/executor.hpp"
 #include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/partition.hpp"
 #include "trellis/pipe/schedule.hpp"
+#include "trellis/pipe/simulate.hpp"
 #include "trellis/pipe/verify.hpp"
 
 namespace trellis::train {
@@ -51,6 +54,15 @@ struct TrainerConfig {
   // no gradient crosses a stage boundary. StepResult::loss stays the last stage's (the model's).
   enum class LocalHead { tied, own };
   LocalHead local_head = LocalHead::tied;
+  // Uneven pipeline stages (schedules of one chunk per rank): stage_layers, blocks per pipeline
+  // stage (pp entries summing to the layers); or rank_speed, each pipeline rank's relative speed
+  // (pp entries > 0), from which pipeline_split picks the split whose slowest stage is fastest
+  // (pipe::balanced_split over layer_costs). Empty: the even split. simulate_rank_speed: each
+  // pipeline rank also runs its compute 1 / rank_speed times slower (it sleeps after each action
+  // for the extra time), a slow device simulated on the host.
+  std::vector<int> stage_layers{};
+  std::vector<double> rank_speed{};
+  bool simulate_rank_speed = false;
   int microbatches = 1;
   index_t batch = 8;  // rows of the GLOBAL batch
   index_t seq = 64;   // T
@@ -242,6 +254,31 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
             c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
     }
   }
+  if (!c.stage_layers.empty() || !c.rank_speed.empty()) {
+    const bool one_chunk = c.custom_schedule ? c.custom_schedule->chunks == 1
+                                             : c.schedule != "interleaved_1f1b" && c.schedule != "zb_v" &&
+                                                   c.schedule != "dualpipe_v";
+    if (c.pp < 2 || !one_chunk)
+      add("uneven pipeline stages (--stage-layers, --rank-speed) need --pp > 1 and a schedule of one chunk per rank");
+    if (!c.stage_layers.empty()) {
+      index_t sum = 0;
+      bool positive = true;
+      for (int n : c.stage_layers) {
+        sum += n;
+        positive = positive && n >= 1;
+      }
+      if (static_cast<int>(c.stage_layers.size()) != c.pp || sum != m.layers || !positive)
+        add("--stage-layers needs --pp ", c.pp, " counts of at least 1 block summing to --layers ", m.layers, " (got ",
+            c.stage_layers.size(), " counts summing to ", sum, ")");
+    }
+    if (!c.rank_speed.empty()) {
+      bool positive = true;
+      for (double s : c.rank_speed) positive = positive && s > 0 && s <= 1e6;
+      if (static_cast<int>(c.rank_speed.size()) != c.pp || !positive)
+        add("--rank-speed needs --pp ", c.pp, " speeds in (0, 1e6] (got ", c.rank_speed.size(), ")");
+    }
+  }
+  if (c.simulate_rank_speed && c.rank_speed.empty()) add("--simulate-rank-speed needs --rank-speed");
   if (c.clip < 0) add("--clip must be >= 0");
   if (c.fused_update == TrainerConfig::FusedUpdate::unclipped && c.clip > 0)
     add("--fused-update updates each block before the global gradient norm is known, so it cannot clip by it: "
@@ -260,6 +297,60 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.zero < 0 || c.zero > 3)
     add("--zero ", c.zero, " is not a ZeRO stage this trainer has (0: none, 1: optimizer state, 2: and gradients, "
         "3: and parameters)");
+  return out;
+}
+
+// A block's and the fixed per-stage work of the GPT's pipeline stages in forward FLOPs per token
+// (the backward scales them alike): a block 24 W^2 + 2 T W (attention over T positions; an MoE
+// block's MLP 16 W^2 per routed expert), the LM head 2 V W on the last stage (and on every stage
+// with a local head), the embedding nothing.
+struct LayerCosts {
+  std::vector<double> layers, fixed;  // per block; per pipeline stage
+};
+inline LayerCosts layer_costs(const TrainerConfig& c, bool local_heads = false) {
+  const double W = static_cast<double>(c.model.width), T = static_cast<double>(c.seq),
+               V = static_cast<double>(c.model.vocab);
+  LayerCosts k;
+  for (index_t i = 0; i < c.model.layers; ++i)
+    k.layers.push_back(c.model.is_moe_layer(i) ? 8 * W * W + 16 * W * W * static_cast<double>(c.model.moe_topk) + 2 * T * W
+                                               : 24 * W * W + 2 * T * W);
+  k.fixed.assign(static_cast<std::size_t>(std::max(1, c.pp)), local_heads ? 2 * V * W : 0.0);
+  k.fixed.back() = 2 * V * W;
+  return k;
+}
+// The pipeline's split into stages (pipe::split_layers bounds): stage_layers, or the balanced
+// split for rank_speed; empty: the even split.
+inline std::vector<int> pipeline_split(const TrainerConfig& c, bool local_heads = false) {
+  if (!c.stage_layers.empty()) {
+    std::vector<int> bounds{0};
+    for (int n : c.stage_layers) bounds.push_back(bounds.back() + n);
+    return bounds;
+  }
+  if (c.rank_speed.empty()) return {};
+  const LayerCosts k = layer_costs(c, local_heads);
+  return pipe::balanced_split(k.layers, c.rank_speed, k.fixed);
+}
+
+// What the cost model predicts for the pipeline of a config (one chunk per rank): its split, each
+// stage's forward time per token (layer_costs over rank_speed; FLOP units), and the step of the
+// schedule simulated with those times for F, B and W alike (pipe::simulate_with; no messages):
+// relative units, to compare splits and schedules of one model, not seconds.
+struct PipelinePrediction {
+  std::vector<int> bounds;
+  std::vector<double> stage_time;
+  double step = 0;
+};
+inline PipelinePrediction predict_pipeline(const TrainerConfig& c) {
+  PipelinePrediction out;
+  const pipe::Schedule s = c.custom_schedule ? *c.custom_schedule : pipe::make_schedule(c.schedule, c.pp, c.microbatches);
+  TRELLIS_CHECK(s.chunks == 1, "predict_pipeline: schedules of one chunk per rank only (", s.name, " has ", s.chunks, ")");
+  out.bounds = pipeline_split(c, s.local_learning);
+  if (out.bounds.empty()) out.bounds = pipe::split_layers(static_cast<int>(c.model.layers), c.pp);
+  const std::vector<double> speeds = c.rank_speed.empty() ? std::vector<double>(static_cast<std::size_t>(c.pp), 1.0) : c.rank_speed;
+  const LayerCosts k = layer_costs(c, s.local_learning);
+  out.stage_time = pipe::stage_times(out.bounds, k.layers, speeds, k.fixed);
+  out.step = pipe::simulate_with(s, [&](int rank, const pipe::Action&) { return out.stage_time[static_cast<std::size_t>(rank)]; }, 0.0)
+                 .step_time;
   return out;
 }
 
