@@ -8,5 +8,6 @@
 #include "trellis/core/error.hpp"       // defines: Error, TRELLIS_CHECK*
 #include "trellis/core/hash.hpp"        // defines: splitmix64, name_hash
 #include "trellis/core/space.hpp"       // defines: Host, Cuda
+#include "trellis/core/subnormals.hpp"  // defines: flush_subnormals_on_this_thread, subnormals_flushed_on_this_thread
 #include "trellis/core/tensor.hpp"      // defines: Extents, TensorView, Tensor
 #include "trellis/core/version.hpp"     // defines: TRELLIS_VERSION_*

@@ -12,10 +12,17 @@
 //    to Host<float>'s bit for bit, host pointers refused, the dispatch plan's workspace checked).
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <type_traits>
+#include <thread>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 #include "trellis/backend.hpp"
 #include "trellis/backend/device_checked.hpp"
@@ -311,4 +318,39 @@ TEST_CASE("DeviceChecked: grouped GEMM and MoE routing take only backend memory,
   bad = groups;
   bad[0].ep.bias = hf.data();
   CHECK_THROWS_WITH(be.grouped_gemm(std::span<const BiasGroup>(bad)), Catch::Contains("grouped_gemm epilogue"));
+}
+
+// Subnormals (core/subnormals.hpp): a thread that makes a backend::Host, the kernel pool's workers
+// and a thread started after the backend flush them to zero, so a product below the smallest
+// normal float is 0 on all of them (IEEE arithmetic, as a fresh thread without the mode computes
+// it, keeps it: the check can fail), and a subnormal operand reads as 0.
+TEST_CASE("the host backend flushes subnormals to zero on its threads", "[backend][host][subnormals]") {
+#if defined(__x86_64__) || defined(_M_X64)
+  auto flushes = [] {
+    volatile float a = 1e-30f, b = 1e-10f, tiny = std::numeric_limits<float>::denorm_min();
+    return a * b == 0.0f && tiny + 0.0f == 0.0f;
+  };
+  bool kept = false;
+  std::thread([&] {  // the default mode keeps subnormals
+    _mm_setcsr(_mm_getcsr() & ~0x8040u);
+    kept = !flushes();
+  }).join();
+  CHECK(kept);
+  _mm_setcsr(_mm_getcsr() & ~0x8040u);  // as a thread that never made a backend
+  CHECK_FALSE(trellis::subnormals_flushed_on_this_thread());
+  const trellis::backend::Host<float> be;
+  CHECK(trellis::subnormals_flushed_on_this_thread());
+  CHECK(flushes());
+  std::atomic<int> flushed{0};
+  trellis::kernels::host::kernel_pool().parallel_for(64, [&](std::int64_t) {
+    flushed += flushes() ? 1 : 0;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));  // spread the tasks over the workers
+  });
+  CHECK(flushed.load() == 64);
+  bool later = false;
+  std::thread([&] { later = flushes(); }).join();
+  CHECK(later);
+#else
+  WARN("flushing subnormals is x86-64 only so far: not checked");
+#endif
 }

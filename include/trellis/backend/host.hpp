@@ -17,6 +17,7 @@
 #include "trellis/backend/backend.hpp"
 #include "trellis/core/buffer.hpp"
 #include "trellis/core/dtype.hpp"
+#include "trellis/core/subnormals.hpp"
 #include "trellis/kernels/adamw_host.hpp"
 #include "trellis/kernels/attention_host.hpp"
 #include "trellis/kernels/dropout_host.hpp"
@@ -42,6 +43,9 @@ class Host {
   using event_type = HostEvent;
   template <class T> using buffer = Buffer<T, trellis::Host>;
   static constexpr bool host_readable = true;  // host code may touch its buffers' elements
+
+  // Subnormals flush to zero on the thread that makes a backend (core/subnormals.hpp).
+  Host() { flush_subnormals_on_this_thread(); }
 
   stream_type stream() const { return {}; }
   event_type record_event() const { return {}; }

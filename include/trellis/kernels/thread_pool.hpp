@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "trellis/core/subnormals.hpp"
+
 namespace trellis::kernels::host {
 
 class ThreadPool {
@@ -101,6 +103,7 @@ class ThreadPool {
     }
   }
   void worker_loop() {
+    flush_subnormals_on_this_thread();  // as the backend's threads (core/subnormals.hpp)
     std::uint64_t seen = 0;
     for (;;) {
       auto called = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
