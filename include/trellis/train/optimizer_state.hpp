@@ -102,7 +102,6 @@ class OptimizerState {
   }
   std::uint64_t disk_bytes() const { return disk_ ? disk_->bytes() : 0; }
 
-  // Tensor i's moments from / to host memory (checkpoints).
   // Overlapped updates submitted so far, and the test probe run on the worker before each.
   std::size_t updates_submitted() const { return worker_ ? worker_->submitted() : 0; }
   void set_update_probe(std::function<void(std::size_t)> probe) { worker().set_probe(std::move(probe)); }
@@ -113,6 +112,7 @@ class OptimizerState {
     retire(staging_[second_first ? 0 : 1]);
   }
 
+  // Tensor i's moments from / to host memory (checkpoints).
   void read_m(std::size_t i, float* dst) const { read(i, dst, true); }
   void read_v(std::size_t i, float* dst) const { read(i, dst, false); }
   void write_m(std::size_t i, const float* src) { write(i, src, true); }
