@@ -252,6 +252,13 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       else if (m.layers < static_cast<index_t>(c.pp) * v)
         add("--layers ", m.layers, " is fewer than the ", static_cast<index_t>(c.pp) * v, " virtual pipeline stages of '",
             c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
+      else if (c.microbatches >= 1) {
+        try {  // what the generator itself refuses (e.g. interleaved: microbatches a multiple of pp)
+          (void)pipe::make_schedule(c.schedule, c.pp, c.microbatches, c.schedule == "interleaved_1f1b" ? v : 1);
+        } catch (const Error& e) {
+          add("--schedule ", c.schedule, " with --pp ", c.pp, " and --microbatches ", c.microbatches, ": ", e.message());
+        }
+      }
     }
   }
   if (!c.stage_layers.empty() || !c.rank_speed.empty()) {
