@@ -1,0 +1,338 @@
+// plan::predict_memory: the bytes one rank of a train::Trainer holds, by kind, predicted from the
+// TrainerConfig alone (no model is built), so a planner can prune layouts that do not fit before
+// running them. Every figure is derived from the shapes -- parameter counts per layer and tp
+// split, the trainer's packing and ZeRO shard rules, the layers' saved tensors per microbatch --
+// and tests/plan/test_memory_model.cpp checks them against Trainer::memory(), byte for byte.
+//
+// The rules it follows (each the trainer's; see the files named):
+//  - parameters: each chunk's tensors packed with every start aligned to A floats
+//    (nn/parameter_buffer.hpp; A = lcm(pack_alignment, dp x cp) under ZeRO so buckets split evenly);
+//    a block is 12 W^2 + 13 W, its attention and MLP matrices and column biases split over tp
+//    (heads in whole heads), the embedding wte V/tp rows (shard::chunk: earlier ranks get the
+//    extra row), wpe and the LayerNorms whole. A head chunk on a rank without the embedding holds
+//    its own wte copy (vee schedules put both on rank 0: one wte).
+//  - ZeRO (train/grad_buckets.hpp, param_shards.hpp): every bucket splits into S equal parts (S:
+//    shard_degree, or dp x cp); 1: the packed gradients + the reduced shards T/S; 2: no packed
+//    gradients, shards T/S + 2 unit slots (U + U/S, U the largest weight unit) + wte's whole
+//    gradient; 3: as 2, and the values as shards T/S + 2 value slots of U + wte's step buffer.
+//  - optimizer: m and v (8 bytes) per parameter element, or per element of this rank's pieces of
+//    the buckets (the padding holds none, so the rank matters); offloaded, they and one update's
+//    staged values and gradients move to host memory.
+//  - activations (nn/activation_arena.hpp): per chunk, slots x one microbatch's saved bytes, each
+//    saved tensor rounded up to 256 bytes; slots = the simulated peak of live microbatches of the
+//    chunk (pipe::simulate) with pp > 1, else 1.
+//    Recompute saves the block inputs only; sequence parallelism splits the norm-region rows over
+//    tp; cp splits the sequence (the attention's saved tensors are the same size in every cp mode).
+//    offload_activations: per chunk, frames x the largest unit on the device, the rooms on the host.
+// fp32 compute only (4-byte activations: backend::Host<float>, the trainer's default). workspace:
+// the host backends reserve none (0); the CUDA backend's scratch is not modelled. Exact after a
+// step (the offloaded update's staging grows at the first update), except fused_update with
+// offload_optimizer: its staging is an upper bound (units alternate between two buffers).
+// Refused (TRELLIS_CHECK): Mixture-of-Experts models, local-learning schedules, configs that
+// train::config_problems refuses.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/nn/activation_arena.hpp"
+#include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/schedule.hpp"
+#include "trellis/pipe/simulate.hpp"
+#include "trellis/shard/layout.hpp"
+#include "trellis/train/trainer_config.hpp"
+
+namespace trellis::plan {
+
+// Bytes one rank holds, by kind; the fields mean what train::MemoryUse's do.
+struct MemoryEstimate {
+  double parameters = 0, gradients = 0, optimizer = 0, host_optimizer = 0, activations = 0, workspace = 0;
+  double disk_optimizer = 0;    // the disk tier's file (offload_dir)
+  double host_activations = 0;  // offloaded activations: the arena's host rooms
+  double device_total() const { return parameters + gradients + optimizer + activations + workspace; }
+};
+
+// Which rank of the mesh: pipeline, tensor-parallel and replica (dp x cp: dp coordinate x cp + cp
+// coordinate) coordinates. Ranks differ only where vocab does not split evenly over tp (wte's
+// rows, the logits) and in the optimizer's pieces of the ZeRO shards (padding falls in some ranks'
+// parts only).
+struct RankCoords {
+  int pp = 0, tp = 0, replica = 0;
+};
+
+namespace memory_detail {
+
+using Bytes = std::uint64_t;
+
+// One weight unit (a block, the head's ln_f, the embedding's wpe): its tensors' elements in
+// packing order (the reverse of the layer's parameter order), and its saved bytes per microbatch.
+struct Unit {
+  std::vector<index_t> tensors;
+  Bytes saved = 0;
+};
+// One model chunk on the rank: its units (head, blocks last to first, embedding: the trainer's
+// unit order), whether it holds a wte (the embedding's or a head copy), and its arena slots.
+struct Chunk {
+  std::vector<Unit> units;
+  index_t wte = 0;  // elements of its wte, 0: none
+  int slots = 1;
+};
+
+inline index_t round_up(index_t n, index_t a) { return (n + a - 1) / a * a; }
+// Arena bytes of a saved tensor of n 4-byte elements (fp32 activations, fp32 statistics, int32 ids).
+inline Bytes saved(index_t n) { return nn::saved_round(static_cast<std::size_t>(n) * 4); }
+
+// The shapes one rank's layers see: tp split, rows of a microbatch, sequence parallelism.
+struct Shapes {
+  index_t W = 0, heads_local = 0, head_dim = 0, hidden_local = 0, vocab_local = 0;
+  index_t rows = 0;        // microbatch rows on this rank: batch / (dp x microbatches) x seq / cp
+  index_t local_rows = 0;  // the norm region's rows: rows / tp under sequence parallelism
+  index_t ids = 0;         // the attention's document ids: the whole (cp-gathered) sequence
+  bool gathers = false;    // sequence parallel over tp > 1: column layers keep an input shard too
+};
+
+// A LayerNorm's saved bytes: input rows, mean and rstd, the (weight, bias) gradients of the microbatch.
+inline Bytes layernorm_saved(const Shapes& s) { return saved(s.local_rows * s.W) + 2 * saved(s.local_rows) + saved(2 * s.W); }
+// A column-parallel layer (in -> out_local): dz or GELU's pre-activation, its input (rows), and
+// under sp the input shard it keeps until backward_input.
+inline Bytes column_saved(const Shapes& s, index_t in, index_t out_local) {
+  return saved(s.rows * out_local) + saved(s.rows * in) + (s.gathers ? saved(s.local_rows * in) : 0);
+}
+// A row-parallel layer (in_local -> out): its input and the (gathered) output gradient.
+inline Bytes row_saved(const Shapes& s, index_t in_local, index_t out) { return saved(s.rows * in_local) + saved(s.rows * out); }
+
+inline Bytes block_saved(const Shapes& s, bool recompute) {
+  if (recompute) return saved(s.local_rows * s.W);  // the block input only; the rest is recomputed
+  const index_t wl = s.heads_local * s.head_dim;
+  // attention core: q, k, v, o (rows x this rank's heads, whatever the cp mode) and lse, the ids
+  const Bytes attn = 4 * saved(s.rows * wl) + saved(s.rows * s.heads_local) + saved(s.ids) +
+                     column_saved(s, s.W, 3 * wl) + row_saved(s, wl, s.W);
+  const Bytes mlp = column_saved(s, s.W, s.hidden_local) + row_saved(s, s.hidden_local, s.W);
+  return 2 * layernorm_saved(s) + attn + mlp;
+}
+// ln_f + the LM head / cross-entropy: targets, the V/tp logits per row, its input, lse.
+inline Bytes head_saved(const Shapes& s) {
+  return layernorm_saved(s) + saved(s.rows) + saved(s.rows * s.vocab_local) + saved(s.rows * s.W) + saved(s.rows) +
+         (s.gathers ? saved(s.local_rows * s.W) : 0);
+}
+// The embedding: the row ids and the full output gradient.
+inline Bytes embedding_saved(const Shapes& s) { return saved(s.rows) + saved(s.rows * s.W); }
+
+inline const pipe::Schedule* schedule_of(const train::TrainerConfig& c, pipe::Schedule& made) {
+  if (c.pp <= 1) return nullptr;
+  made = c.custom_schedule ? *c.custom_schedule : pipe::make_schedule(c.schedule, c.pp, c.microbatches, c.virtual_chunks);
+  return &made;
+}
+
+inline void check_supported(const train::TrainerConfig& c) {
+  train::check_config(c);
+  TRELLIS_CHECK(c.model.moe_every == 0, "plan::predict_memory: Mixture-of-Experts models (model.moe_every ",
+                c.model.moe_every, ") are not modelled");
+  const bool local = c.pp > 1 && (c.custom_schedule ? c.custom_schedule->local_learning : c.schedule == "local_learning");
+  TRELLIS_CHECK(!local, "plan::predict_memory: local-learning schedules (local heads) are not modelled");
+}
+
+// The chunks a rank at `at` holds, with their units and slots (the trainer's construction).
+inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoords& at, const pipe::Schedule* s,
+                                    const pipe::Simulation* sim) {
+  const auto& m = c.model;
+  Shapes sh;
+  sh.W = m.width;
+  sh.head_dim = m.width / m.heads;
+  sh.heads_local = shard::chunk(m.heads, c.tp, at.tp).size;
+  sh.hidden_local = shard::chunk(4 * m.width, c.tp, at.tp).size;
+  sh.vocab_local = shard::chunk(m.vocab, c.tp, at.tp).size;
+  const index_t batch = c.batch / c.dp / c.microbatches;
+  sh.rows = batch * (c.seq / c.cp);
+  sh.gathers = c.options.sequence_parallel && c.tp > 1;
+  sh.local_rows = c.options.sequence_parallel ? sh.rows / c.tp : sh.rows;
+  sh.ids = batch * c.seq;
+
+  const index_t W = m.width, wl = sh.heads_local * sh.head_dim, F = sh.hidden_local;
+  // packing order of a block: mlp.c_proj (b, w), c_fc (b, w), ln_2, attn.c_proj (b, w), c_attn (b, w), ln_1
+  const Unit block{{W, F * W, F, W * F, W, W, W, wl * W, 3 * wl, W * 3 * wl, W, W}, block_saved(sh, c.options.recompute)};
+
+  const int chunks = s ? s->chunks : 1, stages = s ? s->virtual_stages() : 1;
+  auto virtual_stage = [&](int k) { return s ? s->virtual_stage(at.pp, k) : k; };
+  std::vector<int> bounds = s ? train::pipeline_split(c) : std::vector<int>{};
+  if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
+  bool has_embedding = false;
+  for (int k = 0; k < chunks; ++k) has_embedding = has_embedding || virtual_stage(k) == 0;
+
+  std::vector<Chunk> out(static_cast<std::size_t>(chunks));
+  for (int k = 0; k < chunks; ++k) {
+    const int vs = virtual_stage(k);
+    const bool embedding = vs == 0, head = vs == stages - 1;
+    Chunk& ch = out[static_cast<std::size_t>(k)];
+    if (head) ch.units.push_back({{W, W}, head_saved(sh)});  // ln_f (b, w); wte is in no unit
+    for (int l = bounds[vs]; l < bounds[vs + 1]; ++l) ch.units.push_back(block);
+    if (embedding) ch.units.push_back({{m.positions * W}, embedding_saved(sh)});  // wpe
+    // wte: the embedding's, or a head's own copy when the rank holds no embedding (else it is shared)
+    if (embedding || (head && !has_embedding)) ch.wte = sh.vocab_local * W;
+    if (sim) ch.slots = std::max(1, sim->peak_activations_by_chunk.at(static_cast<std::size_t>(at.pp)).at(static_cast<std::size_t>(k)));
+  }
+  return out;
+}
+
+// A bucket: tensors (elements) packed at aligned offsets, split into `parts` equal parts (ZeRO's
+// shards); the elements of each tensor in part `rank` (the padding holds no optimizer state).
+inline std::vector<index_t> pieces(const std::vector<index_t>& tensors, index_t align, int parts, int rank) {
+  index_t total = 0;
+  for (index_t n : tensors) total += round_up(n, align);
+  const index_t lo = total / parts * rank, hi = lo + total / parts;
+  std::vector<index_t> out;
+  index_t at = 0;
+  for (index_t n : tensors) {
+    out.push_back(std::max<index_t>(0, std::min(hi, at + n) - std::max(lo, at)));
+    at += round_up(n, align);
+  }
+  return out;
+}
+
+}  // namespace memory_detail
+
+namespace memory_detail {
+// predict_memory with the schedule and its simulation made once (s: null with pp = 1).
+inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& at, const pipe::Schedule* s,
+                              const pipe::Simulation* sim) {
+  TRELLIS_CHECK(at.pp >= 0 && at.pp < c.pp && at.tp >= 0 && at.tp < c.tp && at.replica >= 0 && at.replica < c.dp * c.cp,
+                "plan::predict_memory: rank (pp ", at.pp, ", tp ", at.tp, ", replica ", at.replica, ") outside pp ", c.pp,
+                " x tp ", c.tp, " x replicas ", c.dp * c.cp);
+  const std::vector<Chunk> chunks = chunks_of(c, at, s, sim);
+
+  const int replicas = c.dp * c.cp;
+  const index_t align = static_cast<index_t>(
+      c.zero >= 1 ? std::lcm(c.options.pack_alignment, static_cast<std::size_t>(replicas)) : c.options.pack_alignment);
+  // S: the ranks a bucket is sharded over (a shard group under hybrid sharding); this rank's part.
+  const int S = c.zero >= 1 && c.shard_degree > 0 && c.shard_degree < replicas ? c.shard_degree : replicas;
+  const int part = at.replica % S;
+
+  // Over the rank's buckets: packed floats, the largest unit, wte's bucket; the optimizer's
+  // tensors (parameters, or ZeRO pieces): all their elements, the largest one, the largest update
+  // of one unit (the fused update).
+  index_t packed = 0, largest_unit = 0, wte = 0, state = 0, largest_tensor = 0, largest_update = 0;
+  auto bucket = [&](const std::vector<index_t>& tensors) {
+    index_t mine = 0;
+    for (index_t n : c.zero >= 1 ? pieces(tensors, align, S, part) : tensors) {
+      mine += n;
+      largest_tensor = std::max(largest_tensor, n);
+    }
+    state += mine;
+    return mine;
+  };
+  Bytes act = 0, act_host = 0;
+  for (const Chunk& ch : chunks) {
+    Bytes slot = 0, largest_saved = 1;
+    for (const Unit& u : ch.units) {
+      index_t size = 0, update = 0, run_elements = 0;
+      std::vector<index_t> run;  // a bucket: a run of the unit's tensors of at most bucket_elements
+      for (index_t n : u.tensors) {
+        if (!run.empty() && static_cast<std::size_t>(run_elements + n) > c.bucket_elements) {
+          update += bucket(run);
+          run.clear();
+          run_elements = 0;
+        }
+        run.push_back(n);
+        run_elements += n;
+        size += round_up(n, align);
+      }
+      update += bucket(run);
+      packed += size;
+      largest_unit = std::max(largest_unit, size);
+      largest_update = std::max(largest_update, update);
+      slot += u.saved;
+      largest_saved = std::max<Bytes>(largest_saved, nn::saved_round(u.saved));
+    }
+    if (ch.wte > 0) {  // wte: a bucket of its own (one per rank: a head copy only without the embedding)
+      wte = round_up(ch.wte, align);
+      packed += wte;
+      largest_update = std::max(largest_update, bucket({ch.wte}));
+    }
+    if (c.offload_activations) {  // device frames of the largest unit; host rooms for every slot
+      act += largest_saved * static_cast<Bytes>(c.offload_activation_frames);
+      Bytes room = 0;
+      for (const Unit& u : ch.units) room += nn::saved_round(u.saved);
+      act_host += nn::saved_round(room) * static_cast<Bytes>(ch.slots);
+    } else {
+      act += nn::saved_round(std::max<Bytes>(slot, 1)) * static_cast<Bytes>(ch.slots);
+    }
+  }
+
+  MemoryEstimate e;
+  const double f = sizeof(float);
+  const double shards = static_cast<double>(packed / S);  // every bucket splits evenly (the alignment)
+  switch (c.zero) {
+    case 0: e.parameters = f * packed; e.gradients = f * packed; break;
+    case 1: e.parameters = f * packed; e.gradients = f * (packed + shards); break;
+    case 2:  // the gradient slots: a unit's gradients and its buckets' reduced shards, twice
+      e.parameters = f * packed;
+      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_unit / S));
+      break;
+    default:  // ZeRO-3: the values too as shards, two value slots and wte's step buffer
+      e.parameters = f * (shards + wte + 2.0 * largest_unit);
+      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_unit / S));
+      break;
+  }
+  const double moments = 2 * f * static_cast<double>(state);
+  if (!c.offload_dir.empty()) {  // the disk tier: the moments in a file, streamed through 4 bounded host buffers
+    e.disk_optimizer = moments;
+    e.host_optimizer = 4 * f * static_cast<double>(std::min<std::size_t>(c.offload_buffer_elements, static_cast<std::size_t>(largest_tensor)));
+  } else if (c.offload_optimizer) {
+    // host: the moments, and one update's staged values and gradients: every tensor at once
+    // (unfused); fused, a unit at a time in two alternating buffers (overlapped), so an upper bound
+    const double staged = c.fused_update == train::TrainerConfig::FusedUpdate::off
+                              ? static_cast<double>(state)
+                              : (c.offload_update_thread ? 2.0 : 1.0) * static_cast<double>(largest_update);
+    e.host_optimizer = moments + 2 * f * staged;
+  } else {
+    e.optimizer = moments;
+  }
+  e.activations = static_cast<double>(act);
+  e.host_activations = static_cast<double>(act_host);
+  e.workspace = 0;  // backend::Host reserves no kernel scratch
+  return e;
+}
+}  // namespace memory_detail
+
+// The memory of the rank at `at`.
+inline MemoryEstimate predict_memory(const train::TrainerConfig& c, const RankCoords& at) {
+  memory_detail::check_supported(c);
+  pipe::Schedule made;
+  const pipe::Schedule* s = memory_detail::schedule_of(c, made);
+  pipe::Simulation sim;
+  if (s) sim = pipe::simulate(*s);
+  return memory_detail::predict(c, at, s, s ? &sim : nullptr);
+}
+
+// The memory of any rank at pipeline position pp_rank (all dp/tp/cp ranks of one pipeline rank
+// hold the same amounts up to the rank-dependent parts named at RankCoords: this is tp rank 0,
+// replica 0, which holds the largest wte shard when vocab does not split evenly over tp).
+inline MemoryEstimate predict_memory(const train::TrainerConfig& c, int pp_rank) {
+  return predict_memory(c, RankCoords{pp_rank, 0, 0});
+}
+
+// The pipeline rank with the largest device_total (the first on ties), and its estimate.
+struct PeakMemory {
+  int pp_rank = 0;
+  MemoryEstimate memory;
+};
+inline PeakMemory predict_peak_memory(const train::TrainerConfig& c) {
+  memory_detail::check_supported(c);
+  pipe::Schedule made;
+  const pipe::Schedule* s = memory_detail::schedule_of(c, made);
+  pipe::Simulation sim;
+  if (s) sim = pipe::simulate(*s);  // once for every pipeline rank
+  PeakMemory best;
+  for (int r = 0; r < std::max(1, c.pp); ++r) {
+    const MemoryEstimate e = memory_detail::predict(c, RankCoords{r, 0, 0}, s, s ? &sim : nullptr);
+    if (r == 0 || e.device_total() > best.memory.device_total()) best = {r, e};
+  }
+  return best;
+}
+
+}  // namespace trellis::plan
