@@ -33,6 +33,8 @@ struct Options {
   // batch and layout
   int batch = 16, microbatches = 2;
   int dp = 1, tp = 1, pp = 1;
+  std::string plan;  // "auto": the layout chosen by the planner (plan_auto.hpp) for --ranks thread ranks
+  int ranks = 0;
   int cp = 1;                   // context parallel: each sequence split over cp ranks
   std::string cp_mode = "ring";
   int cp_ulysses = 2;           // hybrid: Ulysses group size
@@ -99,6 +101,9 @@ moe:       --experts E (0: dense) --topk K (1 or 2) --moe-every N (2 with --expe
            --z-loss X (0, router z-loss)
 batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
+           --plan auto --ranks N: the planner picks dp x tp x pp = N, the schedule, microbatches,
+           --sp, --recompute and --zero (include/trellis/plan: rates timed on this machine,
+           memory: this machine's / N), prints its table and runs the fastest (threads, host)
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
            --context a multiple of 2N); --cp-mode ring (attention's keys and values passed round
            the cp ranks while each block computes) | ulysses (an all-to-all from sequence to head
@@ -278,6 +283,10 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.overlap);
     else if (f == "--recompute")
       o.recompute = true;
+    else if (f == "--plan")
+      o.plan = value();
+    else if (f == "--ranks")
+      int_flag(o.ranks);
     else if (f == "--dropout")
       dbl_flag(o.dropout);
     else if (f == "--chunks")
@@ -470,6 +479,19 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     }
     if (o.schedule_given)
       out.push_back("--schedule and --schedule-file both name the pipeline schedule: give one of them");
+  }
+  if (!o.plan.empty() && o.plan != "auto") out.push_back("--plan takes auto (got '" + o.plan + "')");
+  if (o.plan.empty() && o.ranks != 0) out.push_back("--ranks N is for --plan auto (give --dp/--tp/--pp otherwise)");
+  if (o.plan == "auto") {
+    if (o.ranks < 1) out.push_back("--plan auto needs --ranks N >= 1: the thread ranks to plan for");
+    if (o.mpi || o.backend != "host" || o.dtype == "bf16")
+      out.push_back("--plan auto plans thread ranks of the host backend in fp32 (no --mpi, --backend cuda, --dtype bf16)");
+    if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
+        !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
+        o.schedule == "local_learning" || o.overlap > 1)
+      out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
+                    "--schedule-file, --stage-layers, --rank-speed, --overlap or local learning yet: drop them or "
+                    "give the layout yourself");
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");

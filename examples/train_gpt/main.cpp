@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "flags.hpp"
+#include "plan_auto.hpp"
 #include "run.hpp"
 #include "trellis/comm/threads.hpp"
 #if defined(TRELLIS_TRAIN_GPT_MPI)
@@ -66,6 +67,10 @@ int main(int argc, char** argv) {
     }
     try {
       train_gpt::validate(o);
+      if (o.plan == "auto") {
+        o = train_gpt::apply_plan(o);
+        train_gpt::validate(o);
+      }
       train_gpt::validate_paths(o, default_corpus());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "train_gpt: %s\n", e.what());

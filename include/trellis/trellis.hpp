@@ -10,6 +10,7 @@
 #include "trellis/nn.hpp"
 #include "trellis/optim.hpp"
 #include "trellis/pipe.hpp"
+#include "trellis/plan.hpp"
 #include "trellis/report.hpp"
 #include "trellis/shard.hpp"
 #include "trellis/train.hpp"

@@ -1,0 +1,152 @@
+// The planner's cost model against measurement: every layout of one GPT on this host's 2 thread
+// ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
+// interleaved, zb_h1) -- at every microbatch count, timed for real (the fastest of --iters steps
+// after a warm-up) and predicted by plan::predict_step with rates measured on this machine
+// (plan::MeasuredRates: the host kernels timed at the model's shapes on one thread) and the link
+// the ranks talk over. The ranks' communicator is comm::SimulatedLink (every collective held for
+// latency + ring bytes / --gbps): a SIMULATED link on the host, not a network; kernels run on one
+// thread per rank (one core each on a 2-core machine).
+// Prints the table, the Spearman rank correlation and the median relative error between predicted
+// and measured, and the measured time of the planner's choice against the best measured layout.
+//   bench_plan [--ranks N (2)] [--iters N] [--gbps G] [--recompute] [--json FILE]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "support/report.hpp"
+#include "support/synthetic_batch.hpp"
+#include "trellis/comm/simulated_link.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/kernels/thread_pool.hpp"
+#include "trellis/plan/measured_rates.hpp"
+#include "trellis/plan/search.hpp"
+#include "trellis/train/trainer.hpp"
+
+using namespace trellis;
+
+namespace {
+
+using Link = comm::SimulatedLink<comm::ThreadComm>;
+
+// The fastest of `iters` steps after one warm-up, in seconds.
+double measure(const train::TrainerConfig& c, const comm::LinkModel& model, int iters) {
+  double best = 1e30;
+  comm::ThreadWorld(c.dp * c.tp * c.pp).run([&](comm::ThreadComm& world) {
+    Link link(world.split(0, world.rank()), model);
+    train::Trainer<Link> t(link, c);
+    const index_t rows = c.batch / c.dp;
+    const auto b = bench::make_batch(rows, c.seq, c.model.vocab, t.mesh().template coord<trellis::dp>() * rows);
+    t.step(b);
+    for (int i = 0; i < iters; ++i) {
+      world.barrier();
+      const double t0 = bench::now_seconds();
+      t.step(b);
+      world.barrier();
+      const double dt = bench::now_seconds() - t0;
+      if (world.rank() == 0) best = std::min(best, dt);
+    }
+  });
+  return best;
+}
+
+std::vector<double> ranks_of(const std::vector<double>& x) {  // average ranks for ties
+  std::vector<std::size_t> idx(x.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](auto a, auto b) { return x[a] < x[b]; });
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < idx.size();) {
+    std::size_t j = i;
+    while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
+    for (std::size_t k = i; k <= j; ++k) r[idx[k]] = (static_cast<double>(i + j)) / 2.0;
+    i = j + 1;
+  }
+  return r;
+}
+double pearson(const std::vector<double>& a, const std::vector<double>& b) {
+  const double n = static_cast<double>(a.size());
+  const double ma = std::accumulate(a.begin(), a.end(), 0.0) / n, mb = std::accumulate(b.begin(), b.end(), 0.0) / n;
+  double sab = 0, saa = 0, sbb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    sab += (a[i] - ma) * (b[i] - mb);
+    saa += (a[i] - ma) * (a[i] - ma);
+    sbb += (b[i] - mb) * (b[i] - mb);
+  }
+  return sab / std::sqrt(saa * sbb);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  kernels::host::set_num_threads(1);
+  const int iters = static_cast<int>(bench::int_flag(argc, argv, "--iters", 3));
+  const double gbps = std::stod(bench::flag_value(argc, argv, "--gbps", "1"));
+  const int ranks = static_cast<int>(bench::int_flag(argc, argv, "--ranks", 2));
+  const comm::LinkModel link{.bandwidth = gbps * 1e9, .latency = 20e-6};
+
+  train::TrainerConfig base;
+  base.model = {.vocab = 2048, .positions = 128, .layers = 4, .heads = 4, .width = 256};
+  base.seq = 128;
+  base.batch = 16;
+  base.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+
+  plan::Cluster host;
+  host.name = "this host: thread ranks, one kernel thread each, on a simulated link";
+  host.nodes = 1;
+  host.devices_per_node = ranks;
+  host.device = {.name = "one core", .memory_bytes = 8e9, .peak_flops_fp32 = 1, .peak_flops_bf16 = 1, .memory_bandwidth = 1};
+  host.intra_node = host.inter_node = {.bandwidth = link.bandwidth, .latency = link.latency};
+
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  space.recompute = bench::has_flag(argc, argv, "--recompute") ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  plan::MeasuredRates measured(3, ranks);  // every kernel timed with `ranks` copies running at once
+  const plan::Rates rates = measured.rates();
+
+  std::printf("# GPT 4 layers, width 256, 4 heads, vocab 2048, T 128, global batch 16, fp32; %d thread ranks, one "
+              "kernel thread each, on a SIMULATED link of %.2f GB/s bus bandwidth, 20 us latency; measured: the "
+              "fastest of %d steps; predicted: plan::predict_step with rates timed on this machine\n",
+              ranks, gbps, iters);
+  std::printf("%-72s %10s %10s %8s\n", "layout (train_gpt flags)", "pred ms", "meas ms", "pred/meas");
+  std::vector<double> pred, meas;
+  std::vector<std::string> names;
+  bench::JsonReport report("bench_plan");
+  for (const train::TrainerConfig& c : plan::layouts(base, host.devices(), ranks, space)) {
+    if (!train::config_problems(c).empty()) continue;
+    const double p = plan::predict_step(c, host, rates).step;
+    const double m = measure(c, link, iters);
+    pred.push_back(p);
+    meas.push_back(m);
+    names.push_back(plan::train_gpt_flags(c));
+    std::printf("%-72s %10.1f %10.1f %8.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m);
+    std::fflush(stdout);
+    bench::Row row;
+    row.add_text("layout", names.back()).add("predicted_ms", p * 1e3).add("measured_ms", m * 1e3);
+    report.add(row);
+  }
+  std::vector<double> err;
+  for (std::size_t i = 0; i < pred.size(); ++i) err.push_back(std::abs(pred[i] / meas[i] - 1));
+  std::vector<double> sorted = err;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted.size() % 2 ? sorted[sorted.size() / 2]
+                                          : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+  const double rho = pearson(ranks_of(pred), ranks_of(meas));
+  const auto chosen = static_cast<std::size_t>(std::min_element(pred.begin(), pred.end()) - pred.begin());
+  const auto fastest = static_cast<std::size_t>(std::min_element(meas.begin(), meas.end()) - meas.begin());
+  std::printf("# %zu layouts: Spearman rank correlation %.3f (goal >= 0.9), median |pred/meas - 1| %.1f %% (goal <= 10 %%)\n",
+              pred.size(), rho, 100 * median);
+  std::printf("# the planner's choice: %s, measured %.1f ms; the fastest measured: %s, %.1f ms; choice / best %.3f "
+              "(goal <= 1.05)\n",
+              names[chosen].c_str(), meas[chosen] * 1e3, names[fastest].c_str(), meas[fastest] * 1e3,
+              meas[chosen] / meas[fastest]);
+  bench::Row summary;
+  summary.add_text("layout", "summary").add("spearman", rho).add("median_error", median).add("choice_over_best", meas[chosen] / meas[fastest]);
+  report.add(summary);
+  report.write(bench::json_path(argc, argv));
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_plan: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,54 @@
+// train_gpt --plan auto --ranks N: the layout chosen by the planner (include/trellis/plan) for N
+// thread ranks on this machine. Rates: the host kernels timed here at the model's shapes with N
+// copies running at once (plan::MeasuredRates); the ranks' link: thread-rank collectives are
+// memory copies, so a bus bandwidth of the measured memory-pass rate and 5 us latency; memory per
+// rank: this machine's / N. Prints the planner's table and returns the options with the fastest
+// layout's dp, tp, pp, schedule, chunks, microbatches, sp, recompute and ZeRO stage.
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include "flags.hpp"
+#include "trellis/plan/measured_rates.hpp"
+#include "trellis/plan/search.hpp"
+
+namespace train_gpt {
+
+inline Options apply_plan(const Options& given) {
+  Options o = given;
+  o.dp = o.tp = o.pp = 1;
+  trellis::train::TrainerConfig base = trainer_config(o);
+  trellis::plan::MeasuredRates measured(3, o.ranks);
+  trellis::plan::Cluster host;
+  host.name = "this machine as " + std::to_string(o.ranks) + " thread ranks";
+  host.devices_per_node = o.ranks;
+  host.device = {.name = "thread rank", .memory_bytes = physical_memory_bytes() / o.ranks, .peak_flops_fp32 = 1,
+                 .peak_flops_bf16 = 1, .memory_bandwidth = 1};
+  host.intra_node = host.inter_node = {.bandwidth = 1.0 / measured.seconds_per_byte(), .latency = 5e-6};
+  trellis::plan::SearchSpace space;
+  space.max_microbatches = 16;
+  const trellis::plan::Plan p = trellis::plan::search(base, host, measured.rates(), space, 5);
+  TRELLIS_CHECK(!p.best.empty(), "--plan auto: no layout of ", o.ranks, " ranks fits (", p.over_memory,
+                " over this machine's memory / ", o.ranks, ", ", p.invalid, " refused by the trainer's checks)");
+  std::printf("plan: %ld layouts of %d thread ranks (%ld refused, %ld over memory, %ld pruned); predicted step, "
+              "rates timed on this machine:\n",
+              p.layouts, o.ranks, p.invalid, p.over_memory, p.pruned);
+  for (std::size_t i = 0; i < p.best.size(); ++i)
+    std::printf("  %zu. %8.1f ms  %s\n", i + 1, p.best[i].cost.step * 1e3,
+                trellis::plan::train_gpt_flags(p.best[i].config).c_str());
+  const auto& c = p.best.front().config;
+  o.dp = c.dp;
+  o.tp = c.tp;
+  o.pp = c.pp;
+  o.schedule = c.schedule;
+  o.chunks = c.virtual_chunks;
+  o.microbatches = c.microbatches;
+  o.sp = c.options.sequence_parallel;
+  o.recompute = c.options.recompute;
+  o.zero = c.zero;
+  std::printf("plan: running the first\n");
+  return o;
+}
+
+}  // namespace train_gpt

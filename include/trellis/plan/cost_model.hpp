@@ -1,0 +1,383 @@
+// plan::predict_step: the time of one training step of a train::TrainerConfig on a cluster, from
+// the work the GPT's layers do and the rates a device does it at (plan::Rates).
+//
+// The model (docs/plan.md has the derivation and what it leaves out):
+//   - Compute. Per microbatch and tp rank, each block's forward is four GEMMs (qkv, attention
+//     projection, MLP up and down, their widths split over tp), causal attention over its heads
+//     / tp, and memory-bound passes (norms, GELU, residuals, head layout) counted in bytes. The
+//     backward is split as the schedules split it: B (input gradients: the same GEMMs transposed,
+//     attention's backward, twice the memory passes; plus the forward again with recompute) and W
+//     (weight gradients: a GEMM per linear over the rows, bias sums). The first virtual stage adds
+//     the embedding, the last the LM head and cross-entropy over vocab / tp.
+//   - Tensor parallelism. The collectives inside the layers are on the critical path: without
+//     sequence parallelism 2 all-reduces of rows x width per block in F and in B; with it an
+//     all-gather and a reduce-scatter each instead (and B gathers again). The embedding and head
+//     add one each. Time on the tp group's link (Cluster::link).
+//   - Pipeline. Each (rank, chunk, action) costs its layers' F, B or W divided by the rank's
+//     speed; a send costs latency + bytes / bandwidth on the pp link; pipe::simulate_with runs
+//     the schedule on these costs (bubbles, warm-up and messages as the executor has them).
+//   - Data parallelism. ZeRO 0: the gradients all-reduced in buckets that start as their chunk's
+//     last W finishes (each bucket becomes ready uniformly over the last microbatch's backward;
+//     the link serialises them: what is left after the backward is exposed). ZeRO 1: reduce-
+//     scattered the same way, the updated values all-gathered after the update (exposed). ZeRO 2:
+//     reduce-scattered every microbatch, overlapped with the backward; ZeRO 3 also gathers every
+//     block's values before its F and its B. With ZeRO 2/3 a stage's actions stretch when its
+//     dp traffic of a microbatch outlasts its compute (the link is the bottleneck).
+//   - The optimizer: AdamW over this rank's (ZeRO: sharded) parameters plus the gradient norm,
+//     memory-bound.
+// Not modelled yet: context and expert parallelism, tp overlap chunks, offloading, hybrid
+// sharding, contention between communicators sharing one physical link.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/pipe/generators.hpp"
+#include "trellis/pipe/schedule.hpp"
+#include "trellis/pipe/simulate.hpp"
+#include "trellis/plan/cluster.hpp"
+#include "trellis/train/trainer_config.hpp"
+
+namespace trellis::plan {
+
+// The operand layouts of the layers' GEMMs (row-major; the speed differs with them): nn, a linear
+// layer's forward y = x w (+ bias); nt, its input gradient dy w^T (and the LM head's logits
+// x wte^T); tn, its weight gradient dw += x^T dy.
+enum class GemmForm { nn, nt, tn };
+
+// Seconds a device takes for the kinds of work a GPT step is made of.
+struct Rates {
+  std::function<double(double m, double n, double k, GemmForm form)> gemm;  // C[m,n] from A[m,k], B[k,n]
+  // Causal attention over `heads` heads of `seq` positions and head size d, `batch` sequences.
+  std::function<double(double batch, double heads, double seq, double d)> attention_forward, attention_backward;
+  std::function<double(double rows, double dim, bool backward)> layernorm;
+  std::function<double(double n, bool backward)> gelu;
+  // The LM head's cross-entropy over rows x cols logits: forward (max, sum of exponentials,
+  // target) or backward (the softmax gradient written in place).
+  std::function<double(double rows, double cols, bool backward)> cross_entropy;
+  std::function<double(double bytes)> memory;  // any other memory-bound pass touching `bytes`
+  std::function<double(double n)> adamw;       // the AdamW update of n parameters (values, grads, moments)
+};
+
+enum class Precision { fp32, bf16 };
+
+// Rates from a cluster file: FLOPs over peak x efficiency, bytes over memory bandwidth.
+// Causal attention does 2 b h T^2 d FLOP forward (half of QK^T and PV) and 2.5x that backward.
+inline Rates cluster_rates(const Cluster& c, Precision p = Precision::bf16) {
+  const double peak = p == Precision::bf16 ? c.device.peak_flops_bf16 : c.device.peak_flops_fp32;
+  const double gemm_rate = peak * c.gemm_efficiency, attention_rate = peak * c.attention_efficiency;
+  const double bw = c.device.memory_bandwidth;
+  Rates r;
+  r.gemm = [=](double m, double n, double k, GemmForm) { return 2 * m * n * k / gemm_rate; };
+  r.attention_forward = [=](double b, double h, double t, double d) { return 2 * b * h * t * t * d / attention_rate; };
+  r.attention_backward = [=](double b, double h, double t, double d) { return 5 * b * h * t * t * d / attention_rate; };
+  r.layernorm = [=](double rows, double dim, bool bwd) { return (bwd ? 4.0 : 2.0) * 4 * rows * dim / bw; };
+  r.gelu = [=](double n, bool bwd) { return (bwd ? 3.0 : 2.0) * 4 * n / bw; };
+  r.cross_entropy = [=](double rows, double cols, bool bwd) { return (bwd ? 2.0 : 3.0) * 4 * rows * cols / bw; };
+  r.memory = [=](double bytes) { return bytes / bw; };
+  r.adamw = [=](double n) { return 28 * n / bw; };  // read value, gradient, 2 moments; write 3 (fp32)
+  return r;
+}
+
+// Collectives on a link of bus bandwidth `l` (the nccl-tests convention, as comm::SimulatedLink).
+inline double all_reduce_seconds(const Link& l, double bytes, int n) {
+  return n <= 1 ? 0.0 : l.latency + 2.0 * (n - 1) / n * bytes / l.bandwidth;
+}
+// all-gather (bytes: the gathered output) or reduce-scatter (bytes: the full input)
+inline double gather_seconds(const Link& l, double bytes, int n) {
+  return n <= 1 ? 0.0 : l.latency + static_cast<double>(n - 1) / n * bytes / l.bandwidth;
+}
+inline double send_seconds(const Link& l, double bytes) { return l.latency + bytes / l.bandwidth; }
+
+// `pieces` equal transfers of total duration `total` on one link, ready one by one at even
+// intervals over a window of `window` seconds (the last at its end): the time the last finishes
+// after the window ends.
+inline double exposed_after(double window, double total, int pieces) {
+  if (total <= 0 || pieces < 1) return 0.0;
+  const double each = total / pieces;
+  double free_at = 0;
+  for (int j = 1; j <= pieces; ++j) free_at = std::max(free_at, window * j / pieces) + each;
+  return std::max(0.0, free_at - window);
+}
+
+// F, B and W of one microbatch through some layers on one tp rank, seconds.
+struct PassTimes {
+  double forward = 0, backward_input = 0, backward_weight = 0;
+  double total() const { return forward + backward_input + backward_weight; }
+  PassTimes& operator+=(const PassTimes& o) {
+    forward += o.forward;
+    backward_input += o.backward_input;
+    backward_weight += o.backward_weight;
+    return *this;
+  }
+};
+
+// What predict_step returns: the step and where its time goes (seconds).
+struct StepCost {
+  double step = 0;           // the predicted wall time of one optimizer step
+  bool bound_only = false;   // predict_step stopped at its lower bound (step holds the bound)
+  double pipeline = 0;       // the schedule's makespan (compute, tp collectives, p2p, bubbles)
+  double compute = 0;        // the busiest rank's compute in the schedule (no bubbles)
+  double tp_comm = 0;        // of which tp collectives, on that rank
+  double dp_exposed = 0;     // dp/ZeRO communication not hidden behind the backward
+  double optimizer = 0;      // AdamW + gradient norm
+  double bubble_fraction = 0;
+  std::vector<PassTimes> stage;  // per virtual stage, one microbatch
+};
+
+namespace detail {
+
+struct Shape {  // the sizes the formulas need, as doubles
+  double W, H, d, V, L, P, tp, dp, pp, R, T, b;
+  bool sp;
+};
+
+// One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
+inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, bool recompute, double* comm) {
+  const double R = s.R, W = s.W, t = s.tp;
+  const double Rn = s.sp ? R / t : R;  // rows of the norm/residual region on this rank
+  PassTimes p;
+  // GEMMs: qkv (W -> 3W/t), attention projection (W/t -> W), MLP up (W -> 4W/t), down (4W/t -> W)
+  const double outs[4] = {3 * W / t, W, 4 * W / t, W}, ins[4] = {W, W / t, W, 4 * W / t};
+  for (int i = 0; i < 4; ++i) {
+    p.forward += r.gemm(R, outs[i], ins[i], GemmForm::nn);
+    p.backward_input += r.gemm(R, ins[i], outs[i], GemmForm::nt);
+    p.backward_weight += r.gemm(ins[i], outs[i], R, GemmForm::tn);
+  }
+  const double heads = s.H / t;
+  p.forward += r.attention_forward(s.b, heads, s.T, s.d);
+  p.backward_input += r.attention_backward(s.b, heads, s.T, s.d);
+  // the norms and GELU; other memory passes (fp32 bytes read + written): F, 2 residual adds and
+  // the block input's copy over Rn x W, each linear's input saved (R x (2W + 5W/t)), q/k/v/o
+  // between row and head layouts (R x 4W/t each way); B, the residual gradients' adds, each
+  // linear's output gradient saved (R x (2W + 7W/t)), the head layouts again; W, the bias sums.
+  p.forward += 2 * r.layernorm(Rn, W, false) + r.gelu(R * 4 * W / t, false);
+  p.backward_input += 2 * r.layernorm(Rn, W, true) + r.gelu(R * 4 * W / t, true);
+  p.forward += r.memory(4 * (2 * 3 * Rn * W + 2 * Rn * W + 2 * R * (2 * W + 5 * W / t) + 8 * R * W / t));
+  p.backward_input += r.memory(4 * (2 * 3 * Rn * W + 2 * R * (2 * W + 7 * W / t) + 8 * R * W / t));
+  p.backward_weight += r.memory(4 * R * (2 * W + 7 * W / t));
+  double c_f = 0, c_b = 0;
+  if (t > 1) {
+    const double bytes = 4 * R * W;
+    const int n = static_cast<int>(t);
+    if (s.sp) {
+      c_f = 4 * gather_seconds(tp_link, bytes, n);  // gather before attention and MLP, scatter after
+      c_b = 6 * gather_seconds(tp_link, bytes, n);  // the same, plus the inputs gathered again for W
+    } else {
+      c_f = 2 * all_reduce_seconds(tp_link, bytes, n);
+      c_b = 2 * all_reduce_seconds(tp_link, bytes, n);
+    }
+  }
+  p.forward += c_f;
+  p.backward_input += c_b;
+  if (recompute) p.backward_input += p.forward;
+  if (comm) *comm += c_f + c_b + (recompute ? c_f : 0);
+  return p;
+}
+
+inline PassTimes embedding_times(const Shape& s, const Rates& r, const Link& tp_link, double* comm) {
+  PassTimes p;
+  p.forward = r.memory(4 * 3 * s.R * s.W);
+  p.backward_weight = r.memory(4 * 3 * s.R * s.W);
+  if (s.tp > 1) {  // vocab-parallel: partial rows summed (sp: reduce-scattered)
+    const double c = s.sp ? gather_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp))
+                          : all_reduce_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp));
+    p.forward += c;
+    if (comm) *comm += c;
+  }
+  return p;
+}
+
+inline PassTimes head_times(const Shape& s, const Rates& r, const Link& tp_link, double* comm) {
+  const double R = s.R, W = s.W, Vl = s.V / s.tp;
+  const double Rn = s.sp ? R / s.tp : R;
+  PassTimes p;
+  p.forward = r.gemm(R, Vl, W, GemmForm::nt) + r.layernorm(Rn, W, false) + r.cross_entropy(R, Vl, false);
+  p.backward_input = r.gemm(R, W, Vl, GemmForm::nn) + r.layernorm(Rn, W, true) + r.cross_entropy(R, Vl, true);
+  p.backward_weight = r.gemm(Vl, W, R, GemmForm::tn);
+  if (s.tp > 1) {
+    const int n = static_cast<int>(s.tp);
+    const double f = (s.sp ? gather_seconds(tp_link, 4 * R * W, n) : 0.0) + 3 * all_reduce_seconds(tp_link, 4 * R, n);
+    const double b = s.sp ? gather_seconds(tp_link, 4 * R * W, n) : all_reduce_seconds(tp_link, 4 * R * W, n);
+    p.forward += f;
+    p.backward_input += b;
+    if (comm) *comm += f + b;
+  }
+  return p;
+}
+
+// Parameters one tp rank of a stage holds: blocks (12W^2/t + 7W/t + 6W), embedding (V/t + positions) x W,
+// ln_f 2W; a block's share is what ZeRO-3 gathers.
+inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * s.W / s.tp + 6 * s.W; }
+
+}  // namespace detail
+
+// The schedule a config runs (pp > 1).
+inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
+  if (c.custom_schedule) return *c.custom_schedule;
+  return pipe::make_schedule(c.schedule, c.pp, c.microbatches, c.schedule == "interleaved_1f1b" ? c.virtual_chunks : 1);
+}
+
+// Predicts one optimizer step of `c` on `cluster` with `rates` (from cluster_rates or measured).
+// Ranks are laid out as train::Trainer's mesh (pp, dp, tp: tp fastest). Refuses what it does not
+// model (cp, MoE, offload, local learning).
+// stop_above: when the step's lower bound (no pipeline simulation) is already at least this, stop
+// there and return the bound with bound_only set (plan::search's pruning).
+inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
+                             double stop_above = std::numeric_limits<double>::infinity()) {
+  TRELLIS_CHECK(c.cp == 1 && c.model.moe_every == 0 && !c.offload_optimizer && !c.offload_activations &&
+                    c.offload_dir.empty() && c.shard_degree == 0,
+                "predict_step: context parallelism, MoE, offloading and hybrid sharding are not in the cost model yet");
+  const auto& m = c.model;
+  detail::Shape s{};
+  s.W = static_cast<double>(m.width);
+  s.H = static_cast<double>(m.heads);
+  s.d = s.W / s.H;
+  s.V = static_cast<double>(m.vocab);
+  s.L = static_cast<double>(m.layers);
+  s.P = static_cast<double>(m.positions);
+  s.tp = c.tp;
+  s.dp = c.dp;
+  s.pp = c.pp;
+  s.b = static_cast<double>(c.batch) / (c.dp * c.microbatches);
+  s.T = static_cast<double>(c.seq);
+  s.R = s.b * s.T;
+  s.sp = c.options.sequence_parallel && c.tp > 1;
+  const Link& tp_link = cluster.link(1, c.tp);
+  const Link& dp_link = cluster.link(c.tp, c.dp);
+  const Link& pp_link = cluster.link(c.tp * c.dp, c.pp);
+
+  const bool piped = c.pp > 1;
+  const pipe::Schedule sched = piped ? schedule_of(c) : pipe::Schedule{};
+  TRELLIS_CHECK(!piped || !sched.local_learning, "predict_step: local learning trains another model; not planned");
+  const int stages = piped ? sched.virtual_stages() : 1;
+  const std::vector<int> bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
+
+  StepCost out;
+  double block_comm = 0, emb_comm = 0, head_comm = 0;
+  const PassTimes block = detail::block_times(s, rates, tp_link, c.options.recompute, &block_comm);
+  const PassTimes emb = detail::embedding_times(s, rates, tp_link, &emb_comm);
+  const PassTimes head = detail::head_times(s, rates, tp_link, &head_comm);
+  std::vector<double> stage_comm;
+  for (int v = 0; v < stages; ++v) {
+    const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+    PassTimes t;
+    double sc = n * block_comm;
+    for (int i = 0; i < n; ++i) t += block;
+    if (v == 0) t += emb, sc += emb_comm;
+    if (v == stages - 1) t += head, sc += head_comm;
+    out.stage.push_back(t);
+    stage_comm.push_back(sc);
+  }
+
+  // Parameters this rank holds per chunk (for dp traffic and the optimizer).
+  auto chunk_params = [&](int v) {
+    const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+    double p = n * detail::block_params(s);
+    if (v == 0) p += (s.V / s.tp + s.P) * s.W;
+    if (v == stages - 1) p += 2 * s.W + (stages > 1 ? s.V / s.tp * s.W : 0.0);  // ln_f; the tied wte's copy
+    return p;
+  };
+  const int chunks = piped ? sched.chunks : 1;
+  const int ranks = piped ? c.pp : 1;
+  auto stage_of = [&](int rank, int chunk) { return piped ? sched.virtual_stage(rank, chunk) : chunk; };
+  auto speed = [&](int rank) {  // the slowest device among the dp x tp ranks of this pipeline rank
+    double sp = 1e300;
+    for (int i = 0; i < c.dp * c.tp; ++i) sp = std::min(sp, cluster.speed_of(rank * c.dp * c.tp + i));
+    return sp;
+  };
+  // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
+  const double dp_n = c.dp;
+  auto rank_params = [&](int rank) {
+    double p = 0;
+    for (int k = 0; k < chunks; ++k) p += chunk_params(stage_of(rank, k));
+    return p;
+  };
+  auto rank_compute = [&](int rank) {  // one microbatch through every chunk
+    double t = 0;
+    for (int k = 0; k < chunks; ++k) t += out.stage[static_cast<std::size_t>(stage_of(rank, k))].total();
+    return t / speed(rank);
+  };
+  std::vector<double> stretch(static_cast<std::size_t>(ranks), 1.0);
+  if (c.dp > 1 && c.zero >= 2)
+    for (int r = 0; r < ranks; ++r) {
+      const double bytes = 4 * rank_params(r);
+      double traffic = gather_seconds(dp_link, bytes, c.dp);                 // gradients reduce-scattered
+      if (c.zero == 3) traffic += 2 * gather_seconds(dp_link, bytes, c.dp);  // values gathered for F and B
+      stretch[static_cast<std::size_t>(r)] = std::max(1.0, traffic / rank_compute(r));
+    }
+  auto action_cost = [&](int rank, int chunk, pipe::ActionKind kind) {
+    const PassTimes& t = out.stage[static_cast<std::size_t>(stage_of(rank, chunk))];
+    double x = kind == pipe::ActionKind::forward ? t.forward
+               : kind == pipe::ActionKind::backward_input ? t.backward_input : t.backward_weight;
+    if (c.zero == 3 && c.dp > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
+      const int v = stage_of(rank, chunk);
+      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+      x += n * gather_seconds(dp_link, 4 * detail::block_params(s), c.dp);  // each block waits for its gather
+    }
+    return x * stretch[static_cast<std::size_t>(rank)] / speed(rank);
+  };
+  // Every rank's busy time (its actions, no waiting) and its last microbatch's backward.
+  std::vector<double> busy(static_cast<std::size_t>(ranks), 0.0), last_backward(static_cast<std::size_t>(ranks), 0.0);
+  int busiest = 0;
+  for (int r = 0; r < ranks; ++r) {
+    for (int k = 0; k < chunks; ++k) {
+      const double b = action_cost(r, k, pipe::ActionKind::backward_input) + action_cost(r, k, pipe::ActionKind::backward_weight);
+      last_backward[static_cast<std::size_t>(r)] += b;
+      busy[static_cast<std::size_t>(r)] += c.microbatches * (action_cost(r, k, pipe::ActionKind::forward) + b);
+    }
+    if (busy[static_cast<std::size_t>(r)] > busy[static_cast<std::size_t>(busiest)]) busiest = r;
+  }
+  out.compute = busy[static_cast<std::size_t>(busiest)];
+  for (int k = 0; k < chunks; ++k) out.tp_comm += c.microbatches * stage_comm[static_cast<std::size_t>(stage_of(busiest, k))];
+
+  // dp: what the backward does not hide, and the optimizer, per rank; the step waits for the slowest.
+  double after = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const double params = rank_params(r), bytes = 4 * params;
+    const int buckets = std::max(1, static_cast<int>(std::ceil(params / static_cast<double>(c.bucket_elements))));
+    double exposed = 0;
+    if (c.dp > 1) {
+      const double window = c.overlap_dp ? last_backward[static_cast<std::size_t>(r)] : 0.0;
+      if (c.zero == 0) exposed = exposed_after(window, all_reduce_seconds(dp_link, bytes, c.dp), buckets);
+      if (c.zero == 1)
+        exposed = exposed_after(window, gather_seconds(dp_link, bytes, c.dp), buckets) + gather_seconds(dp_link, bytes, c.dp);
+      if (c.zero == 2) exposed = gather_seconds(dp_link, bytes, c.dp);  // values all-gathered after the update
+    }
+    const double shard = c.zero >= 1 ? params / dp_n : params;
+    const double opt = (rates.adamw(shard) + rates.memory(4 * params)) / speed(r);
+    if (exposed + opt > after) {
+      after = exposed + opt;
+      out.dp_exposed = exposed;
+      out.optimizer = opt;
+    }
+  }
+  // the tied wte: its gradient summed between the first and last pipeline ranks
+  if (c.pp > 1) after += all_reduce_seconds(pp_link, 4 * s.V / s.tp * s.W, 2);
+
+  // The pipeline's makespan is at least the busiest rank's busy time: a bound without simulating.
+  out.pipeline = out.compute;
+  out.step = out.pipeline + after;
+  if (out.step >= stop_above) {
+    out.bound_only = true;
+    return out;
+  }
+  if (piped) {
+    const double msg = 4 * s.R * s.W / (s.sp ? s.tp : 1.0);
+    auto cost_of = [&](int rank, const pipe::Action& a) { return action_cost(rank, a.chunk, a.kind); };
+    const pipe::Simulation sim =
+        pipe::simulate_with(sched, cost_of, [&](int, const pipe::Action&) { return send_seconds(pp_link, msg); });
+    out.pipeline = sim.step_time;
+    out.bubble_fraction = sim.bubble_fraction;
+  }
+  out.step = out.pipeline + after;
+  return out;
+}
+
+}  // namespace trellis::plan

@@ -1,0 +1,238 @@
+// The cost model's pieces against their references (hand computations, comm::SimulatedLink's own
+// accounting), and plan::search against an exhaustive evaluation written here.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <vector>
+
+#include "train_gpt/flags.hpp"
+#include "train_gpt/plan_auto.hpp"
+#include "trellis/comm/simulated_link.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/plan/search.hpp"
+
+using namespace trellis;
+
+namespace {
+
+// 2 nodes of 2 devices; fast link inside a node, slow across.
+plan::Cluster small_cluster(double memory_bytes = 64e9) {
+  plan::Cluster c;
+  c.name = "2 x 2 test devices";
+  c.nodes = 2;
+  c.devices_per_node = 2;
+  c.device = {.name = "test", .memory_bytes = memory_bytes, .peak_flops_fp32 = 1e12, .peak_flops_bf16 = 4e12,
+              .memory_bandwidth = 1e11};
+  c.intra_node = {.bandwidth = 1e11, .latency = 5e-6};
+  c.inter_node = {.bandwidth = 1e10, .latency = 2e-5};
+  return c;
+}
+
+train::TrainerConfig small_model() {
+  train::TrainerConfig c;
+  c.model = {.vocab = 512, .positions = 128, .layers = 8, .heads = 8, .width = 256};
+  c.seq = 128;
+  c.batch = 16;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("exposed_after: equal transfers ready through a window, serialised on one link", "[cost]") {
+  // ready at 2.5, 5, 7.5, 10; each takes 1: they end at 3.5, 6, 8.5, 11 -> 1 after the window
+  CHECK(plan::exposed_after(10, 4, 4) == Approx(1.0));
+  // ready at 5, 10; each takes 10: they end at 15, 25 -> 15 after the window
+  CHECK(plan::exposed_after(10, 20, 2) == Approx(15.0));
+  CHECK(plan::exposed_after(0, 3, 3) == Approx(3.0));  // nothing to hide behind
+  CHECK(plan::exposed_after(5, 0, 3) == 0.0);
+}
+
+TEST_CASE("collective times equal comm::SimulatedLink's modelled time", "[cost]") {
+  const comm::LinkModel model{.bandwidth = 2e9, .latency = 30e-6};
+  const plan::Link link{.bandwidth = model.bandwidth, .latency = model.latency};
+  const std::size_t n = 1 << 16;  // floats
+  for (int ranks : {2, 4}) {
+    comm::ThreadWorld(ranks).run([&](comm::ThreadComm& world) {
+      comm::SimulatedLink<comm::ThreadComm> c(world.split(0, world.rank()), model);
+      std::vector<float> x(n, 1.0f), y(n * static_cast<std::size_t>(ranks));
+      const double t0 = c.modelled_seconds();
+      c.all_reduce(x.data(), x.data(), n, comm::ReduceOp::sum);
+      const double t1 = c.modelled_seconds();
+      c.all_gather(x.data(), y.data(), n);
+      const double t2 = c.modelled_seconds();
+      if (world.rank() == 0) {
+        CHECK(t1 - t0 == Approx(plan::all_reduce_seconds(link, 4.0 * n, ranks)).epsilon(1e-9));
+        CHECK(t2 - t1 == Approx(plan::gather_seconds(link, 4.0 * n * ranks, ranks)).epsilon(1e-9));
+      }
+    });
+  }
+}
+
+TEST_CASE("predict_step: one rank is its microbatches' passes plus the optimizer", "[cost]") {
+  const plan::Cluster cl = small_cluster();
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  train::TrainerConfig c = small_model();
+  c.microbatches = 4;
+  plan::Cluster one = cl;
+  one.nodes = 1;
+  one.devices_per_node = 1;
+  const plan::StepCost cost = plan::predict_step(c, one, r);
+  REQUIRE(cost.stage.size() == 1);
+  // the GEMMs alone, by hand: per microbatch of R = 4 x 128 rows, 8 blocks of 24 R W^2 FLOP per pass
+  // (F, B and W each) and the head's R V W; at 1e12 x 0.7 FLOP/s
+  const double R = 4 * 128, W = 256, V = 512, rate = 1e12 * cl.gemm_efficiency;
+  const double gemm_per_pass = (8 * 24 * R * W * W + 2 * R * V * W) / rate;
+  CHECK(cost.stage[0].backward_weight >= gemm_per_pass);
+  CHECK(cost.stage[0].backward_weight < 1.2 * gemm_per_pass);  // + bias sums (memory)
+  CHECK(cost.pipeline == Approx(4 * cost.stage[0].total()));
+  CHECK(cost.step == Approx(cost.pipeline + cost.optimizer + cost.dp_exposed));
+  CHECK(cost.dp_exposed == 0.0);
+  CHECK(cost.tp_comm == 0.0);
+}
+
+TEST_CASE("predict_step: the bound never exceeds the prediction; links and speeds move it the right way", "[cost]") {
+  const plan::Cluster cl = small_cluster();
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  int checked = 0;
+  for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) {
+    if (!train::config_problems(c).empty()) continue;
+    const plan::StepCost full = plan::predict_step(c, cl, r);
+    const plan::StepCost bound = plan::predict_step(c, cl, r, 0.0);
+    REQUIRE(bound.bound_only);
+    REQUIRE_FALSE(full.bound_only);
+    CHECK(bound.step <= full.step * (1 + 1e-12));
+    ++checked;
+  }
+  CHECK(checked > 100);
+  // a slower link across nodes: dp 4 (crossing nodes) gets slower, tp2 x dp2 less so
+  train::TrainerConfig c = small_model();
+  c.dp = 4;
+  plan::Cluster slow = cl;
+  slow.inter_node.bandwidth /= 100;
+  CHECK(plan::predict_step(c, slow, r).step > plan::predict_step(c, cl, r).step);
+  CHECK(plan::predict_step(c, slow, r).dp_exposed > plan::predict_step(c, cl, r).dp_exposed);
+  // one device at half speed: the pipeline stage it runs is the slowest
+  c.dp = 1;
+  c.pp = 4;
+  c.microbatches = 8;
+  plan::Cluster mixed = cl;
+  mixed.speed = {1, 1, 0.5, 1};
+  const plan::StepCost even = plan::predict_step(c, cl, r), slowed = plan::predict_step(c, mixed, r);
+  CHECK(slowed.pipeline > 1.3 * even.pipeline);
+}
+
+TEST_CASE("search: its top layouts equal an exhaustive evaluation; pruning skipped some", "[search]") {
+  const plan::Cluster cl = small_cluster(48e6);  // tight memory: some layouts do not fit
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  const train::TrainerConfig base = small_model();
+  const int top = 6;
+  const plan::Plan plan = plan::search(base, cl, r, space, top);
+  const plan::Plan no_pruning = plan::search(base, cl, r, space, top, false);
+  // the reference: every layout checked, fitted and simulated, then sorted
+  struct Ref {
+    double step;
+    std::string flags;
+  };
+  std::vector<Ref> all;
+  long over = 0;
+  for (const auto& c : plan::layouts(base, 4, 2, space)) {
+    if (!train::config_problems(c).empty()) continue;
+    if (plan::predict_peak_memory(c).memory.device_total() > cl.device.memory_bytes) {
+      ++over;
+      continue;
+    }
+    all.push_back({plan::predict_step(c, cl, r).step, plan::train_gpt_flags(c)});
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Ref& a, const Ref& b) { return a.step < b.step; });
+  REQUIRE(all.size() > static_cast<std::size_t>(top));
+  REQUIRE(plan.best.size() == static_cast<std::size_t>(top));
+  for (int i = 0; i < top; ++i) {
+    INFO("rank " << i << ": search " << plan.best[i].cost.step << " " << plan::train_gpt_flags(plan.best[i].config)
+                 << ", reference " << all[i].step << " " << all[i].flags);
+    CHECK(plan.best[i].cost.step == Approx(all[i].step).epsilon(1e-12));
+    CHECK(no_pruning.best[i].cost.step == Approx(all[i].step).epsilon(1e-12));
+  }
+  CHECK(plan.best[0].config.dp * plan.best[0].config.tp * plan.best[0].config.pp == 4);
+  CHECK(plan.over_memory == over);
+  CHECK(over > 0);
+  CHECK(plan.pruned > 0);  // the bound did cut work
+  CHECK(no_pruning.pruned == 0);
+  CHECK(plan.simulated + plan.pruned == no_pruning.simulated);
+}
+
+TEST_CASE("search: never proposes a layout that does not fit or does not run", "[search]") {
+  const train::TrainerConfig base = small_model();
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  // the smallest predicted footprint over every valid layout
+  double smallest = std::numeric_limits<double>::infinity();
+  for (const auto& c : plan::layouts(base, 4, 2, space))
+    if (train::config_problems(c).empty())
+      smallest = std::min(smallest, plan::predict_peak_memory(c).memory.device_total());
+  for (double memory : {smallest * 1.05, smallest * 1.5, smallest * 4}) {
+    const plan::Cluster cl = small_cluster(memory);
+    const plan::Plan plan = plan::search(base, cl, plan::cluster_rates(cl), space, 8);
+    REQUIRE_FALSE(plan.best.empty());
+    for (const auto& cand : plan.best) {
+      CHECK(train::config_problems(cand.config).empty());
+      CHECK(plan::predict_peak_memory(cand.config).memory.device_total() <= memory);
+    }
+  }
+  const plan::Cluster tiny = small_cluster(smallest * 0.99);
+  CHECK(plan::search(base, tiny, plan::cluster_rates(tiny), space, 8).best.empty());
+}
+
+TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[search]") {
+  const plan::Cluster cl = small_cluster();
+  plan::SearchSpace space;
+  space.max_microbatches = 4;
+  int checked = 0;
+  for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) {
+    if (!train::config_problems(c).empty()) continue;
+    std::istringstream words(plan::train_gpt_flags(c));
+    std::vector<std::string> args;
+    for (std::string w; words >> w;) args.push_back(w);
+    const auto back = train_gpt::trainer_config(train_gpt::parse_flags(args));
+    INFO(plan::train_gpt_flags(c));
+    CHECK(back.dp == c.dp);
+    CHECK(back.tp == c.tp);
+    CHECK(back.pp == c.pp);
+    CHECK(back.microbatches == c.microbatches);
+    CHECK(back.zero == c.zero);
+    CHECK(back.options.sequence_parallel == c.options.sequence_parallel);
+    CHECK(back.options.recompute == c.options.recompute);
+    if (c.pp > 1) CHECK(back.schedule == c.schedule);
+    if (c.pp > 1 && c.schedule == "interleaved_1f1b") CHECK(back.virtual_chunks == c.virtual_chunks);
+    ++checked;
+  }
+  CHECK(checked > 50);
+}
+
+TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid layout of --ranks ranks", "[search]") {
+  auto problems_of = [](std::vector<std::string> args) {
+    return train_gpt::problems(train_gpt::parse_flags(args));
+  };
+  auto has = [](const std::vector<std::string>& problems, const std::string& text) {
+    for (const auto& p : problems)
+      if (p.find(text) != std::string::npos) return true;
+    return false;
+  };
+  CHECK(has(problems_of({"--plan", "best"}), "--plan takes auto"));
+  CHECK(has(problems_of({"--plan", "auto"}), "--plan auto needs --ranks"));
+  CHECK(has(problems_of({"--ranks", "2"}), "--ranks N is for --plan auto"));
+  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "does not model --cp"));
+  CHECK(problems_of({"--plan", "auto", "--ranks", "2"}).empty());
+
+  train_gpt::Options o = train_gpt::parse_flags({"--plan", "auto", "--ranks", "2", "--layers", "2", "--width", "64",
+                                                 "--heads", "2", "--vocab", "64", "--context", "32", "--batch", "8"});
+  const train_gpt::Options planned = train_gpt::apply_plan(o);
+  CHECK(planned.dp * planned.tp * planned.pp == 2);
+  CHECK(train_gpt::problems(planned).empty());
+  CHECK(train::config_problems(train_gpt::trainer_config(planned)).empty());
+}
