@@ -2,8 +2,8 @@
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
 // interleaved, zb_h1) -- at every microbatch count, timed for real (the fastest of --iters steps
 // after a warm-up) and predicted by plan::predict_step with rates measured on this machine
-// (plan::MeasuredRates: the host kernels timed at the model's shapes on one thread) and the link
-// the ranks talk over. The ranks' communicator is comm::SimulatedLink (every collective held for
+// (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
+// there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The ranks' communicator is comm::SimulatedLink (every collective held for
 // latency + ring bytes / --gbps): a SIMULATED link on the host, not a network; kernels run on one
 // thread per rank (one core each on a 2-core machine).
 // Prints the table, the Spearman rank correlation and the median relative error between predicted
@@ -21,6 +21,7 @@
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/kernels/thread_pool.hpp"
+#include "trellis/plan/measured_link.hpp"
 #include "trellis/plan/measured_rates.hpp"
 #include "trellis/plan/search.hpp"
 #include "trellis/train/trainer.hpp"
@@ -98,6 +99,18 @@ int main(int argc, char** argv) try {
   host.devices_per_node = ranks;
   host.device = {.name = "one core", .memory_bytes = 8e9, .peak_flops_fp32 = 1, .peak_flops_bf16 = 1, .memory_bandwidth = 1};
   host.intra_node = host.inter_node = {.bandwidth = link.bandwidth, .latency = link.latency};
+  if (ranks > 1) {  // the link as the planner would see it: fitted to all-reduces timed on it
+    plan::LinkFit fit;
+    comm::ThreadWorld(ranks).run([&](comm::ThreadComm& world) {
+      Link c(world.split(0, world.rank()), link);
+      plan::LinkFit f = plan::measure_link(c);
+      if (world.rank() == 0) fit = f;
+    });
+    std::printf("# link fitted to all-reduces of 4 KiB..4 MiB on it (plan::measure_link): %.3f GB/s, %.1f us "
+                "(set: %.3f GB/s, %.1f us); the predictions use the fitted one\n",
+                fit.link.bandwidth / 1e9, fit.link.latency * 1e6, link.bandwidth / 1e9, link.latency * 1e6);
+    host.intra_node = host.inter_node = fit.link;
+  }
 
   plan::SearchSpace space;
   space.max_microbatches = 8;

@@ -11,6 +11,7 @@
 #include "train_gpt/plan_auto.hpp"
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/plan/measured_link.hpp"
 #include "trellis/plan/search.hpp"
 
 using namespace trellis;
@@ -68,6 +69,26 @@ TEST_CASE("collective times equal comm::SimulatedLink's modelled time", "[cost]"
       }
     });
   }
+}
+
+TEST_CASE("measure_link recovers a simulated link's bandwidth and latency", "[cost]") {
+  // 0.25 GB/s and 2 ms: the modelled time (up to 25 ms at 4 MB) dwarfs the threads' own copies
+  const comm::LinkModel model{.bandwidth = 0.25e9, .latency = 2e-3};
+  for (int ranks : {2, 4}) {
+    std::vector<plan::LinkFit> fits(static_cast<std::size_t>(ranks));
+    comm::ThreadWorld(ranks).run([&](comm::ThreadComm& world) {
+      comm::SimulatedLink<comm::ThreadComm> c(world.split(0, world.rank()), model);
+      fits[static_cast<std::size_t>(world.rank())] = plan::measure_link(c, 1 << 12, 1 << 22, 3);
+    });
+    INFO(ranks << " ranks: fitted " << fits[0].link.bandwidth << " B/s, " << fits[0].link.latency << " s");
+    CHECK(fits[0].link.bandwidth == Approx(model.bandwidth).epsilon(0.1));
+    CHECK(fits[0].link.latency == Approx(model.latency).epsilon(0.25));
+    for (const auto& f : fits) CHECK(f.link == fits[0].link);  // every rank fits the same points
+    REQUIRE(fits[0].bytes.size() == 6);  // 4 KiB, 16 KiB, ..., 4 MiB
+  }
+  comm::ThreadWorld(1).run([&](comm::ThreadComm& world) {
+    CHECK_THROWS_WITH(plan::measure_link(world), Catch::Contains("no link to measure"));
+  });
 }
 
 TEST_CASE("predict_step: one rank is its microbatches' passes plus the optimizer", "[cost]") {

@@ -22,7 +22,8 @@
 //     scattered the same way, the updated values all-gathered after the update (exposed). ZeRO 2:
 //     reduce-scattered every microbatch, overlapped with the backward; ZeRO 3 also gathers every
 //     block's values before its F and its B. With ZeRO 2/3 a stage's actions stretch when its
-//     dp traffic of a microbatch outlasts its compute (the link is the bottleneck).
+//     dp traffic of a microbatch outlasts its compute (the link is the bottleneck), or by the
+//     copies' memory traffic where the device moves the bytes itself (Rates::collective_copy_bytes).
 //   - The optimizer: AdamW over this rank's (ZeRO: sharded) parameters plus the gradient norm,
 //     memory-bound.
 // Not modelled yet: context and expert parallelism, tp overlap chunks, offloading, hybrid
@@ -63,6 +64,10 @@ struct Rates {
   std::function<double(double rows, double cols, bool backward)> cross_entropy;
   std::function<double(double bytes)> memory;  // any other memory-bound pass touching `bytes`
   std::function<double(double n)> adamw;       // the AdamW update of n parameters (values, grads, moments)
+  // Bytes of memory traffic a rank's compute pays per byte its dp collectives put on the wire:
+  // 0 where a copy engine or NIC moves them (cluster_rates), about 2 (read + write) where the
+  // processor copies them itself -- thread ranks, whose collectives are memcpy on the same cores.
+  double collective_copy_bytes = 0;
 };
 
 enum class Precision { fp32, bf16 };
@@ -308,9 +313,12 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   if (c.dp > 1 && c.zero >= 2)
     for (int r = 0; r < ranks; ++r) {
       const double bytes = 4 * rank_params(r);
-      double traffic = gather_seconds(dp_link, bytes, c.dp);                 // gradients reduce-scattered
-      if (c.zero == 3) traffic += 2 * gather_seconds(dp_link, bytes, c.dp);  // values gathered for F and B
-      stretch[static_cast<std::size_t>(r)] = std::max(1.0, traffic / rank_compute(r));
+      const double passes = c.zero == 3 ? 3 : 1;  // gradients reduce-scattered; values gathered for F and B
+      const double traffic = passes * gather_seconds(dp_link, bytes, c.dp);
+      // what moving those bytes costs the compute where the device copies them itself
+      const double copies = rates.memory(rates.collective_copy_bytes * passes * (c.dp - 1.0) / c.dp * bytes);
+      const double compute = rank_compute(r);
+      stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
     }
   auto action_cost = [&](int rank, int chunk, pipe::ActionKind kind) {
     const PassTimes& t = out.stage[static_cast<std::size_t>(stage_of(rank, chunk))];
@@ -345,9 +353,11 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     double exposed = 0;
     if (c.dp > 1) {
       const double window = c.overlap_dp ? last_backward[static_cast<std::size_t>(r)] : 0.0;
-      if (c.zero == 0) exposed = exposed_after(window, all_reduce_seconds(dp_link, bytes, c.dp), buckets);
+      if (c.zero <= 1)  // the buckets' copies where the device makes them itself (during the backward)
+        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (c.dp - 1.0) / c.dp * bytes);
+      if (c.zero == 0) exposed += exposed_after(window, all_reduce_seconds(dp_link, bytes, c.dp), buckets);
       if (c.zero == 1)
-        exposed = exposed_after(window, gather_seconds(dp_link, bytes, c.dp), buckets) + gather_seconds(dp_link, bytes, c.dp);
+        exposed += exposed_after(window, gather_seconds(dp_link, bytes, c.dp), buckets) + gather_seconds(dp_link, bytes, c.dp);
       if (c.zero == 2) exposed = gather_seconds(dp_link, bytes, c.dp);  // values all-gathered after the update
     }
     const double shard = c.zero >= 1 ? params / dp_n : params;

@@ -47,6 +47,7 @@ class MeasuredRates {
     r.cross_entropy = [this](double rows, double cols, bool bwd) { return cross_entropy(rows, cols, bwd); };
     r.memory = [this](double bytes) { return bytes * seconds_per_byte(); };
     r.adamw = [this](double n) { return n * adamw_seconds_per_element(); };
+    r.collective_copy_bytes = 2;  // thread ranks' collectives are copies on these cores: read + write
     return r;
   }
 
