@@ -53,6 +53,8 @@ struct Options {
   std::vector<int> stage_layers;     // uneven pipeline stages: blocks per stage
   std::vector<double> rank_speed;    // pipeline ranks' relative speeds (the balanced split)
   bool simulate_rank_speed = false;  // and each pipeline rank slowed to its speed
+  std::vector<int> dp_rows;          // unequal dp shares: rows of the global batch per dp rank
+  std::vector<double> dp_speed;      // dp ranks' relative speeds (the shares when --dp-rows is not given)
   int chunks = 2;
   int overlap = 1;              // tp collectives split into this many chunks, overlapped with GEMMs
   bool recompute = false;       // per-block activation recompute
@@ -135,6 +137,10 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
              S,S,.. (each pipeline rank's relative speed: the split whose slowest stage is
              fastest, from a FLOP count per block and head) --simulate-rank-speed (each rank
              also computes 1/S times slower: a slow device simulated on the host)
+           --dp-rows N,N,.. (rows of the global batch per dp rank, each a multiple of
+             --microbatches; default: batch / dp each) or --dp-speed S,S,.. (each dp rank's relative
+             speed: the shares whose slowest rank finishes first; with --simulate-rank-speed each
+             dp rank also computes 1/S times slower); the loss stays the global mean
            --chunks V (2, model chunks per rank for interleaved_1f1b)
            --schedule-file FILE (a pipeline schedule of your own in the text format of
            include/trellis/pipe/text.hpp, one line per pipeline rank; replaces --schedule, needs
@@ -293,11 +299,13 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       int_flag(o.chunks);
     else if (f == "--local-head")
       o.local_head = value();
-    else if (f == "--stage-layers" || f == "--rank-speed") {
+    else if (f == "--stage-layers" || f == "--rank-speed" || f == "--dp-rows" || f == "--dp-speed") {
       const std::string list = value();
-      (f == "--rank-speed" ? o.rank_speed.clear() : o.stage_layers.clear());
-      for (const auto& item : comma_list(list))
-        f == "--rank-speed" ? o.rank_speed.push_back(to_double(f, item)) : o.stage_layers.push_back(to_int(f, item));
+      auto& ints = f == "--stage-layers" ? o.stage_layers : o.dp_rows;
+      auto& reals = f == "--rank-speed" ? o.rank_speed : o.dp_speed;
+      const bool real = f == "--rank-speed" || f == "--dp-speed";
+      (real ? reals.clear() : ints.clear());
+      for (const auto& item : comma_list(list)) real ? reals.push_back(to_double(f, item)) : ints.push_back(to_int(f, item));
     } else if (f == "--simulate-rank-speed")
       o.simulate_rank_speed = true;
     else if (f == "--backend")
@@ -404,6 +412,15 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.stage_layers = o.stage_layers;
   c.rank_speed = o.rank_speed;
   c.simulate_rank_speed = o.simulate_rank_speed;
+  c.dp_speed = o.dp_speed;
+  c.dp_rows.assign(o.dp_rows.begin(), o.dp_rows.end());
+  // --dp-speed without --dp-rows: the shares whose slowest rank finishes first (when they can be made)
+  if (c.dp_rows.empty() && !o.dp_speed.empty() && static_cast<int>(o.dp_speed.size()) == o.dp && o.microbatches >= 1 &&
+      o.batch % o.microbatches == 0 && o.batch / o.microbatches >= o.dp) {
+    bool positive = true;
+    for (double x : o.dp_speed) positive = positive && x > 0 && x <= 1e6;
+    if (positive) c.dp_rows = trellis::train::balanced_dp_rows(o.batch, o.microbatches, o.dp_speed);
+  }
   c.local_head = o.local_head == "own" ? trellis::train::TrainerConfig::LocalHead::own
                                        : trellis::train::TrainerConfig::LocalHead::tied;
   c.microbatches = o.microbatches;
@@ -488,9 +505,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
       out.push_back("--plan auto plans thread ranks of the host backend in fp32 (no --mpi, --backend cuda, --dtype bf16)");
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
+        !o.dp_rows.empty() || !o.dp_speed.empty() ||
         o.schedule == "local_learning" || o.overlap > 1)
       out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
-                    "--schedule-file, --stage-layers, --rank-speed, --overlap or local learning yet: drop them or "
+                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --overlap or local learning yet: drop them or "
                     "give the layout yourself");
   }
   if (o.backend != "host" && o.backend != "cuda")

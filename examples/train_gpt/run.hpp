@@ -149,8 +149,8 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
                   double peak, const std::string& ranks, Outcome& outcome, double blas = 0,
                   const std::string& peak_note = "") {
   const auto cfg = trainer_config(o);
-  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp, o.pack});
-  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp, o.pack});
+  train::DataLoader loader(data.train.tokens, {cfg.batch, cfg.seq, o.seed, true, dp_rank, cfg.dp, o.pack, cfg.dp_rows});
+  train::DataLoader val_loader(data.val.tokens, {cfg.batch, cfg.seq, o.seed, false, dp_rank, cfg.dp, o.pack, cfg.dp_rows});
   const fs::path ckpt_root = checkpoint_root(o);
   auto save = [&]() {  // collective; then the lead prunes (--keep-last), never the one `latest` names
     trainer.save(ckpt_root, loader.state());
@@ -205,7 +205,14 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     const std::string zero = o.zero > 0 ? " +zero" + std::to_string(o.zero) : "";
     std::printf("layout: dp %d x tp %d x pp %d%s%s%s, schedule %s, %d microbatches of %lld rows; %s ranks; %s\n",
                 o.dp, o.tp, o.pp, cp.c_str(), o.sp ? " +sp" : "", zero.c_str(), schedule.c_str(), o.microbatches,
-                static_cast<long long>(cfg.batch / cfg.dp / cfg.microbatches), ranks.c_str(), dtype);
+                static_cast<long long>(trellis::train::dp_rows_of(cfg, 0) / cfg.microbatches), ranks.c_str(), dtype);
+    if (!cfg.dp_rows.empty()) {
+      std::string rows;
+      for (std::size_t d = 0; d < cfg.dp_rows.size(); ++d) rows += (d ? ", " : "") + std::to_string(cfg.dp_rows[d]);
+      std::printf("dp shares: %s rows of the global batch of %lld (dp rank 0's microbatches above)%s\n", rows.c_str(),
+                  static_cast<long long>(cfg.batch), o.simulate_rank_speed && !o.dp_speed.empty()
+                                                         ? "; dp ranks slowed to --dp-speed (simulated on the host)" : "");
+    }
     if (o.pp > 1 && (!o.stage_layers.empty() || !o.rank_speed.empty())) {  // uneven stages: the split and its prediction
       const auto pred = trellis::train::predict_pipeline(cfg);
       const double block = trellis::train::layer_costs(cfg).layers.front();  // one block's forward

@@ -48,7 +48,7 @@ std::vector<Measured> run(const TrainerConfig& cfg) {
     Trainer<ThreadComm> t(comm, cfg);
     auto& mesh = t.mesh();
     const int dp = mesh.template coord<trellis::dp>();
-    trellis::train::DataLoader loader(trainer_test::tokens(), {cfg.batch, cfg.seq, 99, true, dp, cfg.dp});
+    trellis::train::DataLoader loader(trainer_test::tokens(), {cfg.batch, cfg.seq, 99, true, dp, cfg.dp, -1, cfg.dp_rows});
     t.step(loader.next());
     Measured& m = out[static_cast<std::size_t>(comm.rank())];
     m.at = {mesh.template coord<trellis::pp>(), mesh.template coord<trellis::tp>(),
@@ -86,6 +86,7 @@ std::vector<Case> grid() {
   g.push_back({"dp2 ZeRO-1", layout({.dp = 2, .zero = 1})});
   g.push_back({"dp2 ZeRO-2", layout({.dp = 2, .zero = 2})});
   g.push_back({"dp2 ZeRO-3", layout({.dp = 2, .zero = 3})});
+  g.push_back({"dp2.pp2 unequal dp shares 6+2", layout({.pp = 2, .dp = 2, .microbatches = 2, .dp_rows = {6, 2}})});
   {
     Case k{"dp4 ZeRO-3 shard_degree 2, buckets of 1500", layout({.dp = 4, .zero = 3, .shard_degree = 2})};
     k.cfg.bucket_elements = 1500;  // units cut into several buckets: the pieces per rank differ

@@ -189,6 +189,73 @@ TEST_CASE("uneven pipeline stages equal one rank", "[train][trainer][parity][pip
   check_bitwise(sr, sw, r, w);
 }
 
+// Unequal data-parallel shares (replicas of unequal speed): the same rows in other shares give
+// the same gradients (the loss is the mean over the global batch's tokens; dropout masks follow
+// the global sample), so every split equals one rank; a simulated slow dp rank changes no bits.
+TEST_CASE("unequal dp shares equal one rank", "[train][trainer][parity][uneven]") {
+  check_against_reference({.dp = 2, .dropout = 0.1f, .dp_rows = {6, 2}}, "dp2 rows 6+2, dropout");
+  check_against_reference({.dp = 2, .microbatches = 2, .dp_rows = {2, 6}}, "dp2 m2 rows 2+6");
+  check_against_reference({.dp = 2, .zero = 2, .microbatches = 2, .dp_rows = {4, 4}}, "dp2 ZeRO-2 rows 4+4");
+  check_against_reference({.pp = 2, .dp = 2, .zero = 1, .schedule = "1f1b", .microbatches = 2, .dp_rows = {6, 2}},
+                          "dp2.pp2 ZeRO-1 rows 6+2");
+  check_against_reference({.dp = 4, .tp = 1, .zero = 3, .dp_rows = {1, 3, 2, 2}}, "dp4 ZeRO-3 rows 1+3+2+2");
+  // what the Trainer and the loader refuse, naming it
+  TrainerConfig bad = with_layout(tiny_config(), {.dp = 2, .microbatches = 2, .dp_rows = {5, 3}});
+  CHECK_THAT(trellis::train::config_problems(bad).front(), Catch::Contains("--dp-rows needs --dp 2 row counts"));
+  bad.dp_rows = {4, 4, 0};
+  CHECK_THAT(trellis::train::config_problems(bad).front(), Catch::Contains("summing to 8"));
+  CHECK_THROWS_WITH(trellis::train::DataLoader(tokens(), {8, 16, 1, true, 0, 2, -1, {5, 2}}),
+                    Catch::Contains("2 dp shares summing to 7 rows"));
+  // a slow dp rank simulated: the same bits
+  TrainerConfig c = with_layout(tiny_config(), {.dp = 2, .dp_rows = {6, 2}, .dp_speed = {1.0, 0.5}});
+  TrainerConfig slow = c;
+  slow.simulate_rank_speed = true;
+  nn_test::Collector w, sw;
+  RunResult r, sr;
+  train(c, 2, r, w);
+  train(slow, 2, sr, sw);
+  check_bitwise(sr, sw, r, w);
+}
+
+TEST_CASE("balanced_dp_rows: the shares whose slowest rank finishes first, in whole microbatches", "[train][uneven]") {
+  using trellis::train::balanced_dp_rows;
+  const std::vector<double> half{1.0, 0.5}, even{1, 1, 1, 1}, odd{3, 1, 1};
+  CHECK(balanced_dp_rows(12, 1, half) == std::vector<index_t>{8, 4});
+  CHECK(balanced_dp_rows(16, 2, half) == std::vector<index_t>{12, 4});  // 6 + 2 units; 5 + 3 takes as long
+  CHECK(balanced_dp_rows(8, 1, even) == std::vector<index_t>{2, 2, 2, 2});
+  CHECK(balanced_dp_rows(5, 1, odd) == std::vector<index_t>{3, 1, 1});
+  const std::vector<double> tiny{1000.0, 1.0};
+  CHECK(balanced_dp_rows(4, 2, tiny) == std::vector<index_t>{2, 2});  // every rank keeps one microbatch
+  CHECK_THROWS_WITH(balanced_dp_rows(2, 2, half), Catch::Contains("cannot give each of 2 dp ranks one unit"));
+  // brute force: the shares minimise the slowest rank's rows / speed
+  for (index_t batch : {6, 10, 14})
+    for (const auto& sp : {half, odd, std::vector<double>{0.2, 1.0, 0.7}}) {
+      const auto got = balanced_dp_rows(batch, 1, sp);
+      double got_t = 0, best = 1e30;
+      index_t sum = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) got_t = std::max(got_t, static_cast<double>(got[i]) / sp[i]), sum += got[i];
+      CHECK(sum == batch);
+      std::vector<index_t> x(sp.size(), 1);
+      std::function<void(std::size_t, index_t)> rec = [&](std::size_t i, index_t left) {
+        if (i + 1 == sp.size()) {
+          if (left < 1) return;
+          x[i] = left;
+          double t = 0;
+          for (std::size_t j = 0; j < x.size(); ++j) t = std::max(t, static_cast<double>(x[j]) / sp[j]);
+          best = std::min(best, t);
+          return;
+        }
+        for (index_t k = 1; k < left; ++k) {
+          x[i] = k;
+          rec(i + 1, left - k);
+        }
+      };
+      rec(0, batch);
+      INFO("batch " << batch);
+      CHECK(got_t <= best + 1e-12);
+    }
+}
+
 TEST_CASE("pp2 with every schedule equals one rank", "[train][trainer][parity][pipe]") {
   for (const char* s : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"})
     check_against_reference({.pp = 2, .schedule = s, .microbatches = 4}, s);

@@ -78,8 +78,16 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
                  "--stage-layers needs --pp 2 counts of at least 1 block summing to --layers 4 (got 2 counts summing to 3)"));
   CHECK(contains(error_of({"--pp", "2", "--rank-speed", "1,0"}), "--rank-speed needs --pp 2 speeds in (0, 1e6]"));
   CHECK(contains(error_of({"--pp", "2", "--schedule", "zb_v", "--rank-speed", "1,1"}), "a schedule of one chunk per rank"));
-  CHECK(contains(error_of({"--simulate-rank-speed"}), "--simulate-rank-speed needs --rank-speed"));
+  CHECK(contains(error_of({"--simulate-rank-speed"}), "--simulate-rank-speed needs --rank-speed or --dp-speed"));
   CHECK(contains(error_of({"--pp", "2", "--rank-speed", "1,x"}), "flag --rank-speed: 'x' is not a number"));
+  // unequal dp shares: given, or balanced for --dp-speed (16 rows, 2 microbatches, speeds 1 and 0.5: 12 + 4)
+  CHECK(train_gpt::trainer_config(parse_flags({"--dp", "2", "--dp-rows", "10,6"})).dp_rows ==
+        std::vector<trellis::index_t>{10, 6});
+  CHECK(train_gpt::trainer_config(parse_flags({"--dp", "2", "--dp-speed", "1,0.5"})).dp_rows ==
+        std::vector<trellis::index_t>{12, 4});
+  CHECK(error_of({"--dp", "2", "--dp-speed", "1,0.5", "--simulate-rank-speed"}).empty());
+  CHECK(contains(error_of({"--dp", "2", "--dp-rows", "10,5"}), "--dp-rows needs --dp 2 row counts summing to --batch 16"));
+  CHECK(contains(error_of({"--dp", "2", "--dp-speed", "1"}), "--dp-speed needs --dp 2 speeds"));
   CHECK(contains(error_of({"--pp", "4", "--schedule", "zb_v", "--layers", "4"}),
                  "fewer than the 8 virtual pipeline stages"));
   CHECK(contains(error_of({"--sp"}), "--sp shards the sequence over tp ranks"));

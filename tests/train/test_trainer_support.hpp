@@ -111,6 +111,8 @@ struct Layout {
   bool overlap_off = false;  // dp buckets start after the schedule (TrainerConfig::overlap_dp off)
   std::vector<int> stage_layers{};   // uneven pipeline stages (blocks per stage)
   std::vector<double> rank_speed{};  // the balanced split for these pipeline speeds
+  std::vector<index_t> dp_rows{};    // unequal dp shares of the global batch
+  std::vector<double> dp_speed{};    // dp ranks' speeds (simulated with simulate_rank_speed)
 };
 
 inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
@@ -120,6 +122,8 @@ inline TrainerConfig with_layout(TrainerConfig c, const Layout& l) {
   c.cp = l.cp;
   c.stage_layers = l.stage_layers;
   c.rank_speed = l.rank_speed;
+  c.dp_rows = l.dp_rows;
+  c.dp_speed = l.dp_speed;
   c.cp_mode = l.cp_mode;
   c.cp_ulysses = l.cp_ulysses;
   c.cp_balance_documents = l.balance_documents;
@@ -161,8 +165,8 @@ void train(const TrainerConfig& cfg, int steps, RunResult& out, nn_test::Collect
     comm.set_timeout(std::chrono::milliseconds(30000));
     Trainer<ThreadComm, B> t(comm, cfg);
     const int dp_rank = t.mesh().template coord<trellis::dp>();
-    trellis::train::DataLoader loader(packed ? document_tokens() : tokens(),
-                                      {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp, packed ? kPackSeparator : -1});
+    trellis::train::DataLoader loader(packed ? document_tokens() : tokens(), {cfg.batch, cfg.seq, 99, true, dp_rank, cfg.dp,
+                                                                               packed ? kPackSeparator : -1, cfg.dp_rows});
     if (!load_from.empty()) loader.restore(t.load(load_from).data);
     std::vector<double> my_losses, my_norms;
     for (int s = 0; s < steps; ++s) {

@@ -237,8 +237,9 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
                              double stop_above = std::numeric_limits<double>::infinity()) {
   TRELLIS_CHECK(c.cp == 1 && c.model.moe_every == 0 && !c.offload_optimizer && !c.offload_activations &&
-                    c.offload_dir.empty() && c.shard_degree == 0,
-                "predict_step: context parallelism, MoE, offloading and hybrid sharding are not in the cost model yet");
+                    c.offload_dir.empty() && c.shard_degree == 0 && c.dp_rows.empty(),
+                "predict_step: context parallelism, MoE, offloading, hybrid sharding and unequal dp shares are not in "
+                "the cost model yet");
   const auto& m = c.model;
   detail::Shape s{};
   s.W = static_cast<double>(m.width);

@@ -147,7 +147,7 @@ inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoo
   sh.heads_local = shard::chunk(m.heads, c.tp, at.tp).size;
   sh.hidden_local = shard::chunk(4 * m.width, c.tp, at.tp).size;
   sh.vocab_local = shard::chunk(m.vocab, c.tp, at.tp).size;
-  const index_t batch = c.batch / c.dp / c.microbatches;
+  const index_t batch = train::dp_rows_of(c, at.replica / c.cp) / c.microbatches;
   sh.rows = batch * (c.seq / c.cp);
   sh.gathers = c.options.sequence_parallel && c.tp > 1;
   sh.local_rows = c.options.sequence_parallel ? sh.rows / c.tp : sh.rows;
@@ -328,9 +328,10 @@ inline PeakMemory predict_peak_memory(const train::TrainerConfig& c) {
   pipe::Simulation sim;
   if (s) sim = pipe::simulate(*s);  // once for every pipeline rank
   PeakMemory best;
-  for (int r = 0; r < std::max(1, c.pp); ++r) {
-    const MemoryEstimate e = memory_detail::predict(c, RankCoords{r, 0, 0}, s, s ? &sim : nullptr);
-    if (r == 0 || e.device_total() > best.memory.device_total()) best = {r, e};
+  const int replicas = c.dp_rows.empty() ? 1 : c.dp;  // unequal dp shares: every dp rank's rows differ
+  for (int r = 0; r < std::max(1, c.pp) * replicas; ++r) {
+    const MemoryEstimate e = memory_detail::predict(c, RankCoords{r / replicas, 0, r % replicas * c.cp}, s, s ? &sim : nullptr);
+    if (r == 0 || e.device_total() > best.memory.device_total()) best = {r / replicas, e};
   }
   return best;
 }

@@ -10,7 +10,8 @@
 // the windows in a permutation drawn from Rng(seed, epoch) (or in order when shuffle is off);
 // global batch b of the epoch takes windows [b*B, b*B + B) of it (the last W % B windows of an
 // epoch are skipped). Data-parallel rank r of n gets the rows shard::chunk(B, n, r) of every
-// global batch, so the union of the ranks' rows is exactly the single-rank batch.
+// global batch (or its Options::dp_rows share), so the union of the ranks' rows is exactly the
+// single-rank batch.
 // The loader's position is one integer (the next global batch), saved with the seed.
 //
 // Packed mode (Options::pack_separator >= 0): the "windows" are rows of T tokens packed from whole
@@ -204,6 +205,8 @@ class DataLoader {
     int dp_rank = 0;
     int dp_size = 1;
     std::int64_t pack_separator = -1;  // >= 0: pack documents split before this token; -1: fixed windows
+    // Unequal dp shares (TrainerConfig::dp_rows): rows of the global batch per dp rank; empty: even.
+    std::vector<index_t> dp_rows{};
   };
 
   // `tokens` is referenced, not copied: keep it alive while the loader is used.
@@ -221,9 +224,19 @@ class DataLoader {
       TRELLIS_CHECK(windows_ >= o_.batch_rows, "DataLoader: ", tokens_.size(), " tokens give ", windows_,
                     " windows of ", o_.seq_len, " + 1 tokens, fewer than one batch of ", o_.batch_rows, " rows");
     }
-    const shard::Chunk mine = shard::chunk(o_.batch_rows, o_.dp_size, o_.dp_rank);
-    first_row_ = mine.offset;
-    local_rows_ = mine.size;
+    if (o_.dp_rows.empty()) {
+      const shard::Chunk mine = shard::chunk(o_.batch_rows, o_.dp_size, o_.dp_rank);
+      first_row_ = mine.offset;
+      local_rows_ = mine.size;
+    } else {
+      index_t sum = 0;
+      for (index_t r : o_.dp_rows) sum += r;
+      TRELLIS_CHECK(static_cast<int>(o_.dp_rows.size()) == o_.dp_size && sum == o_.batch_rows, "DataLoader: ",
+                    o_.dp_rows.size(), " dp shares summing to ", sum, " rows for ", o_.dp_size, " dp ranks and a batch of ",
+                    o_.batch_rows, " rows");
+      for (int d = 0; d < o_.dp_rank; ++d) first_row_ += o_.dp_rows[static_cast<std::size_t>(d)];
+      local_rows_ = o_.dp_rows[static_cast<std::size_t>(o_.dp_rank)];
+    }
   }
 
   index_t windows() const { return windows_; }

@@ -213,11 +213,13 @@ class Trainer {
     }
     std::vector<Model*> raw;
     for (auto& m : models_) raw.push_back(m.get());
-    shape_ = nn::TokenShape{cfg_.batch / cfg_.dp / cfg_.microbatches, cfg_.seq / cfg_.cp};
+    shape_ = nn::TokenShape{dp_rows_of(cfg_, mesh_.template coord<trellis::dp>()) / cfg_.microbatches, cfg_.seq / cfg_.cp};
     shape_.cp_rank = mesh_.template coord<trellis::cp>();
     shape_.cp_size = cfg_.cp;
     stage_ = std::make_unique<nn::GptPipelineStage<C, B>>(raw, shape_);
-    if (cfg_.simulate_rank_speed) stage_->set_slowdown(1.0 / cfg_.rank_speed.at(static_cast<std::size_t>(pp_rank)));
+    if (cfg_.simulate_rank_speed)
+      stage_->set_slowdown(1.0 / ((cfg_.rank_speed.empty() ? 1.0 : cfg_.rank_speed.at(static_cast<std::size_t>(pp_rank))) *
+                                  (cfg_.dp_speed.empty() ? 1.0 : cfg_.dp_speed.at(static_cast<std::size_t>(mesh_.template coord<trellis::dp>())))));
     stage_->set_unit_hook([this](int mb, int c, int u, nn::UnitPhase ph) {
       saved_->on_unit(mb, c, u, ph);
       on_unit(c, u, ph);
@@ -357,7 +359,7 @@ class Trainer {
     return moe_stats_.take_load(be_, mesh_.world(), cfg_.model, mesh_.template coord<trellis::tp>() == 0);
   }
 
-  // One optimizer step on this dp rank's rows (batch.rows = global batch / dp, seq = cfg.seq).
+  // One optimizer step on this dp rank's rows (batch.rows = dp_rows_of(cfg, dp rank), seq = cfg.seq).
   StepResult step(const Batch& batch) {
     check_batch(batch);
     for (auto& m : models_) m->zero_grad();
@@ -578,9 +580,10 @@ class Trainer {
   int replica_rank() const { return mesh_.template coord<trellis::dp>() * cfg_.cp + mesh_.template coord<trellis::cp>(); }
 
   void check_batch(const Batch& b) const {
-    TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == cfg_.batch / cfg_.dp, "Trainer (rank ", mesh_.rank(),
-                  "): batch of ", b.rows, " x ", b.seq_len, " rows, expected ", cfg_.batch / cfg_.dp, " x ",
-                  cfg_.seq, " (global batch / dp x sequence length)");
+    const index_t rows = dp_rows_of(cfg_, mesh_.template coord<trellis::dp>());
+    TRELLIS_CHECK(b.seq_len == cfg_.seq && b.rows == rows, "Trainer (rank ", mesh_.rank(), "): batch of ", b.rows,
+                  " x ", b.seq_len, " rows, expected ", rows, " x ", cfg_.seq,
+                  cfg_.dp_rows.empty() ? " (global batch / dp x sequence length)" : " (dp_rows x sequence length)");
     TRELLIS_CHECK(b.segments.empty() || b.segments.size() == b.inputs.size(), "Trainer (rank ", mesh_.rank(),
                   "): ", b.segments.size(), " document ids for ", b.inputs.size(), " tokens");
   }
@@ -595,12 +598,12 @@ class Trainer {
     return reduce_scalar(*replica_comm_, local);
   }
   // train: dropout on with this step's seed (evaluation: off). Dp rank d holds the global samples
-  // [d * B/dp, (d+1) * B/dp) (as DataLoader), so masks follow the sample, not the rank.
+  // from dp_first_row (as DataLoader), so masks follow the sample, not the rank.
   void set_microbatches(const Batch& b, double token_count, bool train) {
     auto ids = inputs_.cut(b, cfg_, shape_);
     nn::DropoutContext dropout;
     dropout.seed = dropout_seed(cfg_.seed, state_.step());
-    dropout.first_sample = static_cast<index_t>(mesh_.template coord<trellis::dp>()) * (cfg_.batch / cfg_.dp);
+    dropout.first_sample = dp_first_row(cfg_, mesh_.template coord<trellis::dp>());
     dropout.train = train;
     stage_->set_batch(std::move(ids.tokens), std::move(ids.targets), token_count, dropout, std::move(ids.segments));
   }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -63,6 +64,14 @@ struct TrainerConfig {
   std::vector<int> stage_layers{};
   std::vector<double> rank_speed{};
   bool simulate_rank_speed = false;
+  // Unequal data-parallel shares (replicas of unequal speed): the rows of the global batch each dp
+  // rank takes (dp entries summing to batch, each a multiple of microbatches; dp rank d holds rows
+  // [sum of the entries before d, + dp_rows[d])). Empty: batch / dp each. The loss stays the mean
+  // over the global batch's tokens, so the gradients are those of equal shares of the same rows.
+  // dp_speed: each dp rank's relative speed (dp entries > 0); with simulate_rank_speed each rank
+  // computes 1 / (rank_speed x dp_speed) times slower. balanced_dp_rows picks shares from it.
+  std::vector<index_t> dp_rows{};
+  std::vector<double> dp_speed{};
   int microbatches = 1;
   index_t batch = 8;  // rows of the GLOBAL batch
   index_t seq = 64;   // T
@@ -172,6 +181,37 @@ inline std::int64_t layout_ranks(int pp, int dp, int tp, int cp = 1) {
   return n;
 }
 
+// The rows of the global batch dp rank d takes, and the first of them (TrainerConfig::dp_rows).
+inline index_t dp_rows_of(const TrainerConfig& c, int d) {
+  return c.dp_rows.empty() ? c.batch / c.dp : c.dp_rows.at(static_cast<std::size_t>(d));
+}
+inline index_t dp_first_row(const TrainerConfig& c, int d) {
+  if (c.dp_rows.empty()) return static_cast<index_t>(d) * (c.batch / c.dp);
+  index_t first = 0;
+  for (int i = 0; i < d; ++i) first += c.dp_rows.at(static_cast<std::size_t>(i));
+  return first;
+}
+// Shares of `batch` rows for dp ranks of these speeds, each a multiple of `microbatches` and at
+// least one microbatch, such that the slowest rank's rows / speed is smallest: one unit of
+// `microbatches` rows each, then every further unit to the rank that would finish it soonest (the
+// first on ties) -- greedy, which is optimal for a max of increasing per-rank times.
+inline std::vector<index_t> balanced_dp_rows(index_t batch, int microbatches, std::span<const double> speeds) {
+  const auto n = static_cast<index_t>(speeds.size());
+  TRELLIS_CHECK(n >= 1 && microbatches >= 1 && batch % microbatches == 0 && batch / microbatches >= n,
+                "balanced_dp_rows: ", batch, " rows in units of ", microbatches, " cannot give each of ", n,
+                " dp ranks one unit");
+  for (double s : speeds) TRELLIS_CHECK(s > 0 && s <= 1e6, "balanced_dp_rows: a speed of ", s, " (must be in (0, 1e6])");
+  std::vector<index_t> u(speeds.size(), 1);
+  for (index_t given = n; given < batch / microbatches; ++given) {
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < u.size(); ++i)
+      if ((static_cast<double>(u[i]) + 1) / speeds[i] < (static_cast<double>(u[best]) + 1) / speeds[best]) best = i;
+    ++u[best];
+  }
+  for (auto& x : u) x *= microbatches;
+  return u;
+}
+
 // Every problem with a layout, each saying what to change; empty when the config is usable.
 inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   std::vector<std::string> out;
@@ -225,7 +265,18 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
     add("sequence length ", c.seq, " must be in 1..--context (", m.positions, ")");
   if (c.microbatches < 1) add("--microbatches must be >= 1 (got ", c.microbatches, ")");
   if (c.batch < 1) add("--batch must be >= 1 (got ", c.batch, ")");
-  if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 &&
+  if (!c.dp_rows.empty()) {
+    index_t sum = 0;
+    bool fits = true;
+    for (index_t r : c.dp_rows) {
+      sum += r;
+      fits = fits && r >= 1 && c.microbatches >= 1 && r % c.microbatches == 0;
+    }
+    if (static_cast<int>(c.dp_rows.size()) != c.dp || sum != c.batch || !fits)
+      add("--dp-rows needs --dp ", c.dp, " row counts summing to --batch ", c.batch, ", each a positive multiple of "
+          "--microbatches ", c.microbatches, " (got ", c.dp_rows.size(), " counts summing to ", sum, ")");
+    if (m.moe_every > 0) add("--dp-rows: unequal data-parallel shares with a Mixture-of-Experts model are not supported yet");
+  } else if (c.dp >= 1 && c.microbatches >= 1 && c.batch >= 1 &&
       c.batch % (static_cast<index_t>(c.dp) * c.microbatches) != 0)
     add("--batch ", c.batch, " must be a multiple of dp x microbatches = ", c.dp, " x ", c.microbatches,
         " (each dp rank cuts its rows into equal microbatches)");
@@ -285,7 +336,14 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
         add("--rank-speed needs --pp ", c.pp, " speeds in (0, 1e6] (got ", c.rank_speed.size(), ")");
     }
   }
-  if (c.simulate_rank_speed && c.rank_speed.empty()) add("--simulate-rank-speed needs --rank-speed");
+  if (!c.dp_speed.empty()) {
+    bool positive = true;
+    for (double x : c.dp_speed) positive = positive && x > 0 && x <= 1e6;
+    if (static_cast<int>(c.dp_speed.size()) != c.dp || !positive)
+      add("--dp-speed needs --dp ", c.dp, " speeds in (0, 1e6] (got ", c.dp_speed.size(), ")");
+  }
+  if (c.simulate_rank_speed && c.rank_speed.empty() && c.dp_speed.empty())
+    add("--simulate-rank-speed needs --rank-speed or --dp-speed");
   if (c.clip < 0) add("--clip must be >= 0");
   if (c.fused_update == TrainerConfig::FusedUpdate::unclipped && c.clip > 0)
     add("--fused-update updates each block before the global gradient norm is known, so it cannot clip by it: "
