@@ -1,9 +1,10 @@
 // The planner's cost model against measurement: every layout of one GPT on this host's 2 thread
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
-// interleaved, zb_h1) -- at every microbatch count, timed for real (the fastest of --iters steps
+// interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, timed for real (the fastest of --iters steps
 // after a warm-up) and predicted by plan::predict_step with rates measured on this machine
 // (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
-// there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The ranks' communicator is comm::SimulatedLink (every collective held for
+// there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The
+// ranks' communicator is comm::SimulatedLink (every collective held for
 // latency + ring bytes / --gbps): a SIMULATED link on the host, not a network; kernels run on one
 // thread per rank (one core each on a 2-core machine).
 // Prints the table, the Spearman rank correlation and the median relative error between predicted
@@ -35,7 +36,7 @@ using Link = comm::SimulatedLink<comm::ThreadComm>;
 // The fastest of `iters` steps after one warm-up, in seconds.
 double measure(const train::TrainerConfig& c, const comm::LinkModel& model, int iters) {
   double best = 1e30;
-  comm::ThreadWorld(c.dp * c.tp * c.pp).run([&](comm::ThreadComm& world) {
+  comm::ThreadWorld(c.dp * c.tp * c.pp * c.cp).run([&](comm::ThreadComm& world) {
     Link link(world.split(0, world.rank()), model);
     train::Trainer<Link> t(link, c);
     const index_t rows = c.batch / c.dp;

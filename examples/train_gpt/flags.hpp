@@ -103,7 +103,7 @@ moe:       --experts E (0: dense) --topk K (1 or 2) --moe-every N (2 with --expe
            --z-loss X (0, router z-loss)
 batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
-           --plan auto --ranks N: the planner picks dp x tp x pp = N, the schedule, microbatches,
+           --plan auto --ranks N: the planner picks dp x tp x pp x cp = N, the schedule, microbatches,
            --sp, --recompute and --zero (include/trellis/plan: rates timed on this machine,
            memory: this machine's / N), prints its table and runs the fastest (threads, host)
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,

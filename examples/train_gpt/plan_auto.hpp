@@ -3,7 +3,7 @@
 // copies running at once (plan::MeasuredRates); the ranks' link: thread-rank collectives are
 // memory copies, so a bus bandwidth of the measured memory-pass rate and 5 us latency; memory per
 // rank: this machine's / N. Prints the planner's table and returns the options with the fastest
-// layout's dp, tp, pp, schedule, chunks, microbatches, sp, recompute and ZeRO stage.
+// layout's dp, tp, pp, cp (ring), schedule, chunks, microbatches, sp, recompute and ZeRO stage.
 #pragma once
 
 #include <cstdio>
@@ -17,7 +17,7 @@ namespace train_gpt {
 
 inline Options apply_plan(const Options& given) {
   Options o = given;
-  o.dp = o.tp = o.pp = 1;
+  o.dp = o.tp = o.pp = o.cp = 1;
   trellis::train::TrainerConfig base = trainer_config(o);
   trellis::plan::MeasuredRates measured(3, o.ranks);
   trellis::plan::Cluster host;
@@ -38,9 +38,13 @@ inline Options apply_plan(const Options& given) {
     std::printf("  %zu. %8.1f ms  %s\n", i + 1, p.best[i].cost.step * 1e3,
                 trellis::plan::train_gpt_flags(p.best[i].config).c_str());
   const auto& c = p.best.front().config;
+  o.plan.clear();  // planned: what follows is an ordinary run of this layout
+  o.ranks = 0;
   o.dp = c.dp;
   o.tp = c.tp;
   o.pp = c.pp;
+  o.cp = c.cp;
+  o.cp_mode = "ring";
   o.schedule = c.schedule;
   o.chunks = c.virtual_chunks;
   o.microbatches = c.microbatches;

@@ -224,6 +224,7 @@ TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[
     CHECK(back.dp == c.dp);
     CHECK(back.tp == c.tp);
     CHECK(back.pp == c.pp);
+    CHECK(back.cp == c.cp);
     CHECK(back.microbatches == c.microbatches);
     CHECK(back.zero == c.zero);
     CHECK(back.options.sequence_parallel == c.options.sequence_parallel);
@@ -253,7 +254,8 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   train_gpt::Options o = train_gpt::parse_flags({"--plan", "auto", "--ranks", "2", "--layers", "2", "--width", "64",
                                                  "--heads", "2", "--vocab", "64", "--context", "32", "--batch", "8"});
   const train_gpt::Options planned = train_gpt::apply_plan(o);
-  CHECK(planned.dp * planned.tp * planned.pp == 2);
+  CHECK(planned.dp * planned.tp * planned.pp * planned.cp == 2);
+  CHECK(planned.plan.empty());
   CHECK(train_gpt::problems(planned).empty());
   CHECK(train::config_problems(train_gpt::trainer_config(planned)).empty());
 }

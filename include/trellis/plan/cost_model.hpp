@@ -26,8 +26,11 @@
 //     copies' memory traffic where the device moves the bytes itself (Rates::collective_copy_bytes).
 //   - The optimizer: AdamW over this rank's (ZeRO: sharded) parameters plus the gradient norm,
 //     memory-bound.
-// Not modelled yet: context and expert parallelism, tp overlap chunks, offloading, hybrid
-// sharding, contention between communicators sharing one physical link.
+//   - Context parallelism (ring): rows b T / cp per rank, cp attention steps over blocks of T/cp,
+//     the partials merged, the K/V ring's hops exposed where the attention compute does not cover
+//     them; gradients over dp x cp.
+// Not modelled yet: Ulysses, expert parallelism, tp overlap chunks, offloading, hybrid sharding,
+// contention between communicators sharing one physical link.
 #pragma once
 
 #include <algorithm>
@@ -140,11 +143,13 @@ namespace detail {
 
 struct Shape {  // the sizes the formulas need, as doubles
   double W, H, d, V, L, P, tp, dp, pp, R, T, b;
+  double cp = 1;  // context parallel: R = b T / cp rows; attention by the ring (zig-zag balanced)
   bool sp;
 };
 
 // One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
-inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, bool recompute, double* comm) {
+inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, const Link& cp_link, bool recompute,
+                             double* comm) {
   const double R = s.R, W = s.W, t = s.tp;
   const double Rn = s.sp ? R / t : R;  // rows of the norm/residual region on this rank
   PassTimes p;
@@ -156,8 +161,22 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
     p.backward_weight += r.gemm(ins[i], outs[i], R, GemmForm::tn);
   }
   const double heads = s.H / t;
-  p.forward += r.attention_forward(s.b, heads, s.T, s.d);
-  p.backward_input += r.attention_backward(s.b, heads, s.T, s.d);
+  // context parallel: a ring member's cp steps each attend its T/cp queries to T/cp keys (the
+  // zig-zag halves of the off-diagonal blocks make each step about a causal block of T/cp: 1/cp of
+  // the causal work in all, at the efficiency of blocks that size), merging the partial outputs
+  // after each step (dK, dV accumulated in B). K and V go round the ring (cp - 1 hops) in F, K, V,
+  // dK and dV in B, each hop during the next step's compute: what that compute does not cover is
+  // exposed; where the device copies them itself, the hops cost memory traffic too.
+  const double Tl = s.T / s.cp;
+  const double attn_f = s.cp * r.attention_forward(s.b, heads, Tl, s.d), attn_b = s.cp * r.attention_backward(s.b, heads, Tl, s.d);
+  p.forward += attn_f;
+  p.backward_input += attn_b;
+  if (s.cp > 1) {
+    const double kv = 2 * 4 * R * W / t;  // this member's K and V, bytes
+    const double ring_f = (s.cp - 1) * send_seconds(cp_link, kv), ring_b = (s.cp - 1) * send_seconds(cp_link, 2 * kv);
+    p.forward += std::max(0.0, ring_f - attn_f) + r.memory((s.cp - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
+    p.backward_input += std::max(0.0, ring_b - attn_b) + r.memory((s.cp - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
+  }
   // the norms and GELU; other memory passes (fp32 bytes read + written): F, 2 residual adds and
   // the block input's copy over Rn x W, each linear's input saved (R x (2W + 5W/t)), q/k/v/o
   // between row and head layouts (R x 4W/t each way); B, the residual gradients' adds, each
@@ -236,10 +255,11 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 // there and return the bound with bound_only set (plan::search's pruning).
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
                              double stop_above = std::numeric_limits<double>::infinity()) {
-  TRELLIS_CHECK(c.cp == 1 && c.model.moe_every == 0 && !c.offload_optimizer && !c.offload_activations &&
-                    c.offload_dir.empty() && c.shard_degree == 0 && c.dp_rows.empty(),
-                "predict_step: context parallelism, MoE, offloading, hybrid sharding and unequal dp shares are not in "
-                "the cost model yet");
+  TRELLIS_CHECK((c.cp == 1 || (c.cp_mode == nn::CpMode::ring && !c.cp_balance_documents)) && c.model.moe_every == 0 &&
+                    !c.offload_optimizer && !c.offload_activations && c.offload_dir.empty() && c.shard_degree == 0 &&
+                    c.dp_rows.empty(),
+                "predict_step: Ulysses and hybrid context parallelism, MoE, offloading, hybrid sharding and unequal dp "
+                "shares are not in the cost model yet");
   const auto& m = c.model;
   detail::Shape s{};
   s.W = static_cast<double>(m.width);
@@ -253,11 +273,16 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   s.pp = c.pp;
   s.b = static_cast<double>(c.batch) / (c.dp * c.microbatches);
   s.T = static_cast<double>(c.seq);
-  s.R = s.b * s.T;
+  s.cp = c.cp;
+  s.R = s.b * s.T / s.cp;
   s.sp = c.options.sequence_parallel && c.tp > 1;
+  // the trainer's mesh (pp, dp, cp, tp): tp at stride 1, cp at tp, dp at tp cp; gradients are
+  // reduced over the dp x cp replicas (stride tp)
+  const int reps = c.dp * c.cp;
   const Link& tp_link = cluster.link(1, c.tp);
-  const Link& dp_link = cluster.link(c.tp, c.dp);
-  const Link& pp_link = cluster.link(c.tp * c.dp, c.pp);
+  const Link& cp_link = cluster.link(c.tp, c.cp);
+  const Link& dp_link = cluster.link(c.tp, reps);
+  const Link& pp_link = cluster.link(c.tp * reps, c.pp);
 
   const bool piped = c.pp > 1;
   const pipe::Schedule sched = piped ? schedule_of(c) : pipe::Schedule{};
@@ -267,7 +292,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
 
   StepCost out;
   double block_comm = 0, emb_comm = 0, head_comm = 0;
-  const PassTimes block = detail::block_times(s, rates, tp_link, c.options.recompute, &block_comm);
+  const PassTimes block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, &block_comm);
   const PassTimes emb = detail::embedding_times(s, rates, tp_link, &emb_comm);
   const PassTimes head = detail::head_times(s, rates, tp_link, &head_comm);
   std::vector<double> stage_comm;
@@ -293,13 +318,13 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   const int chunks = piped ? sched.chunks : 1;
   const int ranks = piped ? c.pp : 1;
   auto stage_of = [&](int rank, int chunk) { return piped ? sched.virtual_stage(rank, chunk) : chunk; };
-  auto speed = [&](int rank) {  // the slowest device among the dp x tp ranks of this pipeline rank
+  auto speed = [&](int rank) {  // the slowest device among the dp x cp x tp ranks of this pipeline rank
     double sp = 1e300;
-    for (int i = 0; i < c.dp * c.tp; ++i) sp = std::min(sp, cluster.speed_of(rank * c.dp * c.tp + i));
+    for (int i = 0; i < reps * c.tp; ++i) sp = std::min(sp, cluster.speed_of(rank * reps * c.tp + i));
     return sp;
   };
   // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
-  const double dp_n = c.dp;
+  const double dp_n = reps;
   auto rank_params = [&](int rank) {
     double p = 0;
     for (int k = 0; k < chunks; ++k) p += chunk_params(stage_of(rank, k));
@@ -311,13 +336,13 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     return t / speed(rank);
   };
   std::vector<double> stretch(static_cast<std::size_t>(ranks), 1.0);
-  if (c.dp > 1 && c.zero >= 2)
+  if (reps > 1 && c.zero >= 2)
     for (int r = 0; r < ranks; ++r) {
       const double bytes = 4 * rank_params(r);
       const double passes = c.zero == 3 ? 3 : 1;  // gradients reduce-scattered; values gathered for F and B
-      const double traffic = passes * gather_seconds(dp_link, bytes, c.dp);
+      const double traffic = passes * gather_seconds(dp_link, bytes, reps);
       // what moving those bytes costs the compute where the device copies them itself
-      const double copies = rates.memory(rates.collective_copy_bytes * passes * (c.dp - 1.0) / c.dp * bytes);
+      const double copies = rates.memory(rates.collective_copy_bytes * passes * (dp_n - 1) / dp_n * bytes);
       const double compute = rank_compute(r);
       stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
     }
@@ -325,10 +350,10 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     const PassTimes& t = out.stage[static_cast<std::size_t>(stage_of(rank, chunk))];
     double x = kind == pipe::ActionKind::forward ? t.forward
                : kind == pipe::ActionKind::backward_input ? t.backward_input : t.backward_weight;
-    if (c.zero == 3 && c.dp > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
+    if (c.zero == 3 && reps > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
       const int v = stage_of(rank, chunk);
       const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-      x += n * gather_seconds(dp_link, 4 * detail::block_params(s), c.dp);  // each block waits for its gather
+      x += n * gather_seconds(dp_link, 4 * detail::block_params(s), reps);  // each block waits for its gather
     }
     return x * stretch[static_cast<std::size_t>(rank)] / speed(rank);
   };
@@ -352,14 +377,14 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     const double params = rank_params(r), bytes = 4 * params;
     const int buckets = std::max(1, static_cast<int>(std::ceil(params / static_cast<double>(c.bucket_elements))));
     double exposed = 0;
-    if (c.dp > 1) {
+    if (reps > 1) {
       const double window = c.overlap_dp ? last_backward[static_cast<std::size_t>(r)] : 0.0;
       if (c.zero <= 1)  // the buckets' copies where the device makes them itself (during the backward)
-        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (c.dp - 1.0) / c.dp * bytes);
-      if (c.zero == 0) exposed += exposed_after(window, all_reduce_seconds(dp_link, bytes, c.dp), buckets);
+        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (dp_n - 1) / dp_n * bytes);
+      if (c.zero == 0) exposed += exposed_after(window, all_reduce_seconds(dp_link, bytes, reps), buckets);
       if (c.zero == 1)
-        exposed += exposed_after(window, gather_seconds(dp_link, bytes, c.dp), buckets) + gather_seconds(dp_link, bytes, c.dp);
-      if (c.zero == 2) exposed = gather_seconds(dp_link, bytes, c.dp);  // values all-gathered after the update
+        exposed += exposed_after(window, gather_seconds(dp_link, bytes, reps), buckets) + gather_seconds(dp_link, bytes, reps);
+      if (c.zero == 2) exposed += gather_seconds(dp_link, bytes, reps);  // values all-gathered after the update
     }
     const double shard = c.zero >= 1 ? params / dp_n : params;
     const double opt = (rates.adamw(shard) + rates.memory(4 * params)) / speed(r);

@@ -1,4 +1,4 @@
-// plan::search: every layout of a model on a cluster -- dp x tp x pp over all its devices, the
+// plan::search: every layout of a model on a cluster -- dp x tp x pp x cp over all its devices, the
 // pipeline schedule (and virtual chunks), microbatches, recompute, sequence parallelism, ZeRO
 // stage -- checked (train::config_problems), pruned by memory (plan::predict_peak_memory against
 // the device's memory), timed by the cost model (plan::predict_step), and the fastest returned
@@ -31,6 +31,7 @@ struct SearchSpace {
   std::vector<bool> sequence_parallel{false, true};
   int max_microbatches = 64;  // microbatches: every m with batch % (dp m) == 0, up to this
   int max_tp = 0;             // 0: the devices of one node (tp collectives stay on the fast link)
+  int max_cp = 0;             // context parallel (ring) up to this; 0: any that divides the devices and 2 cp the sequence
   // Bytes of activations per fp32 byte the memory model counts (0.5: bf16 activations, as the
   // CUDA backend keeps them; 1: the host's fp32).
   double activation_scale = 1.0;
@@ -55,7 +56,9 @@ struct Plan {
 // The flags that make train_gpt run config `c`'s layout (beside the model and data flags).
 inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   std::ostringstream s;
-  s << "--dp " << c.dp << " --tp " << c.tp << " --pp " << c.pp << " --microbatches " << c.microbatches;
+  s << "--dp " << c.dp << " --tp " << c.tp << " --pp " << c.pp;
+  if (c.cp > 1) s << " --cp " << c.cp;
+  s << " --microbatches " << c.microbatches;
   if (c.pp > 1) s << " --schedule " << c.schedule;
   if (c.pp > 1 && c.schedule == "interleaved_1f1b") s << " --chunks " << c.virtual_chunks;
   if (c.zero > 0) s << " --zero " << c.zero;
@@ -70,34 +73,38 @@ inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& bas
   std::vector<train::TrainerConfig> out;
   for (int tp = 1; tp <= devices; ++tp) {
     if (devices % tp != 0 || (max_tp > 0 && tp > max_tp)) continue;
-    for (int pp = 1; pp <= devices / tp; ++pp) {
-      if ((devices / tp) % pp != 0) continue;
-      const int dp = devices / tp / pp;
-      if (base.batch % dp != 0) continue;
-      const std::vector<std::string> schedules = pp > 1 ? space.schedules : std::vector<std::string>{"1f1b"};
-      for (const auto& sched : schedules)
-        for (int m = 1; m <= space.max_microbatches && m <= base.batch / dp; ++m) {
-          if ((base.batch / dp) % m != 0) continue;
-          for (bool rc : space.recompute)
-            for (bool sp : space.sequence_parallel) {
-              if (sp && tp == 1) continue;
-              for (int z : space.zero) {
-                if (z > 0 && dp == 1) continue;
-                train::TrainerConfig c = base;
-                c.dp = dp;
-                c.tp = tp;
-                c.pp = pp;
-                c.cp = 1;
-                c.schedule = sched;
-                c.virtual_chunks = 2;
-                c.microbatches = m;
-                c.options.recompute = rc;
-                c.options.sequence_parallel = sp;
-                c.zero = z;
-                out.push_back(std::move(c));
+    for (int cp = 1; cp <= devices / tp; ++cp) {
+      if ((devices / tp) % cp != 0 || (space.max_cp > 0 && cp > space.max_cp) || base.seq % (2 * cp) != 0) continue;
+      for (int pp = 1; pp <= devices / tp / cp; ++pp) {
+        if ((devices / tp / cp) % pp != 0) continue;
+        const int dp = devices / tp / cp / pp;
+        if (base.batch % dp != 0) continue;
+        const std::vector<std::string> schedules = pp > 1 ? space.schedules : std::vector<std::string>{"1f1b"};
+        for (const auto& sched : schedules)
+          for (int m = 1; m <= space.max_microbatches && m <= base.batch / dp; ++m) {
+            if ((base.batch / dp) % m != 0) continue;
+            for (bool rc : space.recompute)
+              for (bool sp : space.sequence_parallel) {
+                if (sp && tp == 1) continue;
+                for (int z : space.zero) {
+                  if (z > 0 && dp * cp == 1) continue;
+                  train::TrainerConfig c = base;
+                  c.dp = dp;
+                  c.tp = tp;
+                  c.pp = pp;
+                  c.cp = cp;
+                  c.cp_mode = nn::CpMode::ring;
+                  c.schedule = sched;
+                  c.virtual_chunks = 2;
+                  c.microbatches = m;
+                  c.options.recompute = rc;
+                  c.options.sequence_parallel = sp;
+                  c.zero = z;
+                  out.push_back(std::move(c));
+                }
               }
-            }
-        }
+          }
+      }
     }
   }
   return out;
