@@ -144,6 +144,18 @@ void check_resumes_bitwise(const TrainerConfig& first, const TrainerConfig& then
   for (const auto& name : six.names) CHECK(nn_test::rel_error(w33.get(name), w6.get(name)) == 0.0);
 }
 
+// A run whose ranks are slowed to their speeds (simulate_rank_speed: they sleep) gives the bits of
+// the same run at full speed.
+void check_slowed_ranks_change_no_bits(const TrainerConfig& c) {
+  TrainerConfig slow = c;
+  slow.simulate_rank_speed = true;
+  nn_test::Collector w, sw;
+  RunResult r, sr;
+  train(c, 2, r, w);
+  train(slow, 2, sr, sw);
+  check_bitwise(sr, sw, r, w);
+}
+
 }  // namespace
 
 TEST_CASE("the reference run learns and clips", "[train][trainer]") {
@@ -180,13 +192,7 @@ TEST_CASE("uneven pipeline stages equal one rank", "[train][trainer][parity][pip
     const int s = t.mesh().template coord<trellis::pp>();
     RANK_CHECK((st.first_layer == split[s] && st.end_layer == split[s + 1]));
   });
-  TrainerConfig slow = c;
-  slow.simulate_rank_speed = true;
-  nn_test::Collector w, sw;
-  RunResult r, sr;
-  train(c, 2, r, w);
-  train(slow, 2, sr, sw);
-  check_bitwise(sr, sw, r, w);
+  check_slowed_ranks_change_no_bits(c);
 }
 
 // Unequal data-parallel shares (replicas of unequal speed): the same rows in other shares give
@@ -208,13 +214,7 @@ TEST_CASE("unequal dp shares equal one rank", "[train][trainer][parity][uneven]"
                     Catch::Contains("2 dp shares summing to 7 rows"));
   // a slow dp rank simulated: the same bits
   TrainerConfig c = with_layout(tiny_config(), {.dp = 2, .dp_rows = {6, 2}, .dp_speed = {1.0, 0.5}});
-  TrainerConfig slow = c;
-  slow.simulate_rank_speed = true;
-  nn_test::Collector w, sw;
-  RunResult r, sr;
-  train(c, 2, r, w);
-  train(slow, 2, sr, sw);
-  check_bitwise(sr, sw, r, w);
+  check_slowed_ranks_change_no_bits(c);
 }
 
 TEST_CASE("balanced_dp_rows: the shares whose slowest rank finishes first, in whole microbatches", "[train][uneven]") {
