@@ -8,13 +8,8 @@
 # (evaluation included, the same in both runs); the ratios equal / balanced side by side.
 #   bench/train/dp_shares.sh [BUILD_DIR] [extra train_gpt flags...]
 set -euo pipefail
-build=${1:-build/host}
-shift || true
-bin=$build/examples/train_gpt/train_gpt
-here=$(cd "$(dirname "$0")/../.." && pwd)
-source "$here/scripts/blas_env.sh" >/dev/null 2>&1 || true
-ckpt=$(mktemp -d)
-trap 'rm -rf "$ckpt"' EXIT
+source "$(dirname "$0")/train_gpt_env.sh"
+shift "$train_gpt_args"
 model=(--layers 4 --width 256 --heads 4 --context 96 --batch 32 --val-fraction 0.25 --microbatches 1 --dp 2 --steps 20
        --eval-every 100 --sample-tokens 0 --warmup 5 --dp-speed 1,0.5 --simulate-rank-speed)
 printf '%-10s %8s %22s %10s %12s\n' "shares" "rows" "predicted (rows/speed)" "seconds" "final loss"

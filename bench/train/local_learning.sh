@@ -6,15 +6,10 @@
 # the final validation loss, i.e. what local learning buys in time and costs in quality.
 #   bench/train/local_learning.sh [BUILD_DIR] [extra train_gpt flags...]
 set -euo pipefail
-build=${1:-build/host}
-shift || true
-bin=$build/examples/train_gpt/train_gpt
-here=$(cd "$(dirname "$0")/../.." && pwd)
-source "$here/scripts/blas_env.sh" >/dev/null 2>&1 || true
+source "$(dirname "$0")/train_gpt_env.sh"
+shift "$train_gpt_args"
 model=(--layers 8 --width 256 --heads 4 --context 64 --batch 16 --microbatches 8 --pp 2 --steps 150
        --eval-every 50 --sample-tokens 0 --warmup 10)
-ckpt=$(mktemp -d)
-trap 'rm -rf "$ckpt"' EXIT
 printf '%-28s %10s %12s %12s\n' "schedule" "seconds" "train loss" "val loss"
 for run in "1f1b" "zb_h1" "local_learning --local-head tied" "local_learning --local-head own"; do
   # shellcheck disable=SC2086

@@ -7,13 +7,8 @@
 # the steps (evaluation included, the same in both runs); the ratios even / balanced side by side.
 #   bench/train/uneven_stages.sh [BUILD_DIR] [extra train_gpt flags...]
 set -euo pipefail
-build=${1:-build/host}
-shift || true
-bin=$build/examples/train_gpt/train_gpt
-here=$(cd "$(dirname "$0")/../.." && pwd)
-source "$here/scripts/blas_env.sh" >/dev/null 2>&1 || true
-ckpt=$(mktemp -d)
-trap 'rm -rf "$ckpt"' EXIT
+source "$(dirname "$0")/train_gpt_env.sh"
+shift "$train_gpt_args"
 model=(--layers 8 --width 256 --heads 4 --context 64 --batch 16 --microbatches 8 --pp 2 --steps 40
        --eval-every 100 --sample-tokens 0 --warmup 5 --rank-speed 1,0.5 --simulate-rank-speed)
 printf '%-10s %8s %18s %10s\n' "split" "blocks" "predicted (passes)" "seconds"
