@@ -35,6 +35,7 @@ struct Options {
   int dp = 1, tp = 1, pp = 1;
   std::string plan;  // "auto": the layout chosen by the planner (plan_auto.hpp) for --ranks thread ranks
   int ranks = 0;
+  int kernel_threads = 0;  // host kernels' threads, shared by the thread ranks (0: every core)
   int cp = 1;                   // context parallel: each sequence split over cp ranks
   std::string cp_mode = "ring";
   int cp_ulysses = 2;           // hybrid: Ulysses group size
@@ -55,6 +56,9 @@ struct Options {
   bool simulate_rank_speed = false;  // and each pipeline rank slowed to its speed
   std::vector<int> dp_rows;          // unequal dp shares: rows of the global batch per dp rank
   std::vector<double> dp_speed;      // dp ranks' relative speeds (the shares when --dp-rows is not given)
+  std::string cluster;               // a cluster file (plan/cluster.hpp) whose device speeds give the two above
+  std::string stage_costs = "flops";  // what the balanced split weighs: flops | measured (timed here)
+  std::optional<trellis::train::LayerCosts> measured_costs;  // --stage-costs measured, timed before the run
   int chunks = 2;
   int overlap = 1;              // tp collectives split into this many chunks, overlapped with GEMMs
   bool recompute = false;       // per-block activation recompute
@@ -137,6 +141,10 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
              S,S,.. (each pipeline rank's relative speed: the split whose slowest stage is
              fastest, from a FLOP count per block and head) --simulate-rank-speed (each rank
              also computes 1/S times slower: a slow device simulated on the host)
+           --stage-costs flops|measured (flops; what the balanced split weighs: FLOP counts, or
+             each block's and head's F+B+W timed on this machine by the planner's cost model)
+           --cluster FILE (a cluster file, include/trellis/plan/cluster.hpp, one device per rank:
+             its "speed" list gives --rank-speed and --dp-speed; instead of those two)
            --dp-rows N,N,.. (rows of the global batch per dp rank, each a multiple of
              --microbatches; default: batch / dp each) or --dp-speed S,S,.. (each dp rank's relative
              speed: the shares whose slowest rank finishes first; with --simulate-rank-speed each
@@ -153,6 +161,9 @@ backend:   --backend host|cuda (host; cuda: dp x tp x pp GPUs over NCCL, one thr
            CUDA build; head size 64 or 128)
            --dtype fp32|bf16 (compute dtype; host: fp32 default, bf16 runs every layout with the
            CUDA backend's bf16 rounding points, fp32 master weights and optimizer state)
+           --kernel-threads N (every core; the host kernels' threads, one pool the thread ranks
+             share: a rank that finds it busy computes on its own thread. 1: each rank on one
+             core, e.g. for a simulated slow rank whose idle core no other rank may take)
            --mpi (one rank per MPI process instead of threads)
 data:      --data FILE (text, bytes as tokens; default data/tiny_corpus.txt)
            --data a.bin,b.bin (llm.c uint16 token shards; set --vocab, e.g. 50257)
@@ -293,6 +304,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.plan = value();
     else if (f == "--ranks")
       int_flag(o.ranks);
+    else if (f == "--kernel-threads")
+      int_flag(o.kernel_threads);
     else if (f == "--dropout")
       dbl_flag(o.dropout);
     else if (f == "--chunks")
@@ -306,7 +319,11 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       const bool real = f == "--rank-speed" || f == "--dp-speed";
       (real ? reals.clear() : ints.clear());
       for (const auto& item : comma_list(list)) real ? reals.push_back(to_double(f, item)) : ints.push_back(to_int(f, item));
-    } else if (f == "--simulate-rank-speed")
+    } else if (f == "--cluster")
+      o.cluster = value();
+    else if (f == "--stage-costs")
+      o.stage_costs = value();
+    else if (f == "--simulate-rank-speed")
       o.simulate_rank_speed = true;
     else if (f == "--backend")
       o.backend = value();
@@ -412,6 +429,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
   c.stage_layers = o.stage_layers;
   c.rank_speed = o.rank_speed;
   c.simulate_rank_speed = o.simulate_rank_speed;
+  c.stage_costs = o.measured_costs;
   c.dp_speed = o.dp_speed;
   c.dp_rows.assign(o.dp_rows.begin(), o.dp_rows.end());
   // --dp-speed without --dp-rows: the shares whose slowest rank finishes first (when they can be made)
@@ -505,11 +523,27 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
       out.push_back("--plan auto plans thread ranks of the host backend in fp32 (no --mpi, --backend cuda, --dtype bf16)");
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
-        !o.dp_rows.empty() || !o.dp_speed.empty() ||
+        !o.dp_rows.empty() || !o.dp_speed.empty() || !o.cluster.empty() || o.stage_costs != "flops" ||
         o.schedule == "local_learning" || o.overlap > 1)
       out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
-                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --overlap or local learning yet: drop them or "
-                    "give the layout yourself");
+                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --cluster, --stage-costs, "
+                    "--overlap or local learning yet: drop them or give the layout yourself");
+  }
+  if (!o.cluster.empty() && (!o.rank_speed.empty() || !o.dp_speed.empty()))
+    out.push_back("--cluster gives the ranks' speeds: drop --rank-speed and --dp-speed, or --cluster");
+  if (o.kernel_threads < 0 || o.kernel_threads > 4096)
+    out.push_back("--kernel-threads must be in [1, 4096] (0: every core), got " + std::to_string(o.kernel_threads));
+  if (o.stage_costs != "flops" && o.stage_costs != "measured")
+    out.push_back("--stage-costs must be flops or measured, got '" + o.stage_costs + "'");
+  if (o.stage_costs == "measured") {
+    if (o.pp < 2 || (o.rank_speed.empty() && o.cluster.empty() && !o.measured_costs))
+      out.push_back("--stage-costs measured weighs the balanced pipeline split: it needs --pp > 1 and --rank-speed or "
+                    "--cluster");
+    if (o.mpi || o.backend != "host")
+      out.push_back("--stage-costs measured times the host kernels of thread ranks (no --mpi, --backend cuda): give "
+                    "--stage-layers, or weigh flops");
+    if (o.experts > 0 || (o.cp > 1 && o.cp_mode != "ring"))
+      out.push_back("--stage-costs measured: MoE blocks and Ulysses / hybrid cp are not in the cost model yet");
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");
@@ -565,6 +599,8 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     out.push_back("--overlap splits the tensor-parallel collectives into chunks: it needs --tp > 1");
   if (o.local_head != "tied" && o.local_head != "own")
     out.push_back("--local-head must be tied or own, got '" + o.local_head + "'");
+  // --cluster's speeds are read later (plan_auto.hpp: apply_balance); checked here as equal ones
+  if (!o.cluster.empty() && o.rank_speed.empty() && o.dp_speed.empty()) checked.dp_speed.assign(static_cast<std::size_t>(std::max(1, o.dp)), 1.0);
   for (auto& p : trellis::train::config_problems(trainer_config(checked))) out.push_back(p);
   if (const double need = state_bytes(o, world_size.has_value()), have = physical_memory_bytes();
       have > 0 && need > have)

@@ -9,6 +9,7 @@
 #include "plan_auto.hpp"
 #include "run.hpp"
 #include "trellis/comm/threads.hpp"
+#include "trellis/kernels/thread_pool.hpp"
 #if defined(TRELLIS_TRAIN_GPT_MPI)
 #include "trellis/comm/mpi.hpp"
 #endif
@@ -38,11 +39,16 @@ int main(int argc, char** argv) {
     std::fputs(train_gpt::usage().c_str(), stdout);
     return 0;
   }
+  if (o.kernel_threads > 0 && o.kernel_threads <= 4096) kernels::host::set_num_threads(o.kernel_threads);  // before any kernel
   try {
     if (o.mpi) {
 #if defined(TRELLIS_TRAIN_GPT_MPI)
       comm::MpiWorld world(argc, argv);
       train_gpt::validate(o, world.size());  // flags only: the same verdict on every rank
+      if (!o.cluster.empty()) {  // the same file on every rank: the same speeds
+        o = train_gpt::apply_balance(o, world.rank() == 0);
+        train_gpt::validate(o, world.size());
+      }
       const double peak = o.peak_gflops * 1e9;  // 0: measured in run_rank
       Data data;
       Outcome out;
@@ -69,6 +75,10 @@ int main(int argc, char** argv) {
       train_gpt::validate(o);
       if (o.plan == "auto") {
         o = train_gpt::apply_plan(o);
+        train_gpt::validate(o);
+      }
+      if (!o.cluster.empty() || o.stage_costs == "measured") {
+        o = train_gpt::apply_balance(o);
         train_gpt::validate(o);
       }
       train_gpt::validate_paths(o, default_corpus());

@@ -221,9 +221,9 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
         blocks += (s ? ", " : "") + std::to_string(pred.bounds[s + 1] - pred.bounds[s]);
         times += (s ? " : " : "") + std::to_string(pred.stage_time[s] / block).substr(0, 4);
       }
-      std::printf("pipeline stages: %s blocks; predicted time per stage and microbatch pass (FLOPs / --rank-speed, "
+      std::printf("pipeline stages: %s blocks; predicted time per stage and microbatch pass (%s / --rank-speed, "
                   "in block passes) %s; the schedule simulated with them: a step of %.1f block passes%s\n",
-                  blocks.c_str(), times.c_str(), pred.step / block,
+                  blocks.c_str(), cfg.stage_costs ? "F+B+W timed here" : "FLOPs", times.c_str(), pred.step / block,
                   o.simulate_rank_speed ? "; ranks slowed to their speed (simulated on the host)" : "");
     }
     if (loader.packed())

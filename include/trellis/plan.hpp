@@ -7,3 +7,4 @@
 #include "trellis/plan/measured_rates.hpp"  // defines: MeasuredRates (Rates timed on this machine)
 #include "trellis/plan/memory_model.hpp"    // defines: predict_memory, predict_peak_memory, MemoryEstimate
 #include "trellis/plan/search.hpp"          // defines: search, SearchSpace, Plan, layouts, train_gpt_flags
+#include "trellis/plan/stage_balance.hpp"   // defines: stage_costs, stage_speeds, StageSpeeds

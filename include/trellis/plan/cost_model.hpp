@@ -147,6 +147,27 @@ struct Shape {  // the sizes the formulas need, as doubles
   bool sp;
 };
 
+// The shape of one microbatch of `c` on one rank (b: the batch's mean rows per dp rank).
+inline Shape shape_of(const train::TrainerConfig& c) {
+  const auto& m = c.model;
+  Shape s{};
+  s.W = static_cast<double>(m.width);
+  s.H = static_cast<double>(m.heads);
+  s.d = s.W / s.H;
+  s.V = static_cast<double>(m.vocab);
+  s.L = static_cast<double>(m.layers);
+  s.P = static_cast<double>(m.positions);
+  s.tp = c.tp;
+  s.dp = c.dp;
+  s.pp = c.pp;
+  s.b = static_cast<double>(c.batch) / (c.dp * c.microbatches);
+  s.T = static_cast<double>(c.seq);
+  s.cp = c.cp;
+  s.R = s.b * s.T / s.cp;
+  s.sp = c.options.sequence_parallel && c.tp > 1;
+  return s;
+}
+
 // One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
 inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, const Link& cp_link, bool recompute,
                              double* comm) {
@@ -261,21 +282,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
                 "predict_step: Ulysses and hybrid context parallelism, MoE, offloading, hybrid sharding and unequal dp "
                 "shares are not in the cost model yet");
   const auto& m = c.model;
-  detail::Shape s{};
-  s.W = static_cast<double>(m.width);
-  s.H = static_cast<double>(m.heads);
-  s.d = s.W / s.H;
-  s.V = static_cast<double>(m.vocab);
-  s.L = static_cast<double>(m.layers);
-  s.P = static_cast<double>(m.positions);
-  s.tp = c.tp;
-  s.dp = c.dp;
-  s.pp = c.pp;
-  s.b = static_cast<double>(c.batch) / (c.dp * c.microbatches);
-  s.T = static_cast<double>(c.seq);
-  s.cp = c.cp;
-  s.R = s.b * s.T / s.cp;
-  s.sp = c.options.sequence_parallel && c.tp > 1;
+  const detail::Shape s = detail::shape_of(c);
   // the trainer's mesh (pp, dp, cp, tp): tp at stride 1, cp at tp, dp at tp cp; gradients are
   // reduced over the dp x cp replicas (stride tp)
   const int reps = c.dp * c.cp;
@@ -288,7 +295,9 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   const pipe::Schedule sched = piped ? schedule_of(c) : pipe::Schedule{};
   TRELLIS_CHECK(!piped || !sched.local_learning, "predict_step: local learning trains another model; not planned");
   const int stages = piped ? sched.virtual_stages() : 1;
-  const std::vector<int> bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
+  // the trainer's split: uneven stages where the config gives them (train::pipeline_split), else even
+  std::vector<int> bounds = piped && sched.chunks == 1 ? train::pipeline_split(c) : std::vector<int>{};
+  if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
 
   StepCost out;
   double block_comm = 0, emb_comm = 0, head_comm = 0;

@@ -2,7 +2,8 @@
 // pipeline schedule (and virtual chunks), microbatches, recompute, sequence parallelism, ZeRO
 // stage -- checked (train::config_problems), pruned by memory (plan::predict_peak_memory against
 // the device's memory), timed by the cost model (plan::predict_step), and the fastest returned
-// with the train_gpt flags that run each.
+// with the train_gpt flags that run each. On a cluster of mixed speeds a pipeline of one chunk
+// per rank gets the split balanced for its ranks' pace (plan::balance_stages).
 //
 // Pruning by time: predict_step's bound (every rank's busy time plus what follows the schedule,
 // without simulating the pipeline) is a lower bound of its step, so a layout whose bound is not
@@ -19,6 +20,7 @@
 #include "trellis/plan/cluster.hpp"
 #include "trellis/plan/cost_model.hpp"
 #include "trellis/plan/memory_model.hpp"
+#include "trellis/plan/stage_balance.hpp"
 #include "trellis/train/trainer_config.hpp"
 
 namespace trellis::plan {
@@ -64,6 +66,10 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   if (c.zero > 0) s << " --zero " << c.zero;
   if (c.options.sequence_parallel) s << " --sp";
   if (c.options.recompute) s << " --recompute";
+  if (!c.stage_layers.empty()) {
+    s << " --stage-layers ";
+    for (std::size_t i = 0; i < c.stage_layers.size(); ++i) s << (i ? "," : "") << c.stage_layers[i];
+  }
   return s.str();
 }
 
@@ -120,6 +126,10 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   for (train::TrainerConfig& c : layouts(base, cluster.devices(), max_tp, space)) {
     ++plan.layouts;
     if (!train::config_problems(c).empty()) {
+      ++plan.invalid;
+      continue;
+    }
+    if (balance_stages(c, cluster, rates) && !train::config_problems(c).empty()) {  // mixed speeds: uneven stages
       ++plan.invalid;
       continue;
     }

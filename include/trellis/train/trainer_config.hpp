@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -28,6 +29,12 @@
 #include "trellis/pipe/verify.hpp"
 
 namespace trellis::train {
+
+// The work the balanced pipeline split weighs (pipe::balanced_split), in one unit of any kind:
+// per block, and fixed per pipeline stage (the embedding, the heads).
+struct LayerCosts {
+  std::vector<double> layers, fixed;  // per block; per pipeline stage
+};
 
 struct TrainerConfig {
   nn::GptConfig model{};
@@ -64,6 +71,9 @@ struct TrainerConfig {
   std::vector<int> stage_layers{};
   std::vector<double> rank_speed{};
   bool simulate_rank_speed = false;
+  // What rank_speed's split weighs: unset, FLOP counts (layer_costs); or costs timed on a machine
+  // (plan::stage_costs: one microbatch's F + B + W per block and per stage, in seconds).
+  std::optional<LayerCosts> stage_costs{};
   // Unequal data-parallel shares (replicas of unequal speed): the rows of the global batch each dp
   // rank takes (dp entries summing to batch, each a multiple of microbatches; dp rank d holds rows
   // [sum of the entries before d, + dp_rows[d])). Empty: batch / dp each. The loss stays the mean
@@ -336,6 +346,15 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
         add("--rank-speed needs --pp ", c.pp, " speeds in (0, 1e6] (got ", c.rank_speed.size(), ")");
     }
   }
+  if (c.stage_costs) {
+    bool finite = true;
+    for (const auto* v : {&c.stage_costs->layers, &c.stage_costs->fixed})
+      for (double x : *v) finite = finite && std::isfinite(x) && x >= 0;
+    if (static_cast<index_t>(c.stage_costs->layers.size()) != m.layers ||
+        static_cast<int>(c.stage_costs->fixed.size()) != std::max(1, c.pp) || !finite)
+      add("stage costs need --layers ", m.layers, " block costs and --pp ", std::max(1, c.pp),
+          " stage costs, finite and >= 0 (got ", c.stage_costs->layers.size(), " and ", c.stage_costs->fixed.size(), ")");
+  }
   if (!c.dp_speed.empty()) {
     bool positive = true;
     for (double x : c.dp_speed) positive = positive && x > 0 && x <= 1e6;
@@ -365,14 +384,13 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   return out;
 }
 
-// A block's and the fixed per-stage work of the GPT's pipeline stages in forward FLOPs per token
-// (the backward scales them alike): a block 24 W^2 + 2 T W (attention over T positions; an MoE
-// block's MLP 16 W^2 per routed expert), the LM head 2 V W on the last stage (and on every stage
-// with a local head), the embedding nothing.
-struct LayerCosts {
-  std::vector<double> layers, fixed;  // per block; per pipeline stage
-};
+// A block's and the fixed per-stage work of the GPT's pipeline stages: c.stage_costs where given
+// (e.g. plan::stage_costs, timed on a machine), else forward FLOPs per token (the backward scales
+// them alike): a block 24 W^2 + 2 T W (attention over T positions; an MoE block's MLP 16 W^2 per
+// routed expert), the LM head 2 V W on the last stage (and on every stage with a local head), the
+// embedding nothing.
 inline LayerCosts layer_costs(const TrainerConfig& c, bool local_heads = false) {
+  if (c.stage_costs) return *c.stage_costs;
   const double W = static_cast<double>(c.model.width), T = static_cast<double>(c.seq),
                V = static_cast<double>(c.model.vocab);
   LayerCosts k;

@@ -1,0 +1,141 @@
+// What the trainer's balancing weighs, taken from a cluster and timed rates instead of given by
+// hand: the per-device speeds of a cluster file as the trainer's per-pipeline-rank and per-dp-rank
+// speeds (train::TrainerConfig::rank_speed, dp_speed), and the per-block and per-stage costs the
+// balanced pipeline split weighs, timed by the cost model (TrainerConfig::stage_costs) rather than
+// counted in FLOPs; and the split plan::search gives a pipeline on ranks of unequal pace.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "trellis/core/error.hpp"
+#include "trellis/plan/cluster.hpp"
+#include "trellis/plan/cost_model.hpp"
+#include "trellis/train/trainer_config.hpp"
+
+namespace trellis::plan {
+
+// One microbatch's F + B + W, seconds: of each block, and each pipeline stage's fixed work (the
+// embedding on the first, the head on the last and, under local learning, the local head on every
+// other), by the cost model with `rates` (plan::MeasuredRates on this machine, or cluster_rates)
+// and the tp and cp collectives on `cluster`'s links. What the FLOP count leaves out shows here:
+// the cross-entropy and norms around the head, memory passes, collectives, attention's own rate.
+// The mean microbatch of a dp rank is costed (dp_rows shares all take the same split).
+inline train::LayerCosts stage_costs(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
+  TRELLIS_CHECK(c.model.moe_every == 0 && (c.cp == 1 || c.cp_mode == nn::CpMode::ring),
+                "plan::stage_costs: MoE blocks and Ulysses / hybrid context parallelism are not in the cost model "
+                "yet: give the split (--stage-layers) or weigh FLOPs");
+  TRELLIS_CHECK(c.pp >= 1 && c.microbatches >= 1 && c.batch >= static_cast<index_t>(c.dp) * c.microbatches,
+                "plan::stage_costs: pp ", c.pp, ", ", c.microbatches, " microbatches of a batch of ", c.batch,
+                " rows over dp ", c.dp);
+  const detail::Shape s = detail::shape_of(c);
+  const Link& tp_link = cluster.link(1, c.tp);
+  const Link& cp_link = cluster.link(c.tp, c.cp);
+  const bool local = c.pp > 1 && (c.custom_schedule ? c.custom_schedule->local_learning : c.schedule == "local_learning");
+  const double block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, nullptr).total();
+  const double head = detail::head_times(s, rates, tp_link, nullptr).total();
+  const double embedding = detail::embedding_times(s, rates, tp_link, nullptr).total();
+  train::LayerCosts k;
+  k.layers.assign(static_cast<std::size_t>(c.model.layers), block);
+  k.fixed.assign(static_cast<std::size_t>(c.pp), local ? head : 0.0);
+  k.fixed.front() += embedding;
+  k.fixed.back() = (c.pp == 1 ? embedding : 0.0) + head;
+  return k;
+}
+
+// The trainer's speeds from the cluster's per-device speeds, ranks laid out as the trainer's mesh
+// (pp, dp, cp, tp: tp fastest; the cluster's devices in rank order, one per rank). A device group
+// that computes together (the cp x tp ranks of one dp replica of one stage) goes at its slowest
+// device's pace, s(p, d). A pipeline rank's speed is its fastest replica's, max_d s(p, d), and a dp
+// rank's the most it keeps on every stage, min_p s(p, d) / rank_speed[p]: so rank_speed[p] x
+// dp_speed[d] <= s(p, d) always, equal where the speeds factor that way (a slow node of dp
+// replicas, a slow pipeline stage). A list whose entries are all equal asks for nothing uneven
+// (StageSpeeds::uneven: the even split, equal shares).
+struct StageSpeeds {
+  std::vector<double> rank_speed;  // per pipeline rank (pp entries)
+  std::vector<double> dp_speed;    // per dp rank (dp entries)
+  // `v` itself, or empty where all its entries are equal (the even split, equal shares)
+  static std::vector<double> uneven(const std::vector<double>& v) {
+    return std::all_of(v.begin(), v.end(), [&](double x) { return x == v.front(); }) ? std::vector<double>{} : v;
+  }
+};
+inline StageSpeeds stage_speeds(const train::TrainerConfig& c, const Cluster& cluster) {
+  const int inner = c.cp * c.tp;
+  const std::int64_t ranks = static_cast<std::int64_t>(c.pp) * c.dp * inner;
+  TRELLIS_CHECK(ranks == cluster.devices(), "cluster '", cluster.name, "' has ", cluster.devices(),
+                " devices but the layout dp x tp x pp x cp = ", c.dp, " x ", c.tp, " x ", c.pp, " x ", c.cp, " has ",
+                ranks, " ranks: one device per rank");
+  const auto group = [&](int p, int d) {
+    double s = 1e300;
+    for (int i = 0; i < inner; ++i) s = std::min(s, cluster.speed_of((p * c.dp + d) * inner + i));
+    return s;
+  };
+  StageSpeeds out;
+  out.rank_speed.assign(static_cast<std::size_t>(c.pp), 0.0);
+  out.dp_speed.assign(static_cast<std::size_t>(c.dp), 1e300);
+  for (int p = 0; p < c.pp; ++p)
+    for (int d = 0; d < c.dp; ++d)
+      out.rank_speed[static_cast<std::size_t>(p)] = std::max(out.rank_speed[static_cast<std::size_t>(p)], group(p, d));
+  for (int p = 0; p < c.pp; ++p)
+    for (int d = 0; d < c.dp; ++d)
+      out.dp_speed[static_cast<std::size_t>(d)] =
+          std::min(out.dp_speed[static_cast<std::size_t>(d)], group(p, d) / out.rank_speed[static_cast<std::size_t>(p)]);
+  return out;
+}
+
+// Each pipeline rank's pace when its dp replicas take equal shares: its slowest device (what
+// predict_step charges it).
+inline std::vector<double> pipeline_rank_speeds(const train::TrainerConfig& c, const Cluster& cluster) {
+  const int per_rank = c.dp * c.cp * c.tp;
+  TRELLIS_CHECK(static_cast<std::int64_t>(c.pp) * per_rank == cluster.devices(), "cluster '", cluster.name, "' has ",
+                cluster.devices(), " devices but the layout has ", static_cast<std::int64_t>(c.pp) * per_rank,
+                " ranks: one device per rank");
+  std::vector<double> out(static_cast<std::size_t>(c.pp), 1e300);
+  for (int p = 0; p < c.pp; ++p)
+    for (int i = 0; i < per_rank; ++i)
+      out[static_cast<std::size_t>(p)] = std::min(out[static_cast<std::size_t>(p)], cluster.speed_of(p * per_rank + i));
+  return out;
+}
+
+// A pipeline of one chunk per rank on ranks of unequal pace (pipeline_rank_speeds): the split
+// written into `c` as stage_layers (so train_gpt_flags gives --stage-layers). It starts from the
+// split whose slowest stage is fastest, weighing the cost model's times (stage_costs): the best
+// for many microbatches, where the slowest stage sets the pace. With few microbatches the fill
+// and drain count too (with one, the step is the sum of the stages, best with more blocks on the
+// fast ranks), so single blocks then move from one stage to another (the stages between shift by
+// one) while predict_step's step drops: a local search.
+// Returns whether it changed `c`; a config whose split is given already, or whose ranks go at one
+// pace, is left as it is.
+inline bool balance_stages(train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
+  if (c.pp < 2 || !c.stage_layers.empty() || !c.rank_speed.empty() || cluster.speed.empty()) return false;
+  const pipe::Schedule sched = schedule_of(c);
+  if (sched.chunks != 1 || sched.local_learning) return false;
+  const std::vector<double> speeds = StageSpeeds::uneven(pipeline_rank_speeds(c, cluster));
+  if (speeds.empty()) return false;
+  train::TrainerConfig weighed = c;
+  weighed.rank_speed = speeds;
+  weighed.stage_costs = stage_costs(c, cluster, rates);
+  const std::vector<int> bounds = train::pipeline_split(weighed);
+  for (std::size_t i = 0; i + 1 < bounds.size(); ++i) c.stage_layers.push_back(bounds[i + 1] - bounds[i]);
+  double best = predict_step(c, cluster, rates).step;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (std::size_t to = 0; to < c.stage_layers.size(); ++to)
+      for (std::size_t from = 0; from < c.stage_layers.size(); ++from) {  // one block from stage `from` to `to`
+        if (from == to || c.stage_layers[from] == 1) continue;
+        train::TrainerConfig t = c;
+        ++t.stage_layers[to];
+        --t.stage_layers[from];
+        const double step = predict_step(t, cluster, rates).step;
+        if (step < best * (1 - 1e-12)) {
+          c = std::move(t);
+          best = step;
+          moved = true;
+        }
+      }
+  }
+  return true;
+}
+
+}  // namespace trellis::plan
