@@ -4,7 +4,10 @@
 #      install + consumer projects + conan create);
 #   2. the `asan` preset: ASan + UBSan over a fast subset (the parsers with the fuzz corpus,
 #      checkpoints, collectives, the pipe executor; CMakePresets.json);
-#   3. the `cuda` preset with nvcc for sm_80 and sm_90a: every CUDA translation unit (tests,
+#   3. the `tsan` preset: ThreadSanitizer over the thread backend (comm.threads, comm.mesh,
+#      comm.errors, pipe.executor; the size-scaling cases at smaller sizes, TRELLIS_TEST_SMALL_SIZES);
+#      about 2 minutes on a cold cache, build included (docs/design.md);
+#   4. the `cuda` preset with nvcc for sm_80 and sm_90a: every CUDA translation unit (tests,
 #      examples, benches, .cuh header checks) compiles; GPU tests run and are reported skipped
 #      when no GPU is present.
 set -euo pipefail
@@ -26,6 +29,11 @@ echo "== asan: ASan + UBSan over the fast subset"
 cmake --preset asan
 cmake --build --preset asan -j "$jobs"
 ctest --preset asan
+
+echo "== tsan: ThreadSanitizer over the thread backend"
+cmake --preset tsan
+cmake --build --preset tsan -j "$jobs"
+ctest --preset tsan
 
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export PATH="$PATH:/usr/local/cuda/bin"

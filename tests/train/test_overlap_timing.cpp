@@ -28,6 +28,15 @@
 // Calibration: the link's bandwidth is set at run time from a probe over an infinitely fast link
 // (the ranks agree on the slowest), so M is a fixed share of the measured compute on any machine;
 // steps of the two variants are interleaved (alternating which goes first).
+// Retries: ctest runs these cases alone (RUN_SERIAL), but other processes on the machine still
+// disturb them (a tp run once blocked 56.1 ms with overlap against its bound of 0.6 x 84.7 ms).
+// Each case measures up to `attempts` times and passes at the first measurement that meets all of
+// its timing bounds; the exactness checks (bits, rounding) hold on every attempt.
+// A retry cannot make a missing overlap pass: without it every step blocks for all of M on each
+// attempt, and load only adds to that (it would have to slow every step without overlap by 2/3
+// while sparing those with it). Checked by removing the overlap from the library (the chunks' and
+// buckets' requests waited for at once, the ZeRO-3 prefetch waited for when started): every case
+// then fails all its attempts.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -94,6 +103,40 @@ std::string describe(const Measured& m) {
     << m.blocked_off_s * 1e3 << " ms without; step " << m.on_s * 1e3 << " vs " << m.off_s * 1e3 << " ms (saved "
     << (m.off_s - m.on_s) * 1e3 << " ms = " << 100 * (m.off_s - m.on_s) / m.comm_s << " % of the modelled comm)";
   return s.str();
+}
+
+// One timing bound of a case: what it requires, and whether the measurement meets it.
+struct Bound {
+  const char* what;
+  bool ok;
+};
+
+constexpr int attempts = 3;
+
+// Measures (measure()) up to `attempts` times, each attempt reported (WARN) and its exactness
+// checked (exact(m): CHECKs), and returns the first measurement that meets every bound (bounds(m))
+// or else the last, whose bounds then fail (check_bounds).
+template <class Measure, class Exact, class Bounds>
+Measured measure_until(const std::string& what, Measure&& measure, Exact&& exact, Bounds&& bounds) {
+  Measured m;
+  for (int a = 1; a <= attempts; ++a) {
+    m = measure();
+    bool ok = true;
+    for (const Bound& b : bounds(m)) ok = ok && b.ok;
+    WARN(what << ", attempt " << a << " of " << attempts << (ok ? "" : " (timing bounds missed)") << ": "
+              << describe(m));
+    exact(m);
+    if (ok) break;
+  }
+  return m;
+}
+
+void check_bounds(const Measured& m, const std::vector<Bound>& bounds) {
+  INFO(describe(m));
+  for (const Bound& b : bounds) {
+    INFO("bound: " << b.what);
+    CHECK(b.ok);
+  }
 }
 
 // The link that makes `bytes` per step take `share` x `compute_s`, agreed over the world.
@@ -300,57 +343,73 @@ Measured mlp_case(bool sp, bool synchronous) {
 }
 
 void check_tp(bool sp) {
-  const Measured m = mlp_case(sp, false);
-  INFO(describe(m) << "; max norm-relative difference " << m.max_rel_diff);
-  WARN("tp2" << (sp ? "+sp" : "") << " MLP, overlap_chunks 4 vs 1: " << describe(m)
-              << "; max norm-relative difference " << m.max_rel_diff);
-  CHECK(m.max_rel_diff <= 1e-5);  // chunked GEMMs may round differently; the sums are the same
-  // The baseline blocks for every collective -- with sp except the re-gather of the saved input
-  // in c_fc's backward, which is async even without chunks (1 of the 5 equal collectives).
-  CHECK(m.blocked_off_s >= (sp ? 0.7 : 0.9) * m.comm_s);
-  CHECK(m.blocked_on_s <= 0.6 * m.blocked_off_s);  // measured: chunks hide 40 % or more
+  const auto exact = [](const Measured& m) {
+    INFO("max norm-relative difference " << m.max_rel_diff);
+    CHECK(m.max_rel_diff <= 1e-5);  // chunked GEMMs may round differently; the sums are the same
+  };
+  const auto bounds = [sp](const Measured& m) {
+    // The baseline blocks for every collective -- with sp except the re-gather of the saved input
+    // in c_fc's backward, which is async even without chunks (1 of the 5 equal collectives).
+    return std::vector<Bound>{
+        {sp ? "blocked without overlap >= 0.7 x modelled comm" : "blocked without overlap >= 0.9 x modelled comm",
+         m.blocked_off_s >= (sp ? 0.7 : 0.9) * m.comm_s},
+        // measured: chunks hide 40 % or more
+        {"blocked with overlap <= 0.6 x blocked without", m.blocked_on_s <= 0.6 * m.blocked_off_s}};
+  };
+  const Measured m = measure_until(std::string("tp2") + (sp ? "+sp" : "") + " MLP, overlap_chunks 4 vs 1",
+                                   [sp] { return mlp_case(sp, false); }, exact, bounds);
+  check_bounds(m, bounds(m));
   // Wall clock is reported (WARN above), not asserted: with ctest -j2 and a compiler on the same
   // 2 cores a tp2+sp pass once took 501 ms with chunks vs 382 ms without while its blocked time
   // was 21 vs 114 ms. Blocked time is what a synchronous link fails ([negative] test).
 }
 
+// Losses and gradient norms of a Trainer case, bitwise (on every attempt).
+void check_same_bits(const Measured& m) {
+  CHECK(m.loss_on == m.loss_off);  // bitwise: the same buckets, reduced in the same fixed order
+  CHECK(m.norm_on == m.norm_off);
+}
+
 }  // namespace
 
 TEST_CASE("dp buckets: overlap hides the reductions on a simulated link, same bits", "[train][overlap][timing][dp]") {
-  const Measured m = dp_case(false);
-  INFO(describe(m));
-  WARN("dp2 buckets, overlap_dp on vs off: " << describe(m));
-  CHECK(m.loss_on == m.loss_off);  // bitwise: the same buckets, reduced in the same fixed order
-  CHECK(m.norm_on == m.norm_off);
-  // The baseline waits for every bucket, less what copying the later buckets' gradients in
-  // overlaps with the first transfers (all start at the end, then it waits).
-  CHECK(m.blocked_off_s >= 0.75 * m.comm_s);
-  CHECK(m.blocked_on_s <= 0.5 * m.blocked_off_s);  // measured: at least half of it hidden
-  CHECK(m.off_s - m.on_s >= 0.25 * m.comm_s);
+  const auto bounds = [](const Measured& m) {
+    return std::vector<Bound>{
+        // The baseline waits for every bucket, less what copying the later buckets' gradients in
+        // overlaps with the first transfers (all start at the end, then it waits).
+        {"blocked without overlap >= 0.75 x modelled comm", m.blocked_off_s >= 0.75 * m.comm_s},
+        // measured: at least half of it hidden
+        {"blocked with overlap <= 0.5 x blocked without", m.blocked_on_s <= 0.5 * m.blocked_off_s},
+        {"step saved >= 0.25 x modelled comm", m.off_s - m.on_s >= 0.25 * m.comm_s}};
+  };
+  const Measured m = measure_until("dp2 buckets, overlap_dp on vs off", [] { return dp_case(false); }, check_same_bits, bounds);
+  check_bounds(m, bounds(m));
 }
 
 TEST_CASE("ZeRO-1: bucket reduce-scatters overlap the backward on a simulated link, same bits",
           "[train][overlap][timing][zero1]") {
-  const Measured m = dp_case(false, 1);
-  INFO(describe(m));
-  WARN("dp2 ZeRO-1 buckets, overlap_dp on vs off: " << describe(m));
-  CHECK(m.loss_on == m.loss_off);
-  CHECK(m.norm_on == m.norm_off);
   // About half of the modelled traffic is the reduce-scatters (the rest: the all-gathers after
   // the update, never overlapped). At least half of the reduce-scatters must be hidden.
-  CHECK(m.blocked_off_s >= 0.75 * m.comm_s);
-  CHECK(m.blocked_off_s - m.blocked_on_s >= 0.25 * m.comm_s);
+  const auto bounds = [](const Measured& m) {
+    return std::vector<Bound>{
+        {"blocked without overlap >= 0.75 x modelled comm", m.blocked_off_s >= 0.75 * m.comm_s},
+        {"blocked without - with overlap >= 0.25 x modelled comm", m.blocked_off_s - m.blocked_on_s >= 0.25 * m.comm_s}};
+  };
+  const Measured m =
+      measure_until("dp2 ZeRO-1 buckets, overlap_dp on vs off", [] { return dp_case(false, 1); }, check_same_bits, bounds);
+  check_bounds(m, bounds(m));
 }
 
 TEST_CASE("ZeRO-3: prefetched gathers overlap the unit before on a simulated link, same bits",
           "[train][overlap][timing][zero3]") {
-  const Measured m = prefetch_case(false);
-  INFO(describe(m));
-  WARN("dp2 ZeRO-3, prefetch on vs off: " << describe(m));
-  CHECK(m.loss_on == m.loss_off);
-  CHECK(m.norm_on == m.norm_off);
-  CHECK(m.blocked_off_s >= 0.6 * m.comm_s);
-  CHECK(m.blocked_off_s - m.blocked_on_s >= 0.2 * m.comm_s);
+  const auto bounds = [](const Measured& m) {
+    return std::vector<Bound>{
+        {"blocked without prefetch >= 0.6 x modelled comm", m.blocked_off_s >= 0.6 * m.comm_s},
+        {"blocked without - with prefetch >= 0.2 x modelled comm", m.blocked_off_s - m.blocked_on_s >= 0.2 * m.comm_s}};
+  };
+  const Measured m =
+      measure_until("dp2 ZeRO-3, prefetch on vs off", [] { return prefetch_case(false); }, check_same_bits, bounds);
+  check_bounds(m, bounds(m));
 }
 
 TEST_CASE("tp chunks: overlap hides an MLP's all-reduces on a simulated link", "[train][overlap][timing][tp]") {
