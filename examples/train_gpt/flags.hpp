@@ -109,7 +109,9 @@ batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
            --plan auto --ranks N: the planner picks dp x tp x pp x cp = N, the schedule, microbatches,
            --sp, --recompute and --zero (include/trellis/plan: rates timed on this machine,
-           memory: this machine's / N), prints its table and runs the fastest (threads, host)
+           memory: this machine's / N), prints its table and runs the fastest (threads, host);
+           with --mpi (no --ranks): for mpirun's ranks, rank 0 plans (the link measured over
+           the world, rates timed on its node) and every rank runs its choice
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
            --context a multiple of 2N); --cp-mode ring (attention's keys and values passed round
            the cp ranks while each block computes) | ulysses (an all-to-all from sequence to head
@@ -518,9 +520,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
   if (!o.plan.empty() && o.plan != "auto") out.push_back("--plan takes auto (got '" + o.plan + "')");
   if (o.plan.empty() && o.ranks != 0) out.push_back("--ranks N is for --plan auto (give --dp/--tp/--pp otherwise)");
   if (o.plan == "auto") {
-    if (o.ranks < 1) out.push_back("--plan auto needs --ranks N >= 1: the thread ranks to plan for");
-    if (o.mpi || o.backend != "host" || o.dtype == "bf16")
-      out.push_back("--plan auto plans thread ranks of the host backend in fp32 (no --mpi, --backend cuda, --dtype bf16)");
+    if (o.ranks < 1 && !o.mpi) out.push_back("--plan auto needs --ranks N >= 1: the thread ranks to plan for");
+    if (o.mpi && o.ranks != 0) out.push_back("--plan auto --mpi plans for mpirun's ranks: drop --ranks");
+    if (o.backend != "host" || o.dtype == "bf16")
+      out.push_back("--plan auto plans ranks of the host backend in fp32 (no --backend cuda, --dtype bf16)");
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
         !o.dp_rows.empty() || !o.dp_speed.empty() || !o.cluster.empty() || o.stage_costs != "flops" ||
@@ -609,7 +612,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
                   gib(have) + " of memory: reduce --width, --layers, --vocab or --context" +
                   (world_size ? "" : ", or --dp"));
   const std::int64_t ranks = trellis::train::layout_ranks(o.pp, o.dp, o.tp, o.cp);
-  if (world_size && ranks > 0 && *world_size != ranks)
+  if (world_size && ranks > 0 && *world_size != ranks && o.plan != "auto")  // planned: the layout comes later
     out.push_back("mpirun started " + std::to_string(*world_size) + " ranks but dp x tp x pp" +
                   (o.cp > 1 ? " x cp" : "") + " = " + std::to_string(ranks) +
                   ": start that many or change --dp/--tp/--pp" + (o.cp > 1 ? "/--cp" : ""));

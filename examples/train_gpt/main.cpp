@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
       // timeout) runs inside run(): MpiWorld prints the error there and ends the whole job
       // (MPI_Abort) instead of leaving the other ranks waiting for this one.
       world.run([&](comm::MpiComm& comm) {
+        if (o.plan == "auto") {  // rank 0 plans, every rank runs its choice
+          o = train_gpt::apply_plan_mpi(comm, o);
+          train_gpt::validate(o, comm.size());
+        }
         train_gpt::validate_paths(o, default_corpus());
         data = load_data(o);
 #if defined(TRELLIS_TRAIN_GPT_CUDA)

@@ -1,5 +1,6 @@
 // What the planner (include/trellis/plan) decides before a train_gpt run starts:
-// - --plan auto --ranks N: the layout for N thread ranks on this machine. Rates: the host kernels
+// - --plan auto --ranks N: the layout for N thread ranks on this machine (--mpi: for mpirun's
+//   ranks, apply_plan_mpi). Rates: the host kernels
 //   timed here at the model's shapes with N copies running at once (plan::MeasuredRates); the
 //   ranks' link: thread-rank collectives are memory copies, so a bus bandwidth of the measured
 //   memory-pass rate and 5 us latency; memory per rank: this machine's / N. Prints the planner's
@@ -10,10 +11,18 @@
 //   (plan::stage_costs), so every rank takes the same split.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <sstream>
 #include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "flags.hpp"
+#include "trellis/plan/measured_link.hpp"
 #include "trellis/plan/measured_rates.hpp"
 #include "trellis/plan/search.hpp"
 #include "trellis/plan/stage_balance.hpp"
@@ -64,6 +73,25 @@ inline Options apply_balance(const Options& given, bool print = true) {
   return o;
 }
 
+// The layout (dp, tp, pp, cp by ring, schedule, chunks, microbatches, sp, recompute, ZeRO stage,
+// stage split) of a planned config, taken into `o`; --plan is then done.
+inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
+  o.plan.clear();  // planned: what follows is an ordinary run of this layout
+  o.ranks = 0;
+  o.dp = c.dp;
+  o.tp = c.tp;
+  o.pp = c.pp;
+  o.cp = c.cp;
+  o.cp_mode = "ring";
+  o.schedule = c.schedule;
+  o.chunks = c.virtual_chunks;
+  o.microbatches = c.microbatches;
+  o.sp = c.options.sequence_parallel;
+  o.recompute = c.options.recompute;
+  o.zero = c.zero;
+  o.stage_layers = c.stage_layers;
+}
+
 inline Options apply_plan(const Options& given) {
   Options o = given;
   o.dp = o.tp = o.pp = o.cp = 1;
@@ -81,22 +109,69 @@ inline Options apply_plan(const Options& given) {
   for (std::size_t i = 0; i < p.best.size(); ++i)
     std::printf("  %zu. %8.1f ms  %s\n", i + 1, p.best[i].cost.step * 1e3,
                 trellis::plan::train_gpt_flags(p.best[i].config).c_str());
-  const auto& c = p.best.front().config;
-  o.plan.clear();  // planned: what follows is an ordinary run of this layout
-  o.ranks = 0;
-  o.dp = c.dp;
-  o.tp = c.tp;
-  o.pp = c.pp;
-  o.cp = c.cp;
-  o.cp_mode = "ring";
-  o.schedule = c.schedule;
-  o.chunks = c.virtual_chunks;
-  o.microbatches = c.microbatches;
-  o.sp = c.options.sequence_parallel;
-  o.recompute = c.options.recompute;
-  o.zero = c.zero;
+  adopt_layout(o, p.best.front().config);
   std::printf("plan: running the first\n");
   return o;
 }
+
+// --plan auto --mpi: the layout for mpirun's ranks. The link: all-reduces over the world, timed
+// and fitted (plan::measure_link; every rank takes part); the rates: rank 0 times the host
+// kernels with as many copies at once as there are ranks on its node (host names compared), and
+// gives each rank this machine's memory / those ranks. Rank 0 searches and prints the table,
+// then sends the first layout's flags to every rank, which takes them (the same layout
+// everywhere, whatever each rank would have timed).
+template <class Comm>
+Options apply_plan_mpi(Comm& world, const Options& given) {
+  Options o = given;
+  o.dp = o.tp = o.pp = o.cp = 1;
+  const int n = world.size();
+  const trellis::plan::Link link = n > 1 ? trellis::plan::measure_link(world).link : trellis::plan::Link{1e12, 0};
+  constexpr std::size_t name_bytes = 256;
+  std::vector<std::uint8_t> name(name_bytes, 0), names(name_bytes * static_cast<std::size_t>(n), 0);
+  ::gethostname(reinterpret_cast<char*>(name.data()), name_bytes - 1);
+  world.all_gather(name.data(), names.data(), name_bytes);
+  int local = 0;  // ranks on rank 0's node
+  for (int r = 0; r < n; ++r)
+    local += std::equal(names.begin(), names.begin() + name_bytes, names.begin() + r * static_cast<std::ptrdiff_t>(name_bytes));
+  std::string flags;
+  if (world.rank() == 0) {
+    trellis::plan::MeasuredRates measured(3, local);
+    trellis::plan::Cluster cluster = host_cluster(local, measured);
+    cluster.name = "this job's " + std::to_string(n) + " MPI ranks, " + std::to_string(local) + " on rank 0's node";
+    cluster.devices_per_node = local;
+    cluster.nodes = n / local;
+    TRELLIS_CHECK(n % local == 0, "--plan auto --mpi: ", n, " ranks with ", local,
+                  " on rank 0's node: plan for nodes of equal rank counts");
+    cluster.intra_node = cluster.inter_node = link;
+    trellis::plan::SearchSpace space;
+    space.max_microbatches = 16;
+    const trellis::plan::Plan p = trellis::plan::search(trainer_config(o), cluster, measured.rates(), space, 5);
+    TRELLIS_CHECK(!p.best.empty(), "--plan auto: no layout of ", n, " MPI ranks fits (", p.over_memory,
+                  " over memory, ", p.invalid, " refused by the trainer's checks)");
+    std::printf("plan: %ld layouts of %d MPI ranks (%ld refused, %ld over memory, %ld pruned); link measured over "
+                "the world: %.2f GB/s, %.1f us; predicted step, rates timed on rank 0's node:\n",
+                p.layouts, n, p.invalid, p.over_memory, p.pruned, link.bandwidth / 1e9, link.latency * 1e6);
+    for (std::size_t i = 0; i < p.best.size(); ++i)
+      std::printf("  %zu. %8.1f ms  %s\n", i + 1, p.best[i].cost.step * 1e3,
+                  trellis::plan::train_gpt_flags(p.best[i].config).c_str());
+    std::printf("plan: running the first\n");
+    flags = trellis::plan::train_gpt_flags(p.best.front().config);
+  }
+  std::int64_t length = static_cast<std::int64_t>(flags.size());
+  // the other ranks wait while rank 0 times kernels and searches: longer than a collective
+  const auto timeout = world.timeout();
+  if (timeout.count() > 0) world.set_timeout(std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(10)));
+  world.broadcast(&length, 1, 0);
+  world.set_timeout(timeout);
+  std::vector<std::uint8_t> bytes(flags.begin(), flags.end());
+  bytes.resize(static_cast<std::size_t>(length));
+  world.broadcast(bytes.data(), bytes.size(), 0);
+  std::istringstream words(std::string(bytes.begin(), bytes.end()));
+  std::vector<std::string> args;
+  for (std::string w; words >> w;) args.push_back(w);
+  adopt_layout(o, trainer_config(parse_flags(args)));
+  return o;
+}
+
 
 }  // namespace train_gpt

@@ -1,8 +1,10 @@
 # Runs train_gpt twice, as 2 thread ranks and as 2 MPI processes (--mpi), with the same flags, and
 # requires the same training outcome: the summary line's first/last train loss and the validation
 # loss agree within 2e-4 (printed with 4 decimals; the MPI and thread reductions add in different
-# orders). Both runs must succeed.
-#   cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK=<dir> -P compare_train_gpt.cmake
+# orders). Both runs must succeed. With -DPLAN=1 the MPI run plans its own layout (--plan auto:
+# rank 0 plans, every rank runs its choice) and the thread run takes the layout the MPI run
+# printed as its first: the planned layout trains the same under MPI as on threads.
+#   cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK=<dir> [-DPLAN=1] -P compare_train_gpt.cmake
 foreach(var TRAIN_GPT MPIEXEC WORK)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "compare_train_gpt: -D${var}=... is required")
@@ -10,8 +12,9 @@ foreach(var TRAIN_GPT MPIEXEC WORK)
 endforeach()
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
-set(flags --dp 2 --layers 2 --heads 2 --width 64 --context 32 --batch 8 --steps 8 --warmup 2
+set(model --layers 2 --heads 2 --width 64 --context 32 --batch 8 --steps 8 --warmup 2
           --eval-every 4 --sample-tokens 0 --peak-gflops 10)
+set(flags --dp 2 ${model})
 
 function(summary_of out_var label)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -23,12 +26,29 @@ function(summary_of out_var label)
     message(FATAL_ERROR "${label} run printed no summary line:\n${out}")
   endif()
   set(${out_var} "${CMAKE_MATCH_1};${CMAKE_MATCH_2};${CMAKE_MATCH_3}" PARENT_SCOPE)
+  set(${out_var}_output "${out}" PARENT_SCOPE)
   message(STATUS "${label}: ${line}")
 endfunction()
 
-summary_of(threads "threads" "${TRAIN_GPT}" ${flags} --ckpt-dir "${WORK}/threads")
-summary_of(mpi "mpi" "${MPIEXEC}" -n 2 --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none
-           "${TRAIN_GPT}" --mpi ${flags} --ckpt-dir "${WORK}/mpi")
+set(mpirun "${MPIEXEC}" -n 2 --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none)
+if(PLAN)
+  summary_of(mpi "mpi, planned" ${mpirun} "${TRAIN_GPT}" --mpi --plan auto ${model} --ckpt-dir "${WORK}/mpi")
+  string(REGEX MATCH "\n  1[.] +[0-9.]+ ms  ([^\n]+)\n" first "${mpi_output}")
+  if(NOT first)
+    message(FATAL_ERROR "the planned MPI run printed no plan table:\n${mpi_output}")
+  endif()
+  separate_arguments(planned UNIX_COMMAND "${CMAKE_MATCH_1}")
+  string(REGEX MATCHALL "plan: running the first" printed "${mpi_output}")
+  list(LENGTH printed times)
+  if(NOT times EQUAL 1)
+    message(FATAL_ERROR "the plan was printed ${times} times (rank 0 alone prints it):\n${mpi_output}")
+  endif()
+  message(STATUS "planned under MPI: ${planned}")
+  summary_of(threads "threads, the planned layout" "${TRAIN_GPT}" ${planned} ${model} --ckpt-dir "${WORK}/threads")
+else()
+  summary_of(threads "threads" "${TRAIN_GPT}" ${flags} --ckpt-dir "${WORK}/threads")
+  summary_of(mpi "mpi" ${mpirun} "${TRAIN_GPT}" --mpi ${flags} --ckpt-dir "${WORK}/mpi")
+endif()
 foreach(i RANGE 2)
   list(GET threads ${i} a)
   list(GET mpi ${i} b)

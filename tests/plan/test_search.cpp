@@ -250,6 +250,9 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(has(problems_of({"--ranks", "2"}), "--ranks N is for --plan auto"));
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "does not model --cp"));
   CHECK(problems_of({"--plan", "auto", "--ranks", "2"}).empty());
+  CHECK(has(problems_of({"--plan", "auto", "--mpi", "--ranks", "2"}), "plans for mpirun's ranks: drop --ranks"));
+  CHECK(problems_of({"--plan", "auto", "--mpi"}).empty());
+  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--dtype", "bf16"}), "host backend in fp32"));
 
   train_gpt::Options o = train_gpt::parse_flags({"--plan", "auto", "--ranks", "2", "--layers", "2", "--width", "64",
                                                  "--heads", "2", "--vocab", "64", "--context", "32", "--batch", "8"});
