@@ -74,7 +74,7 @@ inline Options apply_balance(const Options& given, bool print = true) {
 }
 
 // The layout (dp, tp, pp, cp by ring, schedule, chunks, microbatches, sp, recompute, ZeRO stage,
-// stage split) of a planned config, taken into `o`; --plan is then done.
+// stage split, dp shares) of a planned config, taken into `o`; --plan is then done.
 inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.plan.clear();  // planned: what follows is an ordinary run of this layout
   o.ranks = 0;
@@ -90,6 +90,7 @@ inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.recompute = c.options.recompute;
   o.zero = c.zero;
   o.stage_layers = c.stage_layers;
+  o.dp_rows.assign(c.dp_rows.begin(), c.dp_rows.end());
 }
 
 inline Options apply_plan(const Options& given) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -260,7 +261,7 @@ TEST_CASE("search on a cluster of mixed speeds: pipelines get uneven splits, the
   CHECK(piped >= 4);  // dp 2 x pp 2 and pp 2 x tp 2, two schedules, several microbatch counts
 }
 
-TEST_CASE("balance_stages: 4 stages of mixed speeds, against every split of 12 blocks", "[balance]") {
+TEST_CASE("balance_for_speeds: 4 stages of mixed speeds, against every split of 12 blocks", "[balance]") {
   plan::Cluster cl = with_speeds({1, 0.5, 1, 0.75});
   const plan::Rates rates = plan::cluster_rates(cl, plan::Precision::fp32);
   for (const std::string schedule : {"gpipe", "1f1b", "zb_h1"})
@@ -270,7 +271,7 @@ TEST_CASE("balance_stages: 4 stages of mixed speeds, against every split of 12 b
       c.model.vocab = 4096;
       c.schedule = schedule;
       c.microbatches = m;
-      REQUIRE(plan::balance_stages(c, cl, rates));
+      REQUIRE(plan::balance_for_speeds(c, cl, rates));
       const double chosen = plan::predict_step(c, cl, rates).step;
       double best = 1e300, even = 0;
       for (int a = 1; a <= 9; ++a)
@@ -287,6 +288,53 @@ TEST_CASE("balance_stages: 4 stages of mixed speeds, against every split of 12 b
       CHECK(chosen == Approx(best).epsilon(1e-12));  // the best of all 165 splits (a local search: here, not always)
     }
   train::TrainerConfig same = layout(4, 1, 1, 1);
-  CHECK_FALSE(plan::balance_stages(same, with_speeds({1, 1, 1, 1}), rates));  // one pace: the even split stays
+  CHECK_FALSE(plan::balance_for_speeds(same, with_speeds({1, 1, 1, 1}), rates));  // one pace: the even split stays
   CHECK(same.stage_layers.empty());
+}
+
+TEST_CASE("dp replicas of mixed speeds: the pace by rows and speeds, the balanced shares the best of every split",
+          "[balance]") {
+  const plan::Cluster cl = with_speeds({1, 0.5});
+  const plan::Rates rates = plan::cluster_rates(cl, plan::Precision::fp32);
+  train::TrainerConfig c = layout(1, 2, 1, 1);
+  c.model.vocab = 4096;
+  // the pace: the replicas' rows over their speed, the slowest sets it (mean share 8 rows)
+  c.dp_rows = {12, 4};
+  CHECK(plan::pipeline_rank_pace(c, cl) == std::vector<double>{1 / 1.5});  // max(12/8/1, 4/8/0.5)
+  c.dp_rows = {8, 8};
+  const double equal_given = plan::predict_step(c, cl, rates).step;
+  c.dp_rows.clear();
+  CHECK(plan::pipeline_rank_pace(c, cl) == std::vector<double>{0.5});
+  CHECK(plan::predict_step(c, cl, rates).step == equal_given);  // equal shares written out: the same step
+
+  for (int m : {1, 2, 4}) {
+    train::TrainerConfig t = c;
+    t.microbatches = m;
+    const double equal = plan::predict_step(t, cl, rates).step;
+    REQUIRE(plan::balance_for_speeds(t, cl, rates));
+    REQUIRE(t.dp_rows.size() == 2);
+    CHECK(t.dp_rows[0] > t.dp_rows[1]);
+    const double chosen = plan::predict_step(t, cl, rates).step;
+    double best = 1e300;
+    for (index_t r = m; r < 16; r += m) {  // every share of 16 rows in whole microbatches
+      train::TrainerConfig u = t;
+      u.dp_rows = {r, 16 - r};
+      best = std::min(best, plan::predict_step(u, cl, rates).step);
+    }
+    INFO("m " << m << ": " << plan::train_gpt_flags(t));
+    CHECK(chosen == Approx(best).epsilon(1e-12));
+    CHECK(chosen < 0.8 * equal);  // the slow replica no longer sets the pace with half the rows
+    CHECK(plan::train_gpt_flags(t).find("--dp-rows " + std::to_string(t.dp_rows[0]) + "," +
+                                        std::to_string(t.dp_rows[1])) != std::string::npos);
+    std::istringstream words(plan::train_gpt_flags(t));
+    std::vector<std::string> args;
+    for (std::string w; words >> w;) args.push_back(w);
+    CHECK(train_gpt::trainer_config(train_gpt::parse_flags(args)).dp_rows == t.dp_rows);
+  }
+  // dp 2 x pp 2, the second replica slow on both stages: shares, and then the stages go at one pace
+  train::TrainerConfig both = layout(2, 2, 1, 1);
+  both.microbatches = 2;
+  REQUIRE(plan::balance_for_speeds(both, with_speeds({1, 0.5, 1, 0.5}), rates));
+  CHECK(both.dp_rows.size() == 2);
+  CHECK(both.stage_layers.empty());
 }

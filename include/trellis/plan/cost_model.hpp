@@ -263,6 +263,31 @@ inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * 
 
 }  // namespace detail
 
+// Each pipeline rank's pace for compute, relative to one device of speed 1 computing the mean
+// share of rows: its dp replicas compute their rows (dp_rows, or equal shares) each at its
+// slowest device's speed (the cp x tp ranks of one replica of one stage work together), and the
+// stage goes at its slowest replica's pace: 1 / max_d (rows_d / mean rows) / speed(p, d). The
+// compute is taken as linear in the rows. Ranks in the trainer's mesh order (pp, dp, cp, tp).
+inline std::vector<double> pipeline_rank_pace(const train::TrainerConfig& c, const Cluster& cluster) {
+  const int inner = c.cp * c.tp;
+  const std::int64_t ranks = static_cast<std::int64_t>(std::max(1, c.pp)) * c.dp * inner;
+  TRELLIS_CHECK(ranks == cluster.devices(), "cluster '", cluster.name, "' has ", cluster.devices(),
+                " devices but the layout dp x tp x pp x cp = ", c.dp, " x ", c.tp, " x ", c.pp, " x ", c.cp, " has ",
+                ranks, " ranks: one device per rank");
+  const double mean = static_cast<double>(c.batch) / c.dp;
+  std::vector<double> pace(static_cast<std::size_t>(std::max(1, c.pp)));
+  for (int p = 0; p < std::max(1, c.pp); ++p) {
+    double slowest = 0;  // the largest time per mean share among the replicas
+    for (int d = 0; d < c.dp; ++d) {
+      double s = 1e300;
+      for (int i = 0; i < inner; ++i) s = std::min(s, cluster.speed_of((p * c.dp + d) * inner + i));
+      slowest = std::max(slowest, static_cast<double>(train::dp_rows_of(c, d)) / mean / s);
+    }
+    pace[static_cast<std::size_t>(p)] = 1.0 / slowest;
+  }
+  return pace;
+}
+
 // The schedule a config runs (pp > 1).
 inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
   if (c.custom_schedule) return *c.custom_schedule;
@@ -277,10 +302,9 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
                              double stop_above = std::numeric_limits<double>::infinity()) {
   TRELLIS_CHECK((c.cp == 1 || (c.cp_mode == nn::CpMode::ring && !c.cp_balance_documents)) && c.model.moe_every == 0 &&
-                    !c.offload_optimizer && !c.offload_activations && c.offload_dir.empty() && c.shard_degree == 0 &&
-                    c.dp_rows.empty(),
-                "predict_step: Ulysses and hybrid context parallelism, MoE, offloading, hybrid sharding and unequal dp "
-                "shares are not in the cost model yet");
+                    !c.offload_optimizer && !c.offload_activations && c.offload_dir.empty() && c.shard_degree == 0,
+                "predict_step: Ulysses and hybrid context parallelism, MoE, offloading and hybrid sharding are not in "
+                "the cost model yet");
   const auto& m = c.model;
   const detail::Shape s = detail::shape_of(c);
   // the trainer's mesh (pp, dp, cp, tp): tp at stride 1, cp at tp, dp at tp cp; gradients are
@@ -332,6 +356,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     for (int i = 0; i < reps * c.tp; ++i) sp = std::min(sp, cluster.speed_of(rank * reps * c.tp + i));
     return sp;
   };
+  const std::vector<double> pace = pipeline_rank_pace(c, cluster);  // compute: rows and speeds of its replicas
   // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
   const double dp_n = reps;
   auto rank_params = [&](int rank) {
@@ -342,7 +367,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   auto rank_compute = [&](int rank) {  // one microbatch through every chunk
     double t = 0;
     for (int k = 0; k < chunks; ++k) t += out.stage[static_cast<std::size_t>(stage_of(rank, k))].total();
-    return t / speed(rank);
+    return t / pace[static_cast<std::size_t>(rank)];
   };
   std::vector<double> stretch(static_cast<std::size_t>(ranks), 1.0);
   if (reps > 1 && c.zero >= 2)
@@ -364,7 +389,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
       const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
       x += n * gather_seconds(dp_link, 4 * detail::block_params(s), reps);  // each block waits for its gather
     }
-    return x * stretch[static_cast<std::size_t>(rank)] / speed(rank);
+    return x * stretch[static_cast<std::size_t>(rank)] / pace[static_cast<std::size_t>(rank)];
   };
   // Every rank's busy time (its actions, no waiting) and its last microbatch's backward.
   std::vector<double> busy(static_cast<std::size_t>(ranks), 0.0), last_backward(static_cast<std::size_t>(ranks), 0.0);

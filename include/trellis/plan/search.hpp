@@ -2,8 +2,8 @@
 // pipeline schedule (and virtual chunks), microbatches, recompute, sequence parallelism, ZeRO
 // stage -- checked (train::config_problems), pruned by memory (plan::predict_peak_memory against
 // the device's memory), timed by the cost model (plan::predict_step), and the fastest returned
-// with the train_gpt flags that run each. On a cluster of mixed speeds a pipeline of one chunk
-// per rank gets the split balanced for its ranks' pace (plan::balance_stages).
+// with the train_gpt flags that run each. On a cluster of mixed speeds dp replicas get shares and
+// a pipeline of one chunk per rank a split balanced for their speeds (plan::balance_for_speeds).
 //
 // Pruning by time: predict_step's bound (every rank's busy time plus what follows the schedule,
 // without simulating the pipeline) is a lower bound of its step, so a layout whose bound is not
@@ -66,6 +66,10 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   if (c.zero > 0) s << " --zero " << c.zero;
   if (c.options.sequence_parallel) s << " --sp";
   if (c.options.recompute) s << " --recompute";
+  if (!c.dp_rows.empty()) {
+    s << " --dp-rows ";
+    for (std::size_t i = 0; i < c.dp_rows.size(); ++i) s << (i ? "," : "") << c.dp_rows[i];
+  }
   if (!c.stage_layers.empty()) {
     s << " --stage-layers ";
     for (std::size_t i = 0; i < c.stage_layers.size(); ++i) s << (i ? "," : "") << c.stage_layers[i];
@@ -129,7 +133,7 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
       ++plan.invalid;
       continue;
     }
-    if (balance_stages(c, cluster, rates) && !train::config_problems(c).empty()) {  // mixed speeds: uneven stages
+    if (balance_for_speeds(c, cluster, rates) && !train::config_problems(c).empty()) {  // mixed speeds: uneven shares, stages
       ++plan.invalid;
       continue;
     }

@@ -2,7 +2,8 @@
 // hand: the per-device speeds of a cluster file as the trainer's per-pipeline-rank and per-dp-rank
 // speeds (train::TrainerConfig::rank_speed, dp_speed), and the per-block and per-stage costs the
 // balanced pipeline split weighs, timed by the cost model (TrainerConfig::stage_costs) rather than
-// counted in FLOPs; and the split plan::search gives a pipeline on ranks of unequal pace.
+// counted in FLOPs; and the uneven shares and split plan::search gives a layout on a cluster of
+// mixed speeds (balance_for_speeds).
 #pragma once
 
 #include <algorithm>
@@ -84,37 +85,46 @@ inline StageSpeeds stage_speeds(const train::TrainerConfig& c, const Cluster& cl
   return out;
 }
 
-// Each pipeline rank's pace when its dp replicas take equal shares: its slowest device (what
-// predict_step charges it).
-inline std::vector<double> pipeline_rank_speeds(const train::TrainerConfig& c, const Cluster& cluster) {
-  const int per_rank = c.dp * c.cp * c.tp;
-  TRELLIS_CHECK(static_cast<std::int64_t>(c.pp) * per_rank == cluster.devices(), "cluster '", cluster.name, "' has ",
-                cluster.devices(), " devices but the layout has ", static_cast<std::int64_t>(c.pp) * per_rank,
-                " ranks: one device per rank");
-  std::vector<double> out(static_cast<std::size_t>(c.pp), 1e300);
-  for (int p = 0; p < c.pp; ++p)
-    for (int i = 0; i < per_rank; ++i)
-      out[static_cast<std::size_t>(p)] = std::min(out[static_cast<std::size_t>(p)], cluster.speed_of(p * per_rank + i));
-  return out;
-}
-
-// A pipeline of one chunk per rank on ranks of unequal pace (pipeline_rank_speeds): the split
-// written into `c` as stage_layers (so train_gpt_flags gives --stage-layers). It starts from the
-// split whose slowest stage is fastest, weighing the cost model's times (stage_costs): the best
-// for many microbatches, where the slowest stage sets the pace. With few microbatches the fill
-// and drain count too (with one, the step is the sum of the stages, best with more blocks on the
-// fast ranks), so single blocks then move from one stage to another (the stages between shift by
-// one) while predict_step's step drops: a local search.
-// Returns whether it changed `c`; a config whose split is given already, or whose ranks go at one
-// pace, is left as it is.
-inline bool balance_stages(train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
-  if (c.pp < 2 || !c.stage_layers.empty() || !c.rank_speed.empty() || cluster.speed.empty()) return false;
+// A layout on a cluster of mixed speeds, made uneven to match (the search's step for such
+// clusters); returns whether it changed `c`. A config whose shares or split are given already, or
+// a cluster of one speed, is left as it is.
+// - dp replicas of unequal speed (each replica at its slowest device: speed_d, the least over its
+//   stages' cp x tp ranks) take unequal shares of the batch: train::balanced_dp_rows, the shares
+//   whose slowest replica finishes first (dp_rows; --dp-rows).
+// - A pipeline of one chunk per rank whose ranks then go at unequal paces (pipeline_rank_pace)
+//   gets an uneven split (stage_layers; --stage-layers). It starts from the split whose slowest
+//   stage is fastest, weighing the cost model's times (stage_costs): the best for many
+//   microbatches, where the slowest stage sets the pace. With few microbatches the fill and drain
+//   count too (with one, the step is the sum of the stages, best with more blocks on the fast
+//   ranks), so single blocks then move from one stage to another (the stages between shift by one)
+//   while predict_step's step drops: a local search.
+inline bool balance_for_speeds(train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
+  if (cluster.speed.empty() || !c.dp_rows.empty() || !c.dp_speed.empty() || !c.stage_layers.empty() ||
+      !c.rank_speed.empty())
+    return false;
+  bool changed = false;
+  if (c.dp > 1 && c.microbatches >= 1 && c.batch % c.microbatches == 0 && c.batch / c.microbatches >= c.dp) {
+    const int inner = c.cp * c.tp;
+    std::vector<double> replica(static_cast<std::size_t>(c.dp), 1e300);
+    for (int p = 0; p < std::max(1, c.pp); ++p)
+      for (int d = 0; d < c.dp; ++d)
+        for (int i = 0; i < inner; ++i)
+          replica[static_cast<std::size_t>(d)] =
+              std::min(replica[static_cast<std::size_t>(d)], cluster.speed_of((p * c.dp + d) * inner + i));
+    if (!StageSpeeds::uneven(replica).empty()) {
+      c.dp_rows = train::balanced_dp_rows(c.batch, c.microbatches, replica);
+      if (std::all_of(c.dp_rows.begin(), c.dp_rows.end(), [&](index_t r) { return r == c.batch / c.dp; }))
+        c.dp_rows.clear();  // the balanced shares are the equal ones
+      changed = !c.dp_rows.empty();
+    }
+  }
+  if (c.pp < 2) return changed;
   const pipe::Schedule sched = schedule_of(c);
-  if (sched.chunks != 1 || sched.local_learning) return false;
-  const std::vector<double> speeds = StageSpeeds::uneven(pipeline_rank_speeds(c, cluster));
-  if (speeds.empty()) return false;
+  if (sched.chunks != 1 || sched.local_learning) return changed;
+  const std::vector<double> pace = StageSpeeds::uneven(pipeline_rank_pace(c, cluster));
+  if (pace.empty()) return changed;
   train::TrainerConfig weighed = c;
-  weighed.rank_speed = speeds;
+  weighed.rank_speed = pace;
   weighed.stage_costs = stage_costs(c, cluster, rates);
   const std::vector<int> bounds = train::pipeline_split(weighed);
   for (std::size_t i = 0; i + 1 < bounds.size(); ++i) c.stage_layers.push_back(bounds[i + 1] - bounds[i]);
