@@ -526,11 +526,13 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
       out.push_back("--plan auto plans ranks of the host backend in fp32 (no --backend cuda, --dtype bf16)");
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
-        !o.dp_rows.empty() || !o.dp_speed.empty() || !o.cluster.empty() || o.stage_costs != "flops" ||
+        !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops" ||
         o.schedule == "local_learning" || o.overlap > 1)
       out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
-                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --cluster, --stage-costs, "
-                    "--overlap or local learning yet: drop them or give the layout yourself");
+                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs, "
+                    "--overlap or local learning yet: drop them or give the layout yourself (--cluster FILE gives "
+                    "the ranks' speeds)");
+    if (o.mpi && !o.cluster.empty()) out.push_back("--plan auto --mpi plans with speeds measured, not from --cluster");
   }
   if (!o.cluster.empty() && (!o.rank_speed.empty() || !o.dp_speed.empty()))
     out.push_back("--cluster gives the ranks' speeds: drop --rank-speed and --dp-speed, or --cluster");

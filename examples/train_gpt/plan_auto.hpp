@@ -49,7 +49,12 @@ inline Options apply_balance(const Options& given, bool print = true) {
     const trellis::plan::Cluster cluster = trellis::plan::load_cluster(o.cluster);
     const auto speeds = trellis::plan::stage_speeds(trainer_config(o), cluster);
     o.rank_speed = trellis::plan::StageSpeeds::uneven(speeds.rank_speed);
-    o.dp_speed = trellis::plan::StageSpeeds::uneven(speeds.dp_speed);
+    // every stage at one pace: that pace goes into each replica's speed (for --simulate-rank-speed:
+    // a tp group with a slow device is slowed as a whole), which is dropped when all are 1
+    std::vector<double> dp = speeds.dp_speed;
+    if (o.rank_speed.empty())
+      for (double& x : dp) x *= speeds.rank_speed.front();
+    o.dp_speed = std::all_of(dp.begin(), dp.end(), [](double x) { return x == 1.0; }) ? std::vector<double>{} : dp;
     if (print) {
       auto list = [](const std::vector<double>& v) {
         std::string s;
@@ -97,8 +102,16 @@ inline Options apply_plan(const Options& given) {
   Options o = given;
   o.dp = o.tp = o.pp = o.cp = 1;
   trellis::train::TrainerConfig base = trainer_config(o);
+  base.simulate_rank_speed = false;  // how the run slows its ranks is not the plan's business
   trellis::plan::MeasuredRates measured(3, o.ranks);
-  const trellis::plan::Cluster host = host_cluster(o.ranks, measured);
+  trellis::plan::Cluster host = host_cluster(o.ranks, measured);
+  if (!o.cluster.empty()) {  // the thread ranks' speeds from a cluster file (simulated with --simulate-rank-speed)
+    const trellis::plan::Cluster file = trellis::plan::load_cluster(o.cluster);
+    TRELLIS_CHECK(file.devices() == o.ranks, "--plan auto --cluster ", o.cluster, ": ", file.devices(),
+                  " devices for --ranks ", o.ranks, ": one device per rank");
+    host.speed = file.speed;
+    host.name += ", speeds of " + o.cluster;
+  }
   trellis::plan::SearchSpace space;
   space.max_microbatches = 16;
   const trellis::plan::Plan p = trellis::plan::search(base, host, measured.rates(), space, 5);

@@ -202,6 +202,28 @@ TEST_CASE("train_gpt --cluster and --stage-costs: speeds from the file, costs ti
   CHECK(train::pipeline_split(c) == pipe::balanced_split(train::layer_costs(c).layers, speeds, train::layer_costs(c).fixed));
   CHECK(train::pipeline_split(c)[1] > 4);  // the fast stage takes more blocks
 
+  // tp 2 over a fast and a slow device: one group at the slow one's pace, kept for the simulation
+  const auto pair = dir / "fast_and_slow.json";
+  std::ofstream(pair) << plan::to_json(with_speeds({1, 0.5}));
+  o = train_gpt::apply_balance(train_gpt::parse_flags({"--tp", "2", "--layers", "2", "--width", "64", "--heads", "2",
+                                                       "--vocab", "64", "--context", "32", "--batch", "8",
+                                                       "--cluster", pair.string(), "--simulate-rank-speed"}),
+                               false);
+  CHECK(o.rank_speed.empty());
+  CHECK(o.dp_speed == std::vector<double>{0.5});
+  CHECK(o.simulate_rank_speed);
+  CHECK(train_gpt::problems(o).empty());
+  // --plan auto takes the file's speeds: a layout of the 2 ranks, made uneven for them
+  o = train_gpt::apply_plan(train_gpt::parse_flags({"--plan", "auto", "--ranks", "2", "--layers", "4", "--width", "64",
+                                                    "--heads", "2", "--vocab", "64", "--context", "32", "--batch", "8",
+                                                    "--cluster", pair.string()}));
+  CHECK(o.dp * o.tp * o.pp == 2);
+  if (o.dp == 2) CHECK(o.dp_rows.size() == 2);
+  if (o.pp == 2) CHECK(o.stage_layers.size() == 2);
+  CHECK_THROWS_WITH(train_gpt::apply_plan(train_gpt::parse_flags({"--plan", "auto", "--ranks", "3", "--cluster",
+                                                                  pair.string()})),
+                    Catch::Contains("2 devices for --ranks 3"));
+
   // measured: times this machine's kernels (a small shape: quick) into costs of the right sizes
   std::vector<std::string> timed = args;
   timed.insert(timed.end(), {"--stage-costs", "measured"});
