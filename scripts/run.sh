@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-source scripts/blas_env.sh  # OPENBLAS_CORETYPE where the installed OpenBLAS does not know the CPU
+source scripts/blas_env.sh  # OPENBLAS_CORETYPE / BLIS_ARCH_TYPE where the installed BLAS does not know the CPU
 cmake --preset host >/dev/null
 cmake --build --preset host -j "${TRELLIS_JOBS:-$(nproc)}" --target train_gpt
 mkdir -p out

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-source scripts/blas_env.sh  # OPENBLAS_CORETYPE where the installed OpenBLAS does not know the CPU
+source scripts/blas_env.sh  # OPENBLAS_CORETYPE / BLIS_ARCH_TYPE where the installed BLAS does not know the CPU
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 jobs="${TRELLIS_JOBS:-$(nproc)}"

@@ -422,6 +422,7 @@ int main(int argc, char** argv) {
       .add("peak_fp32_gflops", machine.theoretical.fp32 / 1e9)
       .add("peak_bf16_gflops", machine.theoretical.bf16 / 1e9)
       .add("fma_loop_gflops", machine.fma_flops / 1e9)
+      .add("amx_loop_gflops", machine.amx_flops / 1e9)  // 0: the AMX loop did not run (CpuPeak::amx_skipped)
       .add("trellis_mfu_fp32_peak", mfu(t_min, false) / 100, "%.4f")
       .add("bf16_mfu_bf16_peak", mfu(h_min, true) / 100, "%.4f");
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);

@@ -1,7 +1,8 @@
 // host::peak_flops (kernels/cpu_peak.hpp) against peaks worked out by hand for given feature sets,
 // core counts and clocks; and measure_cpu_peak on this machine: the clock chain gives a plausible
 // clock, and the fp32 FMA loop reaches a sane fraction of the theoretical peak computed from cpuid
-// and that clock (a loop that is latency-bound, or a wrong lane / unit count, lands outside).
+// and that clock (a loop that is latency-bound, or a wrong lane / unit count, lands outside); on AMX
+// CPUs the same for the TDPBF16PS tile loop against the theoretical bf16 (AMX) peak.
 // Part of the kernels.host_math executable (one compile unit fewer).
 #include <catch2/catch.hpp>
 #include <cstdio>
@@ -71,5 +72,34 @@ TEST_CASE("measure_cpu_peak: clock and FMA loop agree with the theoretical peak 
     CHECK(ratio > 0.3);
     CHECK(ratio < 1.2);
     CHECK(p.vector_clock_hz == Approx(p.fma_flops / (threads * 2.0 * p.fp32_lanes * p.fma_units)));
+  }
+}
+
+TEST_CASE("measure_cpu_peak: the AMX tile loop against the theoretical AMX peak on this machine",
+          "[kernels][cpu_peak]") {
+  const CpuFeatures f = cpu_features();
+  if (!f.amx_bf16) {
+    WARN("no AMX on this CPU (or the OS did not enable its state): the AMX loop is not measured");
+    CHECK(measure_cpu_peak(1).amx_flops == 0);  // nothing reported, not a zero rate
+    return;
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (int threads : {1, cores}) {
+    const CpuPeak p = measure_cpu_peak(threads);
+    INFO(p.describe());
+    if (!p.amx_skipped.empty()) {  // an AMX CPU whose OS (or compiler) does not let the loop run
+      WARN("AMX loop not measured: " << p.amx_skipped);
+      CHECK(p.amx_flops == 0);
+      return;
+    }
+    std::printf("AMX (%d threads): theoretical %.1f GFLOP/s, loop measured %.1f (%.2f)\n", threads,
+                p.theoretical.bf16 / 1e9, p.amx_flops / 1e9, p.amx_flops / p.theoretical.bf16);
+    CHECK(std::string(bf16_peak_unit(p.features)) == "AMX");
+    CHECK(p.describe().find("AMX loop measured") != std::string::npos);
+    // As the FMA loop: 1.0 at Intel's 1024 FLOP/cycle/core; below when AMX lowers the clock or other
+    // work shares the cores; above 1.2 means a wrong FLOP count per instruction (or a slow clock chain).
+    const double ratio = p.amx_flops / p.theoretical.bf16;
+    CHECK(ratio > 0.3);
+    CHECK(ratio < 1.2);
   }
 }

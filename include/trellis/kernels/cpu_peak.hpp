@@ -9,7 +9,9 @@
 //                dependent integer adds runs at one add per cycle), since KVM guests and turbo make
 //                the nominal clock meaningless.
 //   measured     a throughput-bound fp32 FMA loop on every thread at once (a few ms): what the
-//                FMA units deliver at the clock they actually run (AVX-512 may run slower).
+//                FMA units deliver at the clock they actually run (AVX-512 may run slower); on AMX
+//                CPUs also a TDPBF16PS tile loop (Linux, once the OS grants the tile state): what
+//                the AMX unit delivers beside Intel's per-cycle figure.
 // The FMA-unit count is not in cpuid (Xeon Silver had one 512-bit unit, Gold/Platinum two; Zen 4
 // splits a 512-bit FMA over two 256-bit pipes): it is measured as the loop's FMAs per cycle per
 // thread over the vector width, rounded, in [1, 2]. Two threads on one core's hyperthreads each
@@ -32,6 +34,14 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
 #define TRELLIS_CPU_PEAK_X86 1
 #include <immintrin.h>
+// The AMX loop: GCC 11 / Clang 12 have the tile intrinsics (under a target attribute, whatever the
+// project's flags); Linux hands out the tile state on request (arch_prctl, kernel 5.16+).
+#if defined(__linux__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define TRELLIS_CPU_PEAK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace trellis::kernels::host {
@@ -150,6 +160,72 @@ __attribute__((target("avx2,fma"))) inline float fma_loop_avx2(std::int64_t iter
 #undef TRELLIS_FMA12
 #endif
 
+// Linux gives a process the AMX tile data state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA = 18); without it the first tile instruction raises SIGILL. Asked once per
+// process (process-wide, so threads started later have it too; oneDNN asks the same way). "" when
+// granted, else why not.
+inline const char* request_amx_permission() {
+#if defined(TRELLIS_CPU_PEAK_AMX)
+  static const char* const why = []() -> const char* {
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || !(granted & (1ul << kXfeatureXtiledata)))
+      return "Linux did not grant the AMX tile state (arch_prctl ARCH_GET_XCOMP_PERM)";
+    return "";
+  }();
+  return why;
+#else
+  return "not compiled in (x86-64 Linux with GCC 11+ or Clang 12+ only; not nvcc)";
+#endif
+}
+
+#if defined(TRELLIS_CPU_PEAK_AMX)
+// `iters` x 6 TDPBF16PS on full tiles (16 rows x 64 bytes: 16 x 16 fp32 outputs, 32 bf16 products
+// each = 8192 FMAs = 16384 FLOP per instruction): six independent accumulator tiles (tmm0-5) over
+// one A and one B tile (tmm6, tmm7) loaded once, so nothing but the tile unit is timed and no
+// accumulator waits for its own previous product. Inputs 2^-10: sums grow by 2^-15 per product,
+// no overflow, no denormals. Only after request_amx_permission() granted the state, on AMX CPUs.
+// Returns one accumulator's element (kept live).
+struct alignas(64) AmxTileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline float amx_loop(std::int64_t iters) {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  alignas(64) std::uint16_t ab[16 * 32];
+  for (auto& x : ab) x = 0x3A80;  // bf16 2^-10
+  alignas(64) float out[16 * 16];
+  __asm__ volatile("" : : "r"(&cfg), "r"(ab) : "memory");  // GCC's tile loads take bare pointers: store first
+  _tile_loadconfig(&cfg);
+  _tile_loadd(6, ab, 64);
+  _tile_loadd(7, ab, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(5, out, 64);
+  __asm__ volatile("" : : "r"(out) : "memory");  // ... and the store is seen before `out` is read
+  _tile_release();
+  return out[0];
+}
+inline constexpr double kAmxLoopFlopPerIter = 6.0 * 16 * 16 * 32 * 2;
+#endif
+
 // The best rate (work units per CPU second of this thread) of `reps` timed windows of about
 // `window_s` each, after one untimed window (frequency ramp, AVX-512 licence). `run(iters)` does
 // `iters` x `per_iter` units.
@@ -185,24 +261,32 @@ struct CpuPeak {
   double fma_flops = 0;        // measured: all threads' fp32 FMA loop, FLOP/s
   int fma_units = 2;           // measured FMA pipes per core (assumed 2 when no loop ran)
   double vector_clock_hz = 0;  // the clock the FMA loop implies: fma_flops / (threads x lanes x 2 x units)
+  double amx_flops = 0;        // measured: all threads' TDPBF16PS loop, FLOP/s; 0: not measured (see amx_skipped)
+  std::string amx_skipped;     // why an AMX CPU's loop did not run ("" when it ran, or the CPU has no AMX)
   PeakFlops theoretical{};     // peak_flops(features, threads, clock_hz, fma_units)
 
   double peak(bool bf16) const { return bf16 ? theoretical.bf16 : theoretical.fp32; }
-  // "fp32 2 x 16 lanes x 2 FMA x 2.10 GHz = 268.8 GFLOP/s (FMA loop 250.1); bf16 AMX ..."
+  // "2 cores at 2.70 GHz (measured): fp32 16 lanes x 2 FMA units = 345.6 GFLOP/s (FMA loop measured
+  // 331.0, ...), bf16 AMX 5529.6 GFLOP/s (AMX loop measured 4800.0)"
   std::string describe() const {
-    char buf[400];
-    std::snprintf(buf, sizeof buf,
-                  "%d cores at %.2f GHz (measured): fp32 %d lanes x %d FMA units = %.1f GFLOP/s (FMA loop "
-                  "measured %.1f, i.e. %.2f GHz under vector load), bf16 %s %.1f GFLOP/s",
-                  threads, clock_hz / 1e9, fp32_lanes > 0 ? fp32_lanes : kernels::host::fp32_lanes(features),
-                  fma_units, theoretical.fp32 / 1e9, fma_flops / 1e9, vector_clock_hz / 1e9, bf16_peak_unit(features),
-                  theoretical.bf16 / 1e9);
+    char buf[600];
+    int n = std::snprintf(buf, sizeof buf,
+                          "%d cores at %.2f GHz (measured): fp32 %d lanes x %d FMA units = %.1f GFLOP/s (FMA loop "
+                          "measured %.1f, i.e. %.2f GHz under vector load), bf16 %s %.1f GFLOP/s",
+                          threads, clock_hz / 1e9, fp32_lanes > 0 ? fp32_lanes : kernels::host::fp32_lanes(features),
+                          fma_units, theoretical.fp32 / 1e9, fma_flops / 1e9, vector_clock_hz / 1e9,
+                          bf16_peak_unit(features), theoretical.bf16 / 1e9);
+    if (n < 0 || n >= static_cast<int>(sizeof buf)) return buf;
+    if (amx_flops > 0)
+      std::snprintf(buf + n, sizeof buf - n, " (AMX loop measured %.1f)", amx_flops / 1e9);
+    else if (!amx_skipped.empty())
+      std::snprintf(buf + n, sizeof buf - n, " (AMX loop not run: %s)", amx_skipped.c_str());
     return buf;
   }
 };
 
-// Runs the clock chain and the FMA loop on `threads` threads at once (they start together; each
-// takes the best of `reps` windows of `window_s` of its own CPU time: ~0.1 s in all at the
+// Runs the clock chain and the FMA loop (and on AMX CPUs the tile loop) on `threads` threads at
+// once (they start together; each takes the best of `reps` windows of `window_s` of its own CPU time: ~0.1 s in all at the
 // defaults), then computes the theoretical peak of `threads` cores. Rates are per CPU second, so
 // other work preempting the threads on a shared machine does not lower them (measured: a build at
 // the same nice level beside it took the wall-clock version's clock from 2.7 to 1.9 GHz). A
@@ -213,13 +297,17 @@ inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps =
   CpuPeak p;
   p.features = cpu_features();
   p.threads = std::max(threads, 1);
-  std::vector<double> clock(static_cast<std::size_t>(p.threads)), fma(static_cast<std::size_t>(p.threads));
+  std::vector<double> clock(static_cast<std::size_t>(p.threads)), fma(static_cast<std::size_t>(p.threads)),
+      amx(static_cast<std::size_t>(p.threads));
   std::atomic<int> ready{0};
   int lanes = 0;
 #if defined(TRELLIS_CPU_PEAK_X86)
   lanes = p.features.avx512f ? 16 : p.features.avx2 ? 8 : 0;
 #endif
   p.fp32_lanes = lanes;
+  // Before the threads start: the permission is the process's.
+  if (p.features.amx_bf16) p.amx_skipped = detail::request_amx_permission();
+  [[maybe_unused]] const bool run_amx = p.features.amx_bf16 && p.amx_skipped.empty();
   auto body = [&](int t) {
     volatile float sink = 0;
     ready.fetch_add(1);
@@ -233,6 +321,11 @@ inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps =
     else if (lanes == 8)
       fma[static_cast<std::size_t>(t)] = detail::best_rate(detail::fma_loop_avx2, 12.0 * 8 * 2, window_s, reps, &sink);
 #endif
+#if defined(TRELLIS_CPU_PEAK_AMX)
+    if (run_amx)
+      amx[static_cast<std::size_t>(t)] =
+          detail::best_rate(detail::amx_loop, detail::kAmxLoopFlopPerIter, window_s, reps, &sink);
+#endif
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < p.threads; ++t) pool.emplace_back(body, t);
@@ -241,6 +334,7 @@ inline CpuPeak measure_cpu_peak(int threads, double window_s = 0.002, int reps =
   for (int t = 0; t < p.threads; ++t) {
     p.clock_hz += clock[static_cast<std::size_t>(t)] / p.threads;
     p.fma_flops += fma[static_cast<std::size_t>(t)];
+    p.amx_flops += amx[static_cast<std::size_t>(t)];
   }
   if (lanes > 0 && p.clock_hz > 0 && p.fma_flops > 0) {
     const double per_cycle = p.fma_flops / p.threads / p.clock_hz / (2.0 * lanes);  // FMA instr / cycle
