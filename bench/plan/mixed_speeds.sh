@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The planner on ranks of unequal speed: train_gpt --plan auto on 2 thread ranks whose speeds come
-# from a cluster file (the second 2x slower; --simulate-rank-speed makes it so: after each action
-# it sleeps for as long as the action took, a slow device SIMULATED on the host; one kernel thread
+# from a cluster file (the second 2x slower; --simulate-rank-speed makes it so: after each unit's
+# compute it sleeps for as long as that took, a slow device SIMULATED on the host; one kernel thread
 # per rank, so its idle core is not lent to the other). The planner times this machine's kernels,
 # takes the file's speeds, and gives its layouts uneven dp shares and stage splits
 # (plan::balance_for_speeds). Beside its choice, measured the same way: dp 2, pp 2 and tp 2 with

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Data-parallel replicas of different speeds: train_gpt with dp 2 on thread ranks where dp rank 1
-# computes 2x slower (--dp-speed 1,0.5 --simulate-rank-speed: it sleeps after each forward and
-# backward for as long as they took, a slow device SIMULATED on the host), with equal shares of
+# computes 2x slower (--dp-speed 1,0.5 --simulate-rank-speed: it sleeps after each unit's compute
+# for as long as that took, a slow device SIMULATED on the host), with equal shares of
 # the batch (--dp-rows 16,16) and with the shares balanced for the speeds (--dp-speed alone: the
 # shares whose slowest rank finishes first), the same steps and seed. Per run: the shares, the
 # predicted compute of the slowest rank (rows / speed) and the measured seconds for the steps

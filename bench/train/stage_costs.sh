@@ -2,7 +2,7 @@
 # What the balanced pipeline split weighs: FLOP counts, or each block's and head's F+B+W timed on
 # this machine (--stage-costs measured: the planner's cost model with plan::MeasuredRates). pp 2 on
 # thread ranks, the speeds from a cluster file whose second device is 2x slower (--cluster; with
-# --simulate-rank-speed rank 1 sleeps after each action for as long as it took: a slow device
+# --simulate-rank-speed rank 1 sleeps after each unit's compute for as long as it took: a slow device
 # SIMULATED on the host). The LM head of vocab 4096 is where FLOPs and time part: its
 # cross-entropy and norms cost time that no FLOP counts, attention costs more than its FLOPs.
 # Every split with the slow stage holding 1-6 of the 12 blocks is run too (--stage-layers, the same

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Devices of different speeds: train_gpt with pp 2 on thread ranks where pipeline rank 1 computes
-# 2x slower (--rank-speed 1,0.5 --simulate-rank-speed: it sleeps after each action for as long as
-# the action took, a slow device SIMULATED on the host), with the even split (--stage-layers 4,4)
+# 2x slower (--rank-speed 1,0.5 --simulate-rank-speed: it sleeps after each unit's compute for as
+# long as that took, a slow device SIMULATED on the host), with the even split (--stage-layers 4,4)
 # and the balanced split (chosen from the FLOP count and the speeds), the same steps and seed.
 # Per run: the split, the simulator's predicted step (block passes) and the measured seconds for
 # the steps (evaluation included, the same in both runs); the ratios even / balanced side by side.

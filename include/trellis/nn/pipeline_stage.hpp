@@ -82,15 +82,19 @@ class GptPipelineStage {
     return m->stage().head ? 0 : activation_size(*m);
   }
 
-  // A slow device simulated on the host: after each compute call the stage sleeps (factor - 1)
-  // times the call's time (1: off). Host timing: a device backend's kernels run asynchronously.
+  // A slow device simulated on the host (1: off): each weight unit's compute in a forward,
+  // backward or W (between its hooks: waits for gathered values are not compute) is followed by a
+  // sleep of (factor - 1) times it, before the next hook (which starts the unit's reductions); so
+  // collectives between units (ZeRO-2/3, dp buckets) see the slow rank when a slow device would
+  // show, not an action later. An action that reports no unit sleeps (factor - 1) times its whole
+  // time at its end. Host timing: a device backend's kernels run asynchronously.
   void set_slowdown(double factor) {
     TRELLIS_CHECK(factor >= 1.0, "GptPipelineStage: a slowdown of ", factor, " (must be >= 1)");
     slowdown_ = factor;
   }
 
   void forward(int mb, int chunk, std::span<const value_type> in, std::span<value_type> out) {
-    Slowed slowed(slowdown_);
+    Slowed slowed(*this);
     auto* m = model(chunk);
     typename model_type::Input si;
     si.tokens = m->stage().embedding ? ids(tokens_, mb, "tokens") : nullptr;
@@ -101,19 +105,19 @@ class GptPipelineStage {
     (m->stage().head ? loss_ : local_losses_.at(static_cast<std::size_t>(chunk))) += l;
   }
   void backward_input(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
-    Slowed slowed(slowdown_);
+    Slowed slowed(*this);
     model(chunk)->backward_input(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                                  grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
   }
   // backward_input + backward_weight fused per unit (GptModel::backward), for a plain loop.
   void backward(int mb, int chunk, std::span<const value_type> grad_out, std::span<value_type> grad_in) {
-    Slowed slowed(slowdown_);
+    Slowed slowed(*this);
     model(chunk)->backward(mb, shape_of(mb), grad_out.empty() ? nullptr : grad_out.data(),
                            grad_in.empty() ? nullptr : grad_in.data(), hook(mb, chunk));
     ++weights_done_;
   }
   void backward_weight(int mb, int chunk) {
-    Slowed slowed(slowdown_);
+    Slowed slowed(*this);
     model(chunk)->backward_weight(mb, hook(mb, chunk));
     ++weights_done_;
   }
@@ -160,18 +164,30 @@ class GptPipelineStage {
   void set_unit_hook(std::function<void(int, int, int, UnitPhase)> hook) { unit_hook_ = std::move(hook); }
 
  private:
-  // Sleeps (factor - 1) x its lifetime when it ends (set_slowdown).
+  // Around each action (set_slowdown): where no unit was slowed inside it, sleeps (factor - 1) x
+  // its lifetime when it ends.
   struct Slowed {
-    double factor;
+    GptPipelineStage& stage;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    explicit Slowed(GptPipelineStage& s) : stage(s) { stage.units_slowed_ = 0; }
     ~Slowed() {
-      if (factor > 1.0)
-        std::this_thread::sleep_for((std::chrono::steady_clock::now() - start) * (factor - 1.0));
+      if (stage.slowdown_ > 1.0 && stage.units_slowed_ == 0)
+        std::this_thread::sleep_for((std::chrono::steady_clock::now() - start) * (stage.slowdown_ - 1.0));
     }
   };
+  // Units may nest (a backward's W inside it): the compute since the last event inside a unit is
+  // slowed before the next event's hook runs, and hooks are not compute.
   auto hook(int mb, int chunk) {
     return [this, mb, chunk](int unit, UnitPhase phase) {
+      const bool begins =
+          phase == UnitPhase::forward_begin || phase == UnitPhase::backward_begin || phase == UnitPhase::weight_begin;
+      if (slowdown_ > 1.0 && unit_depth_ > 0) {
+        std::this_thread::sleep_for((std::chrono::steady_clock::now() - unit_mark_) * (slowdown_ - 1.0));
+        ++units_slowed_;
+      }
       if (unit_hook_) unit_hook_(mb, chunk, unit, phase);
+      unit_depth_ += begins ? 1 : -1;
+      unit_mark_ = std::chrono::steady_clock::now();
     };
   }
   model_type* model(int chunk) const {
@@ -205,6 +221,9 @@ class GptPipelineStage {
   std::vector<double> local_losses_;
   int weights_done_ = 0;
   double slowdown_ = 1.0;
+  std::chrono::steady_clock::time_point unit_mark_{};  // the last unit event's hook returned
+  int unit_depth_ = 0;                                  // units begun and not ended
+  int units_slowed_ = 0;                                // sleeps in the current action
   std::function<void(int, int, int, UnitPhase)> unit_hook_;
 };
 
