@@ -11,15 +11,8 @@
 set -euo pipefail
 source "$(dirname "$0")/../train/train_gpt_env.sh"
 shift "$train_gpt_args"
-cat >"$ckpt/slow_second.json" <<'JSON'
-{"name": "2 thread ranks, the second 2x slower (simulated)", "nodes": 1, "devices_per_node": 2,
- "device": {"name": "thread rank", "memory_gib": 8, "peak_tflops": {"fp32": 0.1, "bf16": 0.1},
-            "memory_bandwidth_gbps": 20},
- "intra_node": {"bandwidth_gbps": 5, "latency_us": 5}, "inter_node": {"bandwidth_gbps": 5, "latency_us": 5},
- "speed": [1, 0.5]}
-JSON
 model=(--layers 8 --width 128 --heads 2 --context 128 --vocab 2048 --batch 16 --val-fraction 0.2 --steps 20 --eval-every 100
-       --sample-tokens 0 --warmup 5 --simulate-rank-speed --kernel-threads 1 --cluster "$ckpt/slow_second.json")
+       --sample-tokens 0 --warmup 5 --simulate-rank-speed --kernel-threads 1 --cluster "$here/bench/train/slow_second_rank.json")
 extra=("$@")
 run() {  # label, flags...: prints the row; sets secs and out
   local label=$1; shift

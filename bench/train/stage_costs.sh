@@ -13,13 +13,6 @@
 set -euo pipefail
 source "$(dirname "$0")/train_gpt_env.sh"
 shift "$train_gpt_args"
-cat >"$ckpt/slow_second.json" <<'JSON'
-{"name": "2 thread ranks, the second 2x slower (simulated)", "nodes": 1, "devices_per_node": 2,
- "device": {"name": "thread rank", "memory_gib": 8, "peak_tflops": {"fp32": 0.1, "bf16": 0.1},
-            "memory_bandwidth_gbps": 20},
- "intra_node": {"bandwidth_gbps": 5, "latency_us": 5}, "inter_node": {"bandwidth_gbps": 5, "latency_us": 5},
- "speed": [1, 0.5]}
-JSON
 model=(--layers 12 --width 128 --heads 2 --context 256 --vocab 4096 --batch 8 --microbatches 8 --val-fraction 0.4
        --pp 2 --steps 20 --eval-every 100 --sample-tokens 0 --warmup 5 --simulate-rank-speed --kernel-threads 1)
 run() {  # label, flags...: prints the row; sets split and secs
@@ -40,9 +33,9 @@ for slow in 1 2 3 4 5 6; do
   run "split $((12 - slow)),$slow" --stage-layers $((12 - slow)),$slow --rank-speed 1,0.5 --stage-costs measured
   at[$split]=$secs
 done
-run "--cluster, --stage-costs flops" --cluster "$ckpt/slow_second.json" --stage-costs flops
+run "--cluster, --stage-costs flops" --cluster "$here/bench/train/slow_second_rank.json" --stage-costs flops
 flops_split=$split flops_secs=$secs
-run "--cluster, --stage-costs measured" --cluster "$ckpt/slow_second.json" --stage-costs measured
+run "--cluster, --stage-costs measured" --cluster "$here/bench/train/slow_second_rank.json" --stage-costs measured
 best=$(for s in "${!at[@]}"; do echo "${at[$s]} $s"; done | sort -n | head -1)
 echo "fastest fixed split: ${best#* } (${best%% *} s); flops chose $flops_split ($flops_secs s), measured chose $split ($secs s)"
 awk -v f="$flops_secs" -v m="$secs" -v b="${best%% *}" \
