@@ -156,7 +156,7 @@ TEST_CASE("a small cluster file parses field by field", "[cluster]") {
 }
 
 TEST_CASE("to_json writes the same format and reads back equal", "[cluster]") {
-  for (const char* file : {"h100_sxm_16x8.json", "a100_sxm_4x8.json"}) {
+  for (const char* file : {"h100_sxm_16x8.json", "a100_sxm_4x8.json", "h100_a100_mixed_2x8.json"}) {
     INFO(file);
     const Cluster c = load_cluster(example(file));
     const std::string text = to_json(c);
@@ -166,6 +166,7 @@ TEST_CASE("to_json writes the same format and reads back equal", "[cluster]") {
             Approx(c.device.peak_flops_bf16 / 1e12).epsilon(1e-15));
     REQUIRE(v.at("inter_node").find("bandwidth_gbps") != nullptr);
     require_same(parse_cluster(text, "written.json"), c);
+    if (std::string(file) == "h100_a100_mixed_2x8.json") REQUIRE((c.speed_of(7) == 1.0 && c.speed_of(8) == 0.315));
   }
   require_same(parse_cluster(to_json(parse_cluster(good, "good.json")), "written.json"),
                parse_cluster(good, "good.json"));
