@@ -263,26 +263,32 @@ inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * 
 
 }  // namespace detail
 
+// The speed of the device group that computes together, the cp x tp ranks of dp replica d of
+// pipeline stage p (the trainer's mesh order pp, dp, cp, tp): its slowest device's. Checks first
+// that the cluster has one device per rank of the layout.
+inline double group_speed(const train::TrainerConfig& c, const Cluster& cluster, int p, int d) {
+  const int inner = c.cp * c.tp;
+  const std::int64_t ranks = static_cast<std::int64_t>(std::max(1, c.pp)) * c.dp * inner;
+  TRELLIS_CHECK(ranks == cluster.devices(), "cluster '", cluster.name, "' has ", cluster.devices(),
+                " devices but the layout dp x tp x pp x cp = ", c.dp, " x ", c.tp, " x ", c.pp, " x ", c.cp, " has ",
+                ranks, " ranks: one device per rank");
+  double s = 1e300;
+  for (int i = 0; i < inner; ++i) s = std::min(s, cluster.speed_of((p * c.dp + d) * inner + i));
+  return s;
+}
+
 // Each pipeline rank's pace for compute, relative to one device of speed 1 computing the mean
 // share of rows: its dp replicas compute their rows (dp_rows, or equal shares) each at its
 // slowest device's speed (the cp x tp ranks of one replica of one stage work together), and the
 // stage goes at its slowest replica's pace: 1 / max_d (rows_d / mean rows) / speed(p, d). The
 // compute is taken as linear in the rows. Ranks in the trainer's mesh order (pp, dp, cp, tp).
 inline std::vector<double> pipeline_rank_pace(const train::TrainerConfig& c, const Cluster& cluster) {
-  const int inner = c.cp * c.tp;
-  const std::int64_t ranks = static_cast<std::int64_t>(std::max(1, c.pp)) * c.dp * inner;
-  TRELLIS_CHECK(ranks == cluster.devices(), "cluster '", cluster.name, "' has ", cluster.devices(),
-                " devices but the layout dp x tp x pp x cp = ", c.dp, " x ", c.tp, " x ", c.pp, " x ", c.cp, " has ",
-                ranks, " ranks: one device per rank");
   const double mean = static_cast<double>(c.batch) / c.dp;
   std::vector<double> pace(static_cast<std::size_t>(std::max(1, c.pp)));
   for (int p = 0; p < std::max(1, c.pp); ++p) {
     double slowest = 0;  // the largest time per mean share among the replicas
-    for (int d = 0; d < c.dp; ++d) {
-      double s = 1e300;
-      for (int i = 0; i < inner; ++i) s = std::min(s, cluster.speed_of((p * c.dp + d) * inner + i));
-      slowest = std::max(slowest, static_cast<double>(train::dp_rows_of(c, d)) / mean / s);
-    }
+    for (int d = 0; d < c.dp; ++d)
+      slowest = std::max(slowest, static_cast<double>(train::dp_rows_of(c, d)) / mean / group_speed(c, cluster, p, d));
     pace[static_cast<std::size_t>(p)] = 1.0 / slowest;
   }
   return pace;

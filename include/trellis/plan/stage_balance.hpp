@@ -62,16 +62,7 @@ struct StageSpeeds {
   }
 };
 inline StageSpeeds stage_speeds(const train::TrainerConfig& c, const Cluster& cluster) {
-  const int inner = c.cp * c.tp;
-  const std::int64_t ranks = static_cast<std::int64_t>(c.pp) * c.dp * inner;
-  TRELLIS_CHECK(ranks == cluster.devices(), "cluster '", cluster.name, "' has ", cluster.devices(),
-                " devices but the layout dp x tp x pp x cp = ", c.dp, " x ", c.tp, " x ", c.pp, " x ", c.cp, " has ",
-                ranks, " ranks: one device per rank");
-  const auto group = [&](int p, int d) {
-    double s = 1e300;
-    for (int i = 0; i < inner; ++i) s = std::min(s, cluster.speed_of((p * c.dp + d) * inner + i));
-    return s;
-  };
+  const auto group = [&](int p, int d) { return group_speed(c, cluster, p, d); };
   StageSpeeds out;
   out.rank_speed.assign(static_cast<std::size_t>(c.pp), 0.0);
   out.dp_speed.assign(static_cast<std::size_t>(c.dp), 1e300);
@@ -104,13 +95,10 @@ inline bool balance_for_speeds(train::TrainerConfig& c, const Cluster& cluster, 
     return false;
   bool changed = false;
   if (c.dp > 1 && c.microbatches >= 1 && c.batch % c.microbatches == 0 && c.batch / c.microbatches >= c.dp) {
-    const int inner = c.cp * c.tp;
     std::vector<double> replica(static_cast<std::size_t>(c.dp), 1e300);
     for (int p = 0; p < std::max(1, c.pp); ++p)
       for (int d = 0; d < c.dp; ++d)
-        for (int i = 0; i < inner; ++i)
-          replica[static_cast<std::size_t>(d)] =
-              std::min(replica[static_cast<std::size_t>(d)], cluster.speed_of((p * c.dp + d) * inner + i));
+        replica[static_cast<std::size_t>(d)] = std::min(replica[static_cast<std::size_t>(d)], group_speed(c, cluster, p, d));
     if (!StageSpeeds::uneven(replica).empty()) {
       c.dp_rows = train::balanced_dp_rows(c.batch, c.microbatches, replica);
       if (std::all_of(c.dp_rows.begin(), c.dp_rows.end(), [&](index_t r) { return r == c.batch / c.dp; }))
