@@ -11,6 +11,9 @@
 //           return normally, so ~MpiWorld must end the job (an operation was abandoned in flight)
 //   late_dup  (before step 0) stops (SIGSTOP) instead of constructing a second communicator over
 //           MPI_COMM_WORLD, which the others construct: its MPI_Comm_dup must time out
+//   stop_in_split  (before step 0) every rank calls split(0, rank); the last stops (SIGSTOP) after
+//           the timed gather of colors, just before MPI_Comm_split (the test seam
+//           detail::mpi_split_test_hook): the others' split must end the job
 // The timeout comes from TRELLIS_COMM_TIMEOUT_MS. Own main: MpiWorld must initialise MPI itself;
 // errors are caught around it and printed, as train_gpt's main does.
 #include <signal.h>
@@ -44,6 +47,17 @@ int main(int argc, char** argv) try {
       }
       MpiComm second(MPI_COMM_WORLD, "second");
       std::printf("rank %d: FAILED: constructed a communicator without rank %d\n", comm.rank(), faulty);
+      return;
+    }
+    if (scenario == "stop_in_split") {
+      if (inject)
+        trellis::comm::detail::mpi_split_test_hook = [](int rank) {
+          std::printf("rank %d: fault stop_in_split at %lld ns\n", rank, test_support::monotonic_ns());
+          std::fflush(stdout);
+          ::raise(SIGSTOP);
+        };
+      MpiComm sub = comm.split(0, comm.rank());
+      std::printf("rank %d: FAILED: split returned without rank %d\n", comm.rank(), faulty);
       return;
     }
     if (scenario == "caught") {

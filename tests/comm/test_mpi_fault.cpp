@@ -1,6 +1,7 @@
 // Faults under mpirun, as a user meets them: a rank stopped (SIGSTOP), killed (SIGKILL) or throwing
-// mid-collective, a rank stopped instead of constructing a communicator (its MPI_Comm_dup), a
-// timeout caught and ignored, and train_gpt with a rank stopped mid-training.
+// mid-collective, a rank stopped instead of constructing a communicator (its MPI_Comm_dup) or
+// inside split (its MPI_Comm_split), a timeout caught and ignored, and train_gpt with a rank
+// stopped mid-training.
 // Each case starts a 2-process mpirun job (tests/support/mpi_job.hpp) and requires: the job ends
 // on its own, non-zero, within the communication timeout plus a few seconds of the fault; the
 // output holds one clear error naming the operation, the ranks and the timeout (or the injected
@@ -123,6 +124,18 @@ TEST_CASE("a rank stopped instead of constructing a communicator: the dup times 
   check_stopped_job(run, "trellis: [rank 0] MPI_Comm_dup of communicator 'second' (collective over 2 ranks) timed "
                          "out after 2000 ms on rank 0: a rank did not arrive");
   CHECK(run.out.find("FAILED") == std::string::npos);
+}
+
+TEST_CASE("a rank stopped inside split, after the gather: the others' MPI_Comm_split ends the job",
+          "[mpi_fault][stop_in_split]") {
+  WorkerRun run("stop_in_split", 2000, 20s);
+  INFO(run.out);
+  // No arrival query (MPI_Comm_split blocks): the job ends within about the timeout of the stop.
+  check_stopped_job(run, "trellis: [rank 0] MPI_Comm_split of split(0) timed out after 2000 ms on rank 0 of 2 of "
+                         "communicator 'world': a rank stopped or died after the colors were gathered");
+  CHECK(seconds_after_fault(run.job, run.out) < 2.0 + 3.0);
+  CHECK(run.out.find("FAILED") == std::string::npos);
+  CHECK(run.job.rank_ended_within(1, 3s));
 }
 
 TEST_CASE("a rank killed mid-collective: the job ends at once, naming it", "[mpi_fault][kill]") {

@@ -8,10 +8,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <source_location>
 #include <span>
@@ -34,6 +38,67 @@
 #include "trellis/core/space.hpp"
 
 namespace trellis::comm {
+
+namespace detail {
+
+// Test seam (tests/comm/mpi_fault_worker.cpp, scenario stop_in_split): called by split() with the
+// rank in the communicator being split, between the timed gather and MPI_Comm_split. Null
+// outside that test.
+inline void (*mpi_split_test_hook)(int rank) = nullptr;
+
+// Ends the process if a blocking MPI call has not returned within `timeout` (no thread when the
+// timeout is off): for MPI_Comm_split, the one call here without a nonblocking form. A blocked
+// MPI call can be neither cancelled nor abandoned: running it on a thread of its own and raising
+// the timeout here instead would leave that thread inside a collective of a communicator still
+// in use (and needs MPI_THREAD_MULTIPLE), so the job ends, as MpiWorld ends it after a timeout
+// anyway. Destroying the watchdog (the call returned) wakes and joins its thread at once.
+class MpiWatchdog {
+ public:
+  // `what` is printed as is; the thread level is queried here, as only this thread may call MPI
+  // below MPI_THREAD_MULTIPLE.
+  MpiWatchdog(std::chrono::milliseconds timeout, std::string what) {
+    if (timeout.count() <= 0) return;
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    thread_ = std::thread([this, deadline = std::chrono::steady_clock::now() + timeout, what = std::move(what),
+                           level] {
+      std::unique_lock lock(mutex_);
+      if (!cv_.wait_until(lock, deadline, [this] { return done_; })) fire(what, level);
+    });
+  }
+  MpiWatchdog(const MpiWatchdog&) = delete;
+  MpiWatchdog& operator=(const MpiWatchdog&) = delete;
+  ~MpiWatchdog() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  // MPI_Abort ends every rank (the others may be blocked in the same call); without
+  // MPI_THREAD_MULTIPLE this thread may not call MPI, so it exits and mpirun ends the rest.
+  [[noreturn]] static void fire(const std::string& what, int level) {
+    const bool multiple = level == MPI_THREAD_MULTIPLE;
+    std::fprintf(stderr, "%s; a blocking MPI call cannot be abandoned, so this process %s\n", what.c_str(),
+                 multiple ? "ends the job: MPI_Abort(MPI_COMM_WORLD, 1)"
+                          : "exits (std::_Exit(1): MPI_Abort from this thread needs MPI_THREAD_MULTIPLE)");
+    std::fflush(stdout);
+    std::fflush(stderr);
+    if (multiple) MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);  // MPI_Abort does not return
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: started once the members it uses exist
+};
+
+}  // namespace detail
 
 // The Communicator over MPI. Build one from any MPI_Comm (it is duplicated, never modified) or
 // take the one MpiWorld::run hands out. Move-only; split() makes sub-communicators.
@@ -209,7 +274,8 @@ class MpiComm {
 
   // Ranks with the same color form a new communicator, ordered by key then rank (collective).
   // The colors and keys are first gathered with the timeout, so a missing rank raises instead of
-  // hanging inside MPI_Comm_split.
+  // hanging inside MPI_Comm_split; a rank that stops or dies after the gather makes the others'
+  // MPI_Comm_split (blocking: MPI has no nonblocking split) end the job after the timeout.
   MpiComm split(int color, int key, std::source_location where = std::source_location::current()) {
     state_->check_usable();
     if (color < 0)
@@ -223,6 +289,7 @@ class MpiComm {
                                        std::source_location where = std::source_location::current()) {
     auto& s = *state_;
     s.check_usable();
+    const std::string call = trellis::detail::concat("split(", color, ")");
     if (color < 0) color = MPI_UNDEFINED;
     auto p = begin(OpKind::split, DType::i32, 0, -1, ReduceOp::sum, where, true);
     p->counts.assign(static_cast<std::size_t>(2 * s.size + 2), 0);
@@ -231,9 +298,20 @@ class MpiComm {
     TRELLIS_CHECK_MPI(MPI_Iallgather(p->counts.data(), 2, MPI_INT, p->counts.data() + 2, 2, MPI_INT,
                                      comm(), push(*p)));
     run_blocking(std::move(p));
+    if (detail::mpi_split_test_hook) detail::mpi_split_test_hook(s.rank);
     MPI_Comm sub = MPI_COMM_NULL;
-    TRELLIS_CHECK_MPI(MPI_Comm_split(comm(), color, key, &sub));
+    {
+      // Every rank was at the gather, so only a rank that stopped or died since can block this;
+      // a thread per split costs well under a millisecond, and splits are rare.
+      const int rank = trellis::current_rank();  // as trellis::Error names it
+      const std::string who = rank >= 0 ? trellis::detail::concat("[rank ", rank, "] ") : std::string();
+      detail::MpiWatchdog watchdog(s.timeout, trellis::detail::concat(
+          "trellis: ", who, "MPI_Comm_split of ", call, " timed out after ", s.timeout.count(), " ms ", s.where(),
+          ": a rank stopped or died after the colors were gathered"));
+      TRELLIS_CHECK_MPI(MPI_Comm_split(comm(), color, key, &sub));
+    }
     if (sub == MPI_COMM_NULL) return std::nullopt;
+    // (The new communicator's control duplicate is made by dup_within, with the same deadline.)
     MpiComm result(adopt_tag{}, sub, s.recorder.label() + "/split(" + std::to_string(color) + ")", s.timeout);
     result.set_debug(s.debug);
     result.set_timeout(s.timeout);
