@@ -14,6 +14,10 @@ class TrellisConan(ConanFile):
     topics = ("deep-learning", "distributed-training", "cuda", "mpi", "header-only")
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
+    # json: the file formats (io/, train/, plan/ and the umbrella header) read and write JSON with
+    # nlohmann-json; without it only the core headers are usable.
+    options = {"json": [True, False]}
+    default_options = {"json": True}
     exports_sources = "include/*", "LICENSE", "README.md"
     no_copy_source = True
 
@@ -23,6 +27,10 @@ class TrellisConan(ConanFile):
         parts = [re.search(rf"#define TRELLIS_VERSION_{p} (\d+)", text).group(1)
                  for p in ("MAJOR", "MINOR", "PATCH")]
         self.version = ".".join(parts)
+
+    def requirements(self):
+        if self.options.json:
+            self.requires("nlohmann_json/[>=3.10 <4]")
 
     def package_id(self):
         self.info.clear()
@@ -36,6 +44,16 @@ class TrellisConan(ConanFile):
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
         self.cpp_info.set_property("cmake_file_name", "trellis")
-        self.cpp_info.set_property("cmake_target_name", "trellis::trellis")
+        core = self.cpp_info.components["core"]
+        core.set_property("cmake_target_name", "trellis::trellis")
+        core.bindirs = []
+        core.libdirs = []
         if self.settings.os in ("Linux", "FreeBSD"):
-            self.cpp_info.system_libs = ["pthread"]
+            core.system_libs = ["pthread"]
+        if self.options.json:
+            json = self.cpp_info.components["json"]
+            json.set_property("cmake_target_name", "trellis::json")
+            json.bindirs = []
+            json.libdirs = []
+            json.includedirs = []
+            json.requires = ["core", "nlohmann_json::nlohmann_json"]

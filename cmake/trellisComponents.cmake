@@ -5,7 +5,7 @@
 # Targets are IMPORTED GLOBAL INTERFACE libraries, so add_subdirectory/FetchContent users see them.
 include_guard(GLOBAL)
 
-set(TRELLIS_KNOWN_COMPONENTS blas dnnl mpi cuda nccl)
+set(TRELLIS_KNOWN_COMPONENTS json blas dnnl mpi cuda nccl)
 
 # CMake 3.25 knows nvcc's language levels only up to C++17. trellis needs C++20 in CUDA too, so
 # teach CMake the flag when the CUDA language is enabled and CMake does not know it yet; then
@@ -37,7 +37,19 @@ function(trellis_add_component name found_var)
     return()
   endif()
 
-  if(name STREQUAL "blas")
+  if(name STREQUAL "json")
+    # The file formats (io/: safetensors headers, JSON; train/: checkpoints, metrics; plan/:
+    # cluster files) read and write JSON with nlohmann-json. The rest of trellis needs nothing.
+    find_package(nlohmann_json 3.10 QUIET CONFIG)
+    if(NOT nlohmann_json_FOUND)
+      set(TRELLIS_COMPONENT_MESSAGE
+          "trellis component 'json' needs nlohmann-json 3.10 or newer: install nlohmann-json3-dev (vcpkg: nlohmann-json, Conan: nlohmann_json), or set nlohmann_json_DIR to its CMake config" PARENT_SCOPE)
+      return()
+    endif()
+    add_library(trellis::json INTERFACE IMPORTED GLOBAL)
+    target_link_libraries(trellis::json INTERFACE trellis::trellis nlohmann_json::nlohmann_json)
+
+  elseif(name STREQUAL "blas")
     find_package(CBLAS QUIET)
     if(NOT CBLAS_FOUND)
       set(TRELLIS_COMPONENT_MESSAGE

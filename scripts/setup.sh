@@ -3,7 +3,7 @@
 # when it is all there already. Called by scripts/run.sh and scripts/test.sh.
 set -euo pipefail
 
-apt_packages=(cmake ninja-build g++ catch2 libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin ccache valgrind)
+apt_packages=(cmake ninja-build g++ catch2 nlohmann-json3-dev libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libopenmpi-dev openmpi-bin ccache valgrind)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,9 @@
 # One translation unit per public header, including that header alone (twice, to check the
 # include guard), so every header is proven self-contained:
-#   - host headers with the host compiler and only trellis::trellis (g++ alone can include them);
+#   - host headers with the host compiler and only trellis::trellis (g++ alone can include them),
+#     with nlohmann-json poisoned: the core needs no third-party library;
+#   - the file-format headers (io/, train/, plan/ and the umbrellas that include them) with
+#     trellis::json, the component that brings nlohmann-json;
 #   - headers that need MPI (name contains "mpi", or under a folder named mpi/) with trellis::mpi;
 #   - CUDA headers (*.cuh with nvcc; .hpp whose name contains "cuda" or "nccl" with g++ and the
 #     CUDA toolkit), only in builds with TRELLIS_ENABLE_CUDA.
@@ -12,6 +15,7 @@ list(SORT _headers)
 
 set(_dir "${CMAKE_CURRENT_BINARY_DIR}/header_checks")
 set(_host_sources "")
+set(_json_sources "")
 set(_mpi_sources "")
 set(_cuda_sources "")
 set(_symbols "")
@@ -24,6 +28,8 @@ foreach(_header IN LISTS _headers)
   set(_kind host)
   if(_header MATCHES "\\.cuh$")
     set(_kind cuda_device)
+  elseif(_header MATCHES "^trellis/(io|train|plan)/" OR _header MATCHES "^trellis/(io|train|plan|trellis)\\.hpp$")
+    set(_kind json)
   elseif(_header MATCHES "(cuda|nccl)[^/]*$")
     set(_kind cuda_host)
   elseif(_header MATCHES "mpi[^/]*$" OR _header MATCHES "/mpi/")
@@ -48,8 +54,8 @@ foreach(_header IN LISTS _headers)
 #include <${_header}>
 int trellis_header_check_${_id}() { return 1; }
 ")
-  if(_kind STREQUAL "host")
-    list(APPEND _host_sources "${_file}")
+  if(_kind MATCHES "^(host|json)$")
+    list(APPEND _${_kind}_sources "${_file}")
     string(APPEND _all_host_forward "#include <${_header}>\n")
     string(PREPEND _all_host_reverse "#include <${_header}>\n")
   elseif(_kind STREQUAL "mpi")
@@ -69,7 +75,7 @@ foreach(_order forward reverse)
 "// generated: every host header together (${_order} order)
 ${_all_host_${_order}}int trellis_all_host_headers_${_order}() { return 1; }
 ")
-  list(APPEND _host_sources "${_dir}/all_host_headers_${_order}.cpp")
+  list(APPEND _json_sources "${_dir}/all_host_headers_${_order}.cpp")
 endforeach()
 
 file(CONFIGURE OUTPUT "${_dir}/main.cpp" CONTENT
@@ -97,10 +103,19 @@ ${_calls}
 }
 ")
 
+# The core's headers see a nlohmann-json that stops the compile: any of them reaching it fails.
+foreach(_name json.hpp json_fwd.hpp)
+  file(CONFIGURE OUTPUT "${_dir}/poison/nlohmann/${_name}" CONTENT
+"#error \"a core header includes nlohmann-json: only io/, train/ and plan/ may (component trellis::json)\"
+")
+endforeach()
 add_library(trellis_header_checks_host OBJECT ${_host_sources})
+target_include_directories(trellis_header_checks_host BEFORE PRIVATE "${_dir}/poison")
 target_link_libraries(trellis_header_checks_host PRIVATE trellis::trellis trellis_warnings)
-set(_objects $<TARGET_OBJECTS:trellis_header_checks_host>)
-set(_libs trellis::trellis)
+add_library(trellis_header_checks_json OBJECT ${_json_sources})
+target_link_libraries(trellis_header_checks_json PRIVATE trellis::json trellis_warnings)
+set(_objects $<TARGET_OBJECTS:trellis_header_checks_host> $<TARGET_OBJECTS:trellis_header_checks_json>)
+set(_libs trellis::json)
 if(_mpi_sources)
   add_library(trellis_header_checks_mpi OBJECT ${_mpi_sources})
   target_link_libraries(trellis_header_checks_mpi PRIVATE trellis::mpi trellis_warnings)

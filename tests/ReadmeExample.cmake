@@ -13,7 +13,7 @@ string(REGEX REPLACE "```.*" "" _block "${_block}")
 set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/README.md")
 file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/readme_example.cpp" CONTENT "${_block}" @ONLY)
 add_executable(readme_example "${CMAKE_CURRENT_BINARY_DIR}/readme_example.cpp")
-target_link_libraries(readme_example PRIVATE trellis::trellis)
+target_link_libraries(readme_example PRIVATE trellis::json)  # the umbrella header includes the file formats
 if(TARGET trellis::blas)
   target_link_libraries(readme_example PRIVATE trellis::blas)
 endif()

@@ -34,7 +34,7 @@ TEST_CASE("json parses and writes every kind of value", "[json]") {
   REQUIRE(v.at("big").as_int() == 9007199254740993LL);  // beyond double precision: kept exact
   // Writing and re-reading gives the same value; keys come out sorted.
   std::string text = json::dump(v);
-  REQUIRE(text.starts_with(R"({"a":[1,-2,3.5,1000,true,false,null],"b":{"c":"x\"\\\n)"));
+  REQUIRE(text.starts_with(R"({"a":[1,-2,3.5,1000.0,true,false,null],"b":{"c":"x\"\\\n)"));
   REQUIRE(json::dump(json::parse(text)) == text);
   REQUIRE(json::dump(json::Value(0.1)) == "0.1");  // shortest round-trip form
   REQUIRE(json::dump(json::Value(std::nan(""))) == "null");
@@ -44,7 +44,33 @@ TEST_CASE("json parses and writes every kind of value", "[json]") {
   REQUIRE(json::dump(json::Value(-0.0)) == "-0.0");
   const auto z = json::parse(json::dump(json::Value(-0.0)));
   REQUIRE((!z.is_int() && z.as_double() == 0.0 && std::signbit(z.as_double())));
-  REQUIRE(json::dump(json::parse("[-0, 0.0]")) == "[0,0]");
+  REQUIRE(json::dump(json::parse("[-0, 0.0]")) == "[0,0.0]");  // a double stays a double
+  // Integers beyond int64 read as doubles (as_int then refuses them), as any that do not fit.
+  REQUIRE_FALSE(json::parse("18446744073709551615").is_int());
+  REQUIRE(json::parse("9223372036854775807").as_int() == INT64_MAX);
+  REQUIRE(json::parse("-9223372036854775808").as_int() == INT64_MIN);
+  REQUIRE_THROWS_WITH(json::parse("99999999999999999999").as_int("train.step"),
+                      Catch::Contains("train.step is not an integer"));
+}
+
+TEST_CASE("json keeps the rules our files rely on over nlohmann-json's defaults", "[json]") {
+  // Duplicate keys: nlohmann keeps the last silently; we refuse them, naming where.
+  REQUIRE_THROWS_WITH(json::parse(R"({"x": [{"a": 1, "a": 2}]})", "index.json"),
+                      Catch::Contains("index.json") && Catch::Contains("duplicate key \"a\" in /x/0"));
+  // Nesting is capped (64 levels pass, 65 do not), so everything after recurses boundedly.
+  REQUIRE_NOTHROW(json::parse(std::string(64, '[') + std::string(64, ']')));
+  REQUIRE_THROWS_WITH(json::parse(std::string(65, '[') + std::string(65, ']')), Catch::Contains("nesting deeper than 64"));
+  // Comments, ill-formed UTF-8 and a lone surrogate are not JSON.
+  for (const char* bad : {"[1] // c", "/* c */ 1", "\"\xff\"", "\"\xc3\"", "\"\\udc00\""}) {
+    INFO(bad);
+    REQUIRE_THROWS_AS(json::parse(bad), Error);
+  }
+  // Writing a string that is not UTF-8 is an error, not a file that no reader accepts.
+  REQUIRE_THROWS_WITH(json::dump(json::Value("ok\xff")), Catch::Contains("cannot write JSON") && Catch::Contains("UTF-8"));
+  // Pretty output reads back to the same value.
+  const auto v = json::parse(R"({"b": [1, 2, {"c": [3.5, null]}], "a": "x"})");
+  REQUIRE(json::dump(json::parse(json::dump(v, 1))) == json::dump(v));
+  REQUIRE(json::dump(v, 1).starts_with("{\n \"a\": \"x\",\n \"b\": ["));
 }
 
 TEST_CASE("json rejects malformed text with the position", "[json]") {

@@ -41,7 +41,7 @@ TEST_CASE("metrics.jsonl: one object per step, read back exactly", "[metrics]") 
   std::string first;
   std::getline(in, first);
   REQUIRE(first ==
-          R"({"elapsed_s":0.5,"grad_norm":1.25,"loss":5.5,"lr":3e-04,"mfu":0.25,"step":1,"tokens_per_s":1000})");
+          R"({"elapsed_s":0.5,"grad_norm":1.25,"loss":5.5,"lr":0.0003,"mfu":0.25,"step":1,"tokens_per_s":1000.0})");
   auto rows = read_metrics(path);
   REQUIRE(rows.size() == 2);
   REQUIRE(rows[1].at("step").as_int() == 2);

@@ -1,19 +1,20 @@
-// A small JSON value with a strict parser and a deterministic writer: enough for safetensors
-// headers, checkpoint indexes and metrics lines without a third-party dependency (see
-// docs/checkpoint.md for why). Integers are kept exactly as int64 (file offsets, shapes); other
-// numbers are doubles, written in their shortest round-trip form; non-finite doubles are written
-// as null (JSON has no NaN).
+// A JSON value for safetensors headers, checkpoint indexes, metrics lines and cluster files, read
+// and written by nlohmann-json (the component trellis::json; docs/checkpoint.md says why this
+// small Value stays in front of it: typed access whose errors name the file and the field).
+// Integers are kept exactly as int64 (file offsets, shapes); other numbers are doubles, written
+// in their shortest round-trip form; non-finite doubles are written as null (JSON has no NaN).
 #pragma once
 
-#include <charconv>
-#include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "trellis/core/error.hpp"
 
@@ -101,307 +102,152 @@ class Value {
   Storage v_;
 };
 
-// ---- writer ------------------------------------------------------------------------------------
-inline void write_string(std::string& out, std::string_view s) {
-  out += '"';
-  for (char c : s) {
-    auto u = static_cast<unsigned char>(c);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (u < 0x20) {
-          static constexpr char hex[] = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[u >> 4];
-          out += hex[u & 15];
-        } else {
-          out += c;  // UTF-8 passes through unchanged
-        }
-    }
-  }
-  out += '"';
-}
+// ---- reading and writing: nlohmann-json --------------------------------------------------------
+// The text is parsed and written by nlohmann-json (a well-kept, fuzzed library; docs/checkpoint.md);
+// this file only maps it to and from Value. The parse goes through nlohmann's SAX interface
+// straight into a Value, so no second tree is built, and adds the rules our files rely on:
+// duplicate keys are an error (nlohmann keeps the last one silently), nesting is capped at 64
+// (bounded recursion everywhere after), and a non-negative integer above int64 is a double, as
+// any other integer that does not fit.
+namespace detail {
 
-inline void write_number(std::string& out, double d) {
-  if (!std::isfinite(d)) {
-    out += "null";
-    return;
-  }
-  if (d == 0 && std::signbit(d)) {  // "-0" would read back as the integer 0, losing the sign
-    out += "-0.0";
-    return;
-  }
-  char buf[64];
-  auto r = std::to_chars(buf, buf + sizeof buf, d);  // shortest form that reads back exactly
-  out.append(buf, r.ptr);
-}
+inline constexpr int max_depth = 64;
 
-// Compact by default; indent > 0 pretty-prints (used for index.json, which people read).
-inline void write(std::string& out, const Value& v, int indent = 0, int depth = 0) {
-  auto newline = [&](int d) {
-    if (indent <= 0) return;
-    out += '\n';
-    out.append(static_cast<std::size_t>(indent * d), ' ');
+class SaxBuilder {
+ public:
+  using number_integer_t = nlohmann::json::number_integer_t;
+  using number_unsigned_t = nlohmann::json::number_unsigned_t;
+  using number_float_t = nlohmann::json::number_float_t;
+  using string_t = nlohmann::json::string_t;
+  using binary_t = nlohmann::json::binary_t;
+
+  explicit SaxBuilder(std::string_view what) : what_(what) {}
+
+  bool null() { return add(Value(nullptr)); }
+  bool boolean(bool b) { return add(Value(b)); }
+  bool number_integer(number_integer_t i) { return add(Value(static_cast<std::int64_t>(i))); }
+  bool number_unsigned(number_unsigned_t u) {
+    if (u <= static_cast<number_unsigned_t>(INT64_MAX)) return add(Value(static_cast<std::int64_t>(u)));
+    return add(Value(static_cast<double>(u)));
+  }
+  bool number_float(number_float_t d, const string_t&) { return add(Value(static_cast<double>(d))); }
+  bool string(string_t& s) { return add(Value(std::move(s))); }
+  bool binary(binary_t&) { return fail("binary values are not JSON"); }  // never from text input
+  bool start_object(std::size_t) { return open(Value(Object{})); }
+  bool start_array(std::size_t) { return open(Value(Array{})); }
+  bool key(string_t& k) {
+    Frame& f = stack_.back();
+    if (f.value.as_object().contains(k)) return fail("duplicate key \"" + k + "\" in " + path());
+    f.key = std::move(k);
+    return true;
+  }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
+    // nlohmann's message: "[json.exception.parse_error.101] parse error at line L, column C: why".
+    // Keep the why; the byte (0-based, the character that failed) replaces line and column.
+    std::string_view why = e.what();
+    if (auto at = why.find("column "); at != std::string_view::npos)
+      if (auto colon = why.find(": ", at); colon != std::string_view::npos) why.remove_prefix(colon + 2);
+    error_ = " at byte " + std::to_string(position > 0 ? position - 1 : 0) + ": " + std::string(why);
+    return false;
+  }
+
+  Value take(bool ok) {
+    if (!ok || !error_.empty() || !root_)
+      TRELLIS_THROW("invalid JSON in ", what_, error_.empty() ? std::string(": no value") : error_);
+    return std::move(*root_);
+  }
+
+ private:
+  struct Frame {
+    Value value;
+    std::string key;  // the key of the member being read (objects)
   };
-  std::visit(
-      [&](const auto& x) {
+
+  bool fail(const std::string& why) {
+    error_ = ": " + why;
+    return false;
+  }
+  bool add(Value v) {
+    if (stack_.empty()) {
+      root_ = std::move(v);
+      return true;
+    }
+    Frame& f = stack_.back();
+    if (f.value.is_array()) f.value.as_array().push_back(std::move(v));
+    else f.value.as_object().emplace(std::move(f.key), std::move(v));
+    return true;
+  }
+  bool open(Value container) {
+    if (static_cast<int>(stack_.size()) >= max_depth)
+      return fail("nesting deeper than " + std::to_string(max_depth) + " levels");
+    stack_.push_back(Frame{std::move(container), {}});
+    return true;
+  }
+  bool close() {
+    Value done = std::move(stack_.back().value);
+    stack_.pop_back();
+    return add(std::move(done));
+  }
+  // Where the parser is, as a JSON pointer ("/a/3"), for our own errors (SAX gives no position).
+  std::string path() const {
+    std::string p;  // every frame but the innermost names the child being read
+    for (std::size_t i = 0; i + 1 < stack_.size(); ++i) {
+      const Frame& f = stack_[i];
+      p += "/" + (f.value.is_array() ? std::to_string(f.value.as_array().size()) : f.key);
+    }
+    return p.empty() ? "/" : p;
+  }
+
+  std::string_view what_;
+  std::vector<Frame> stack_;
+  std::optional<Value> root_;
+  std::string error_;
+};
+
+// Values are at most max_depth deep when parsed; ones built in code are shallow.
+inline nlohmann::json to_nlohmann(const Value& v) {
+  return std::visit(
+      [](const auto& x) -> nlohmann::json {
         using X = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<X, std::nullptr_t>) {
-          out += "null";
-        } else if constexpr (std::is_same_v<X, bool>) {
-          out += x ? "true" : "false";
-        } else if constexpr (std::is_same_v<X, std::int64_t>) {
-          out += std::to_string(x);
-        } else if constexpr (std::is_same_v<X, double>) {
-          write_number(out, x);
-        } else if constexpr (std::is_same_v<X, std::string>) {
-          write_string(out, x);
-        } else if constexpr (std::is_same_v<X, Array>) {
-          // Arrays of scalars stay on one line (shapes, offsets) even when pretty-printing.
-          bool flat = true;
-          for (const auto& e : x) flat = flat && !e.is_array() && !e.is_object();
-          out += '[';
-          for (std::size_t i = 0; i < x.size(); ++i) {
-            if (i) out += indent > 0 && flat ? ", " : ",";
-            if (!flat) newline(depth + 1);
-            write(out, x[i], indent, depth + 1);
-          }
-          if (!flat && !x.empty()) newline(depth);
-          out += ']';
+        if constexpr (std::is_same_v<X, Array>) {
+          nlohmann::json a = nlohmann::json::array();
+          for (const Value& e : x) a.push_back(to_nlohmann(e));
+          return a;
+        } else if constexpr (std::is_same_v<X, Object>) {
+          nlohmann::json o = nlohmann::json::object();
+          for (const auto& [k, e] : x) o[k] = to_nlohmann(e);
+          return o;
         } else {
-          out += '{';
-          bool first = true;
-          for (const auto& [k, e] : x) {
-            if (!first) out += ',';
-            first = false;
-            newline(depth + 1);
-            write_string(out, k);
-            out += indent > 0 ? ": " : ":";
-            write(out, e, indent, depth + 1);
-          }
-          if (!x.empty()) newline(depth);
-          out += '}';
+          return nlohmann::json(x);
         }
       },
       v.storage());
 }
 
-inline std::string dump(const Value& v, int indent = 0) {
-  std::string out;
-  write(out, v, indent);
-  return out;
-}
-
-// ---- parser ------------------------------------------------------------------------------------
-namespace detail {
-class Parser {
- public:
-  Parser(std::string_view text, std::string_view what) : s_(text), what_(what) {}
-
-  Value parse_document() {
-    Value v = parse_value(0);
-    skip_ws();
-    if (pos_ != s_.size()) fail("trailing characters after the JSON value");
-    return v;
-  }
-
- private:
-  static constexpr int max_depth = 64;
-
-  [[noreturn]] void fail(std::string_view why) const {
-    TRELLIS_THROW("invalid JSON in ", what_, " at byte ", pos_, ": ", why);
-  }
-  void skip_ws() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
-      ++pos_;
-  }
-  char peek() {
-    skip_ws();
-    if (pos_ >= s_.size()) fail("unexpected end of input");
-    return s_[pos_];
-  }
-  void expect(char c) {
-    if (peek() != c) fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-  bool consume_literal(std::string_view lit) {
-    if (s_.substr(pos_, lit.size()) == lit) {
-      pos_ += lit.size();
-      return true;
-    }
-    return false;
-  }
-
-  Value parse_value(int depth) {
-    if (depth > max_depth) fail("nesting too deep");
-    char c = peek();
-    if (c == '{') return parse_object(depth);
-    if (c == '[') return parse_array(depth);
-    if (c == '"') return Value(parse_string());
-    if (consume_literal("true")) return Value(true);
-    if (consume_literal("false")) return Value(false);
-    if (consume_literal("null")) return Value(nullptr);
-    if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
-    fail(std::string("unexpected character '") + c + "'");
-  }
-
-  Value parse_object(int depth) {
-    expect('{');
-    Object o;
-    if (peek() == '}') {
-      ++pos_;
-      return Value(std::move(o));
-    }
-    while (true) {
-      if (peek() != '"') fail("expected a string key");
-      std::string key = parse_string();
-      expect(':');
-      Value v = parse_value(depth + 1);
-      if (!o.emplace(std::move(key), std::move(v)).second) fail("duplicate key");
-      char c = peek();
-      ++pos_;
-      if (c == '}') break;
-      if (c != ',') fail("expected ',' or '}'");
-    }
-    return Value(std::move(o));
-  }
-
-  Value parse_array(int depth) {
-    expect('[');
-    Array a;
-    if (peek() == ']') {
-      ++pos_;
-      return Value(std::move(a));
-    }
-    while (true) {
-      a.push_back(parse_value(depth + 1));
-      char c = peek();
-      ++pos_;
-      if (c == ']') break;
-      if (c != ',') fail("expected ',' or ']'");
-    }
-    return Value(std::move(a));
-  }
-
-  Value parse_number() {
-    std::size_t start = pos_;
-    if (s_[pos_] == '-') ++pos_;
-    if (pos_ >= s_.size() || s_[pos_] < '0' || s_[pos_] > '9') fail("malformed number");
-    if (s_[pos_] == '0' && pos_ + 1 < s_.size() && s_[pos_ + 1] >= '0' && s_[pos_ + 1] <= '9')
-      fail("leading zero in number");
-    bool integral = true;
-    while (pos_ < s_.size()) {
-      char c = s_[pos_];
-      if (c >= '0' && c <= '9') {
-        ++pos_;
-      } else if (c == '.' || c == 'e' || c == 'E' || c == '+' || (c == '-' && pos_ > start)) {
-        integral = false;
-        ++pos_;
-      } else {
-        break;
-      }
-    }
-    std::string_view text = s_.substr(start, pos_ - start);
-    if (integral) {
-      std::int64_t i = 0;
-      auto r = std::from_chars(text.data(), text.data() + text.size(), i);
-      if (r.ec == std::errc() && r.ptr == text.data() + text.size()) return Value(i);
-    }
-    double d = 0;
-    auto r = std::from_chars(text.data(), text.data() + text.size(), d);
-    if (r.ec != std::errc() || r.ptr != text.data() + text.size()) fail("malformed number");
-    return Value(d);
-  }
-
-  unsigned parse_hex4() {
-    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
-    unsigned v = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<unsigned>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<unsigned>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<unsigned>(c - 'A' + 10);
-      else fail("bad hex digit in \\u escape");
-    }
-    return v;
-  }
-
-  static void append_utf8(std::string& out, unsigned cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xc0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xe0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    } else {
-      out += static_cast<char>(0xf0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    }
-  }
-
-  std::string parse_string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (pos_ >= s_.size()) fail("unterminated string");
-      char c = s_[pos_++];
-      if (c == '"') break;
-      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (pos_ >= s_.size()) fail("unterminated escape");
-      char e = s_[pos_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          unsigned cp = parse_hex4();
-          if (cp >= 0xd800 && cp < 0xdc00) {  // high surrogate: a low one must follow
-            if (!consume_literal("\\u")) fail("lone high surrogate");
-            unsigned lo = parse_hex4();
-            if (lo < 0xdc00 || lo >= 0xe000) fail("bad low surrogate");
-            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-          } else if (cp >= 0xdc00 && cp < 0xe000) {
-            fail("lone low surrogate");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default: fail("unknown escape");
-      }
-    }
-    return out;
-  }
-
-  std::string_view s_;
-  std::string_view what_;
-  std::size_t pos_ = 0;
-};
 }  // namespace detail
 
-// Parses one JSON document; errors name `what` (a file or a header) and the byte position.
+// Compact by default; indent > 0 pretty-prints (index.json, config.json: files people read). Keys
+// come out sorted; doubles in their shortest round-trip form, always with a '.' or an exponent
+// (so a double reads back as a double, -0.0 keeps its sign); NaN and infinities as null. A string
+// that is not valid UTF-8 is an error (JSON text is UTF-8).
+inline std::string dump(const Value& v, int indent = 0) {
+  try {
+    return detail::to_nlohmann(v).dump(indent > 0 ? indent : -1, ' ', false, nlohmann::json::error_handler_t::strict);
+  } catch (const nlohmann::json::exception& e) {
+    TRELLIS_THROW("cannot write JSON: ", e.what());
+  }
+}
+
+// Parses one JSON document (RFC 8259, strict: no comments, no trailing commas, UTF-8); errors name
+// `what` (a file or a header) and the byte position, or the path for a duplicate key or too deep
+// nesting.
 inline Value parse(std::string_view text, std::string_view what = "JSON text") {
-  return detail::Parser(text, what).parse_document();
+  detail::SaxBuilder builder(what);
+  const bool ok = nlohmann::json::sax_parse(text, &builder, nlohmann::json::input_format_t::json,
+                                            /*strict=*/true, /*ignore_comments=*/false);
+  return builder.take(ok);
 }
 
 }  // namespace trellis::io::json
