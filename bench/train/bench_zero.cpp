@@ -34,7 +34,17 @@
 // first stage before its backward). Per rank: the arena's device reserve and measured peak, the
 // host memory it offloads to and its measured peak, the bytes copied each way in a step, and the
 // fastest step of --iters (both tiers are RAM here, so the copies are memcpy, not PCIe).
-//   bench_zero [--memory | --link | --activations] [--iters N] [--share S] [--json FILE]
+//
+// --disk: the optimizer state's disk tier (TrainerConfig::offload_dir) with its reads and writes
+// synchronous against prefetched (offload_disk_prefetch: the next chunk read and the last one
+// written on the tier's I/O thread while a chunk updates), on a SIMULATED slow disk: the tier's
+// probe (DiskMoments::set_probe, its test and bench seam) sleeps bytes / --disk-gbps (1 GB/s) before
+// each chunk's pread / pwrite, one at a time as on one queue (the file itself is in the page
+// cache). GPT-2 124M on one thread rank (one kernel thread), T 64, 1 row (so the update, AdamW
+// over every parameter and its 2 GB of disk traffic, is much of the step), chunks of --chunk
+// elements (1 << 20); fastest of --iters steps; the modelled disk time per step beside it.
+//   bench_zero [--memory | --link | --activations | --disk] [--iters N] [--share S] [--disk-gbps G]
+//              [--chunk N] [--json FILE]
 #include <malloc.h>
 
 #include <algorithm>
@@ -43,7 +53,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/report.hpp"
@@ -390,8 +402,76 @@ int activations_main(int argc, char** argv) {
   return 0;
 }
 
+// ---- the optimizer state on a (simulated slow) disk, prefetched or not -----------------------------
+
+int disk_main(int argc, char** argv) {
+  kernels::host::set_num_threads(1);
+  const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 3)));
+  const double gbps = bench::double_flag(argc, argv, "--disk-gbps", 1.0);
+  const auto chunk = static_cast<std::size_t>(bench::int_flag(argc, argv, "--chunk", 1 << 20));
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "trellis-bench-zero-disk";
+  train::TrainerConfig c;
+  c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
+  c.seq = 64;
+  c.batch = 1;  // one row: the update (AdamW over every parameter, and its disk traffic) is much of the step
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  c.offload_dir = dir;
+  c.offload_buffer_elements = chunk;
+  std::printf("# GPT-2 124M, T 64, 1 row, 1 thread rank (1 kernel thread): AdamW moments "
+              "on disk in chunks of %zu elements, on a SIMULATED disk of %.2f GB/s (a sleep of bytes / bandwidth "
+              "before each chunk's pread / pwrite; the file is in the page cache); fastest of %d steps\n",
+              chunk, gbps, iters);
+  std::printf("%-22s %10s %12s %14s %12s %14s\n", "case", "step ms", "x sync", "disk ms/step", "host MB", "loss");
+  bench::JsonReport report("bench_zero_disk");
+  double base = 0;
+  for (bool prefetch : {false, true}) {
+    train::TrainerConfig ck = c;
+    ck.offload_disk_prefetch = prefetch;
+    double best = 1e9, loss = 0, disk_s = 0, host_mb = 0;
+    comm::ThreadWorld(1).run([&](comm::ThreadComm& comm) {
+      train::Trainer<comm::ThreadComm> t(comm, ck);
+      std::mutex mutex;
+      double slept = 0;
+      t.optimizer_state().disk_moments().set_probe([&](const train::DiskEvent& e) {
+        if (e.kind == train::DiskEvent::Kind::update) return 0;
+        const double s = 2.0 * static_cast<double>(e.range.n) * sizeof(float) / (gbps * 1e9);  // m and v
+        std::this_thread::sleep_for(std::chrono::duration<double>(s));
+        std::lock_guard lock(mutex);
+        slept += s;
+        return 0;
+      });
+      const auto b = make_batch(c.batch, c.seq, c.model.vocab, 0);
+      t.step(b);  // warm-up
+      const double slept0 = slept;
+      for (int i = 0; i < iters; ++i) {
+        const double t0 = bench::now_seconds();
+        loss = t.step(b).loss;
+        best = std::min(best, bench::now_seconds() - t0);
+      }
+      disk_s = (slept - slept0) / iters;
+      host_mb = static_cast<double>(t.memory().host_optimizer) / 1e6;
+      comm.barrier();
+    });
+    if (!prefetch) base = best;
+    const char* name = prefetch ? "disk, prefetched" : "disk, synchronous";
+    std::printf("%-22s %10.1f %12.3f %14.1f %12.1f %14.6f\n", name, best * 1e3, best / base, disk_s * 1e3, host_mb, loss);
+    bench::Row row;
+    row.add_text("case", name)
+        .add("step_ms", best * 1e3)
+        .add("over_synchronous", best / base)
+        .add("simulated_disk_ms_per_step", disk_s * 1e3)
+        .add("simulated_disk_gb_s", gbps)
+        .add("host_optimizer_mb", host_mb)
+        .add("loss", loss);
+    report.add(row);
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
+    if (bench::has_flag(argc, argv, "--disk")) return disk_main(argc, argv);
     if (bench::has_flag(argc, argv, "--link")) return link_main(argc, argv);
     if (bench::has_flag(argc, argv, "--activations")) return activations_main(argc, argv);
     return memory_main(argc, argv);

@@ -30,10 +30,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "temp_dir.hpp"
@@ -813,19 +819,25 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
 }
 
 // The disk tier (TrainerConfig::offload_dir): the moments in a scratch file, each update streamed
-// through host buffers of offload_buffer_elements (1000 here: every tensor cut into chunks). The
-// same host kernel on each chunk: the bits of the run without offloading, in every layout;
-// checkpoints move between the two; the bytes are the file's, the host buffers stay bounded.
+// through host buffers of offload_buffer_elements (300 here: every tensor cut into chunks, most
+// into several). The same host kernel on each chunk: the bits of the run without offloading, in
+// every layout, with the reads and writes prefetched on the tier's I/O thread (the default) and
+// synchronous (offload_disk_prefetch false); checkpoints move between the two; the bytes are the
+// file's, the host buffers stay bounded (one chunk x 4, x 6 prefetched: the moments twice).
 // Faults: a directory that cannot be made, or a cap below the moments' size (a full disk), is an
-// error naming it before the first step, and the checkpoint saved before still resumes.
+// error naming it before the first step; a read or a write that fails on the I/O thread (the
+// probe's injected EIO / ENOSPC) is that error on the training thread, naming the directory, the
+// range and errno; the checkpoint saved before them still resumes bitwise.
 TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers, and clear errors",
           "[train][trainer][offload][disk]") {
   using Fused = TrainerConfig::FusedUpdate;
+  using trellis::train::DiskEvent;
   const auto tiny = tiny_config();
   TempDir dir("disk-tier");
-  auto on_disk = [&](TrainerConfig c) {
+  auto on_disk = [&](TrainerConfig c, bool prefetch = true, std::size_t chunk = 300) {
     c.offload_dir = dir.path / "moments";
-    c.offload_buffer_elements = 1000;
+    c.offload_buffer_elements = chunk;
+    c.offload_disk_prefetch = prefetch;
     return c;
   };
   TrainerConfig fused = with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2});
@@ -833,27 +845,37 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
   fused.fused_update = Fused::unclipped;
   for (const TrainerConfig& c : {with_layout(tiny, {}), with_layout(tiny, {.dp = 2, .zero = 1}),
                                  with_layout(tiny, {.dp = 2, .zero = 3, .microbatches = 2}), fused}) {
-    INFO("dp " << c.dp << " zero " << c.zero << " fused " << (c.fused_update != Fused::off));
-    nn_test::Collector w, dw;
-    RunResult r, dr;
+    nn_test::Collector w;
+    RunResult r;
     train(c, kSteps, r, w);
-    train(on_disk(c), kSteps, dr, dw);
-    check_bitwise(dr, dw, r, w);
+    for (bool prefetch : {true, false}) {
+      INFO("dp " << c.dp << " zero " << c.zero << " fused " << (c.fused_update != Fused::off) << " prefetch " << prefetch);
+      nn_test::Collector dw;
+      RunResult dr;
+      train(on_disk(c, prefetch), kSteps, dr, dw);
+      check_bitwise(dr, dw, r, w);
+    }
   }
+  TrainerConfig no_chunk = on_disk(tiny, true, 0);
+  REQUIRE(trellis::train::config_problems(no_chunk).size() == 1);
+  CHECK_THAT(trellis::train::config_problems(no_chunk)[0], Catch::Contains("offload_buffer_elements) must be >= 1"));
   check_resumes_bitwise(on_disk(with_layout(tiny, {.dp = 2, .zero = 1})), with_layout(tiny, {.dp = 2, .zero = 1}),
                         "disk-resume");
-  check_resumes_bitwise(with_layout(tiny, {.dp = 2, .zero = 1}), on_disk(with_layout(tiny, {.dp = 2, .zero = 1})),
+  check_resumes_bitwise(with_layout(tiny, {.dp = 2, .zero = 1}), on_disk(with_layout(tiny, {.dp = 2, .zero = 1}), false),
                         "disk-resume-back");
   nn_test::run_ranks(2, [&](ThreadComm& comm) {
     const TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1});
-    Trainer<ThreadComm> plain(comm, c), disk(comm, on_disk(c));
+    Trainer<ThreadComm> plain(comm, c), disk(comm, on_disk(c, true, 1000)), sync(comm, on_disk(c, false, 1000));
     trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
-    disk.step(loader.next());
+    const auto batch = loader.next();
+    disk.step(batch);
+    sync.step(batch);
     const auto moments = plain.memory().optimizer;
     RANK_CHECK(disk.memory().optimizer == 0);
     RANK_CHECK(disk.memory().disk_optimizer == moments);
-    RANK_CHECK(disk.memory().host_optimizer == 4 * 1000 * sizeof(float));  // m, v, values, gradients: one chunk
-    RANK_CHECK(std::filesystem::is_empty(dir.path / "moments"));  // the file is unlinked: nothing left behind
+    RANK_CHECK(disk.memory().host_optimizer == 6 * 1000 * sizeof(float));  // m and v twice, values, gradients
+    RANK_CHECK(sync.memory().host_optimizer == 4 * 1000 * sizeof(float));  // m, v, values, gradients: one chunk
+    RANK_CHECK(std::filesystem::is_empty(dir.path / "moments"));  // the files are unlinked: nothing left behind
   });
   // Faults, with a checkpoint saved before them
   TempDir ckpt("disk-tier-ckpt");
@@ -883,11 +905,134 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
     RANK_CHECK_THAT(e1, Catch::Matchers::Contains("a-file/moments is not a directory and cannot be created"));
     RANK_CHECK_THAT(e2, Catch::Matchers::Contains("more than the 1000 bytes the directory may take (no space left)"));
   });
-  nn_test::Collector w6, w33;
-  RunResult six, after;
+  // An I/O error on the I/O thread: the 5th chunk read of a step, or the last chunk write of the
+  // first update (its error surfaces at the stream's end), fails as if pread / pwrite had. Every
+  // rank fails alike (no rank left waiting in a collective).
+  struct Injected {
+    DiskEvent::Kind kind;
+    int err;
+    const char* says;
+  };
+  for (const Injected& f : {Injected{DiskEvent::Kind::read, EIO, "reading"}, Injected{DiskEvent::Kind::write, ENOSPC, "writing"}}) {
+    INFO("injected " << f.says);
+    nn_test::run_ranks(2, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, on_disk(c));
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
+      loader.restore(t.load(*trellis::train::latest_checkpoint(ckpt.path)).data);
+      const auto training = std::this_thread::get_id();
+      std::atomic<int> reads{0};
+      std::atomic<bool> on_io_thread{false};
+      t.optimizer_state().disk_moments().set_probe([&](const DiskEvent& e) {
+        if (e.kind != f.kind) return 0;
+        const bool fail = f.kind == DiskEvent::Kind::read ? ++reads == 5 : e.last;
+        if (fail) on_io_thread = std::this_thread::get_id() != training;
+        return fail ? f.err : 0;
+      });
+      std::string what;
+      int rank = -1;
+      try {
+        t.step(loader.next());
+      } catch (const trellis::Error& e) {
+        what = e.what();
+        rank = e.rank();
+      }
+      RANK_CHECK(on_io_thread.load());
+      RANK_CHECK(rank == comm.rank());  // thrown on the I/O thread with the caller's rank
+      RANK_CHECK_THAT(what, Catch::Matchers::Contains("optimizer disk tier (" + (dir.path / "moments").string() + "): " +
+                                                      f.says) &&
+                                Catch::Matchers::Contains(" of tensor ") && Catch::Matchers::Contains(", elements [") &&
+                                Catch::Matchers::Contains(std::strerror(f.err)));
+    });  // the trainers (and their I/O threads) gone after the error: no hang
+  }
+  nn_test::Collector w6, w33, wd;
+  RunResult six, after, after_disk;
   train(c, 6, six, w6);
   train(c, 3, after, w33, *trellis::train::latest_checkpoint(ckpt.path));  // the one saved before the faults
+  train(on_disk(c), 3, after_disk, wd, *trellis::train::latest_checkpoint(ckpt.path));
   for (int i = 0; i < 3; ++i) CHECK(after.losses[i] == six.losses[3 + i]);
+  for (int i = 0; i < 3; ++i) CHECK(after_disk.losses[i] == six.losses[3 + i]);
+  check_bitwise(after_disk, wd, after, w33);
+}
+
+// The disk tier's overlap (offload_disk_prefetch): a probe (DiskMoments::set_probe, the tier's
+// test seam) makes a rendezvous of each chunk's update with the reads and writes around it: the
+// update of chunk j waits until the read of chunk j + 1 has begun, that read until the update of
+// chunk j has begun, and the write of chunk j until the update of chunk j + 1 has begun. Only an
+// implementation that reads ahead and writes behind on another thread while a chunk updates
+// meets them; a synchronous one (prefetch off, or a read waited for as soon as it is queued)
+// waits 5 s for a read that can only come after it, and the probe counts a timeout (then stops
+// waiting, so that run costs 5 s once). No timing is measured: only the order of events.
+TEST_CASE("the disk tier reads the next chunk and writes the last one back while a chunk updates",
+          "[train][trainer][offload][disk]") {
+  using trellis::train::DiskEvent;
+  TempDir dir("disk-overlap");
+  struct Rendezvous {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::set<std::uint64_t> updating, reading;  // chunks whose update / read has begun
+    int met = 0, timeouts = 0;
+    bool gave_up = false;
+    std::thread::id training;
+    int off_thread = 0;  // reads and writes run on a thread other than the training one
+    void await(std::unique_lock<std::mutex>& lock, const std::function<bool()>& pred) {
+      if (gave_up) return;
+      if (cv.wait_for(lock, std::chrono::seconds(5), pred)) {
+        ++met;
+      } else {
+        ++timeouts;
+        gave_up = true;
+        cv.notify_all();
+      }
+    }
+    int operator()(const DiskEvent& e) {
+      std::unique_lock lock(mutex);
+      if (e.kind != DiskEvent::Kind::update && std::this_thread::get_id() != training) ++off_thread;
+      switch (e.kind) {
+        case DiskEvent::Kind::update:
+          updating.insert(e.chunk);
+          cv.notify_all();
+          if (!e.last) await(lock, [&] { return reading.count(e.chunk + 1) > 0; });
+          break;
+        case DiskEvent::Kind::read:
+          reading.insert(e.chunk);
+          cv.notify_all();
+          if (!e.first) await(lock, [&] { return updating.count(e.chunk - 1) > 0; });
+          break;
+        case DiskEvent::Kind::write:
+          if (!e.last) await(lock, [&] { return updating.count(e.chunk + 1) > 0; });
+          break;
+      }
+      return 0;
+    }
+  };
+  TrainerConfig c = with_layout(tiny_config(), {});
+  c.offload_dir = dir.path;
+  c.offload_buffer_elements = 300;
+  for (bool prefetch : {true, false}) {
+    INFO("prefetch " << prefetch);
+    c.offload_disk_prefetch = prefetch;
+    nn_test::run_ranks(1, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, c);
+      Rendezvous r;
+      r.training = std::this_thread::get_id();
+      auto& disk = t.optimizer_state().disk_moments();
+      disk.set_probe([&](const DiskEvent& e) { return r(e); });
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      for (int s = 0; s < 2; ++s) t.step(loader.next());
+      disk.set_probe({});
+      std::lock_guard lock(r.mutex);
+      INFO("chunks " << disk.chunks_streamed() << " met " << r.met << " timeouts " << r.timeouts);
+      RANK_CHECK(disk.chunks_streamed() > 20);  // two steps of many chunks
+      if (prefetch) {
+        RANK_CHECK(r.timeouts == 0);
+        RANK_CHECK(r.met >= static_cast<int>(disk.chunks_streamed()));  // every chunk's rendezvous met
+        RANK_CHECK(r.off_thread == static_cast<int>(2 * disk.chunks_streamed()));
+      } else {  // what a synchronous update gives: this test cannot pass without the overlap
+        RANK_CHECK(r.timeouts == 1);
+        RANK_CHECK(r.off_thread == 0);
+      }
+    });
+  }
 }
 
 TEST_CASE("packed documents: every layout equals one packed rank", "[train][trainer][parity][packed]") {

@@ -7,24 +7,60 @@
 // (the directory is created if missing)
 // naming the directory and the bytes. Reads and writes are pread/pwrite of element ranges; every
 // short or failed call is an error naming the file's directory, the range and errno.
+// An update streams chunks (stream()): each chunk's moments read into host buffers, the caller's
+// function run on them, the moments written back. Prefetched (the default), an I/O thread of this
+// object (a train::UpdateWorker: jobs in order) reads chunk j+1 and writes chunk j-1 back while
+// the caller's thread updates chunk j, in two buffers of moments (double buffering: the write of
+// j-1 is queued before the read of j+1 into the same buffer, and one thread runs them in order).
+// An I/O error on that thread is rethrown on the caller's at its next wait (the read it waits
+// for, or the end of the stream), the same Error, with the caller's rank; the stream then waits
+// for every job it queued before it throws, so nothing runs behind the caller's back, and the
+// thread is joined on destruction. Synchronous (prefetch off): the same calls, in turn, on the
+// caller's thread, in one buffer of moments.
+// Test and bench seam (set_probe): a function called before each streamed read and write (on the
+// thread doing it) and before each chunk's update (on the caller's), which may block or sleep
+// (tests: a rendezvous proving the overlap; benches: a simulated slow disk) or return an errno
+// that fails the read or write as if pread/pwrite had (tests: an I/O error on the I/O thread).
 #pragma once
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
+#include "trellis/train/update_worker.hpp"
 
 namespace trellis::train {
+
+// One chunk of a stream: elements [at, at + n) of tensor `tensor`'s moments.
+struct DiskChunk {
+  std::size_t tensor = 0, at = 0, n = 0;
+};
+
+// What the probe (DiskMoments::set_probe, a test and bench seam) is told.
+struct DiskEvent {
+  enum class Kind { read, write, update };
+  Kind kind = Kind::read;
+  std::uint64_t chunk = 0;    // the chunk's number among all this object has streamed (0, 1, ...)
+  bool first = false, last = false;  // the first / the last chunk of its stream
+  DiskChunk range;            // its tensor and elements (a read or write: m and v both)
+};
+// Returns 0, or (a read or write) an errno that fails the call as if pread/pwrite had failed.
+using DiskProbe = std::function<int(const DiskEvent&)>;
 
 class DiskMoments {
  public:
@@ -59,8 +95,12 @@ class DiskMoments {
       offsets_ = std::move(o.offsets_);
       sizes_ = std::move(o.sizes_);
       total_ = o.total_;
-      fd_ = o.fd_;
-      o.fd_ = -1;
+      fd_ = std::exchange(o.fd_, -1);
+      m_ = std::move(o.m_);
+      v_ = std::move(o.v_);
+      probe_ = std::move(o.probe_);
+      streamed_ = o.streamed_;
+      io_ = std::move(o.io_);  // idle: a stream waits for its jobs before it returns
     }
     return *this;
   }
@@ -72,56 +112,163 @@ class DiskMoments {
   std::size_t size(std::size_t i) const { return sizes_.at(i); }
   std::uint64_t bytes() const { return 2ull * total_ * sizeof(float); }
   const std::filesystem::path& dir() const { return dir_; }
+  // The host buffers of moments streams use: one chunk's m and v, twice when prefetched.
+  std::size_t buffer_bytes() const {
+    std::size_t n = 0;
+    for (std::size_t s = 0; s < 2; ++s) n += m_[s].size() + v_[s].size();
+    return n * sizeof(float);
+  }
+  // The test and bench seam (see the file's header); set it while no stream runs. Called on the
+  // I/O thread and the caller's at once when prefetched: it must be thread-safe.
+  void set_probe(DiskProbe probe) { probe_ = std::move(probe); }
+  // Chunks streamed so far (the next chunk's number in DiskEvent::chunk).
+  std::uint64_t chunks_streamed() const { return streamed_; }
 
-  // Elements [at, at + n) of tensor i's m (or v) to / from host memory.
+  // Elements [at, at + n) of tensor i's m (or v) to / from host memory (checkpoints; synchronous).
   void read(std::size_t i, bool m, std::size_t at, std::size_t n, float* dst) const {
-    pread_all(dst, n, element(i, m, at, n));
+    pread_all(dst, n, element(i, m, at, n), {i, m, at});
   }
   void write(std::size_t i, bool m, std::size_t at, std::size_t n, const float* src) {
-    pwrite_all(src, n, element(i, m, at, n));
+    pwrite_all(src, n, element(i, m, at, n), {i, m, at});
   }
   // Every moment zero.
   void zero() {
     std::vector<float> zeros(std::min<std::size_t>(2 * total_, std::size_t{1} << 20), 0.0f);
     for (std::size_t at = 0; at < 2 * total_; at += zeros.size())
-      pwrite_all(zeros.data(), std::min(zeros.size(), 2 * total_ - at), at);
+      pwrite_all(zeros.data(), std::min(zeros.size(), 2 * total_ - at), at, {});
+  }
+
+  // Streams `chunks` in order: each chunk's moments read into a host buffer, fn(j, m, v) run on the
+  // calling thread (m and v: chunk j's n elements, updated in place), the moments written back.
+  // prefetch: chunk j + 1 read and chunk j - 1 written on the I/O thread while fn runs on chunk j;
+  // an error on either thread is thrown here once every job queued has finished.
+  template <class Fn>
+  void stream(std::span<const DiskChunk> chunks, bool prefetch, Fn&& fn) {
+    if (chunks.empty()) return;
+    std::size_t c = 0;
+    for (const DiskChunk& ch : chunks) {
+      (void)element(ch.tensor, true, ch.at, ch.n);  // checks the range
+      c = std::max(c, ch.n);
+    }
+    for (std::size_t s = 0; s < (prefetch ? 2u : 1u); ++s)
+      for (auto* b : {&m_[s], &v_[s]}) b->resize(std::max(b->size(), c));
+    const std::uint64_t base = std::exchange(streamed_, streamed_ + chunks.size());
+    auto event = [&](DiskEvent::Kind k, std::size_t j) {
+      return DiskEvent{k, base + j, j == 0, j + 1 == chunks.size(), chunks[j]};
+    };
+    using K = DiskEvent::Kind;
+    if (!prefetch) {
+      for (std::size_t j = 0; j < chunks.size(); ++j) {
+        read_chunk(event(K::read, j), m_[0].data(), v_[0].data());
+        if (probe_) probe_(event(K::update, j));
+        fn(j, m_[0].data(), v_[0].data());
+        write_chunk(event(K::write, j), m_[0].data(), v_[0].data());
+      }
+      return;
+    }
+    if (!io_) io_ = std::make_unique<UpdateWorker>();
+    UpdateWorker& io = *io_;
+    const int rank = current_rank();  // the I/O thread's errors name the caller's rank
+    auto submit = [&](K k, std::size_t j) {
+      return io.submit([this, rank, e = event(k, j), m = m_[j % 2].data(), v = v_[j % 2].data()] {
+        RankScope scope(rank);
+        e.kind == K::read ? read_chunk(e, m, v) : write_chunk(e, m, v);
+      });
+    };
+    try {
+      std::size_t next = submit(K::read, 0);
+      for (std::size_t j = 0; j < chunks.size(); ++j) {
+        io.wait(next);  // chunk j's moments are in (a job's error before it: rethrown here)
+        // Into the buffers of chunk j - 1, whose write was queued before: the thread runs it first.
+        if (j + 1 < chunks.size()) next = submit(K::read, j + 1);
+        if (probe_) probe_(event(K::update, j));
+        fn(j, m_[j % 2].data(), v_[j % 2].data());
+        const std::size_t wrote = submit(K::write, j);
+        if (j + 1 == chunks.size()) next = wrote;
+      }
+      io.wait(next);  // the last write: in the file before the update returns
+    } catch (...) {
+      // Nothing left running behind the caller (the buffers are this object's; the next stream,
+      // a checkpoint read or the destructor follows), then the first error goes on.
+      const std::size_t jobs = io.submitted();
+      for (bool done = jobs == 0; !done;) {
+        try {
+          io.wait(jobs - 1);
+          done = true;
+        } catch (...) {  // a later job's error: the first one is being thrown
+        }
+      }
+      throw;
+    }
   }
 
  private:
+  // A range's place for error messages (tensor npos: no tensor's, the whole file's zeros).
+  struct Where {
+    std::size_t tensor = static_cast<std::size_t>(-1);
+    bool m = true;
+    std::size_t at = 0;
+  };
   std::size_t element(std::size_t i, bool m, std::size_t at, std::size_t n) const {
     TRELLIS_CHECK(i < sizes_.size() && at + n <= sizes_[i], "optimizer disk tier: elements [", at, ", ", at + n,
                   ") of tensor ", i, " (", i < sizes_.size() ? sizes_[i] : 0, " elements, ", sizes_.size(), " tensors)");
     return (m ? 0 : total_) + offsets_[i] + at;
   }
-  void pwrite_all(const float* src, std::size_t n, std::size_t element) {
+  // A streamed chunk's m and v, the probe asked first (an errno it returns fails the call).
+  void read_chunk(const DiskEvent& e, float* m, float* v) const {
+    const int injected = probe_ ? probe_(e) : 0;
+    const DiskChunk& r = e.range;
+    pread_all(m, r.n, element(r.tensor, true, r.at, r.n), {r.tensor, true, r.at}, injected);
+    pread_all(v, r.n, element(r.tensor, false, r.at, r.n), {r.tensor, false, r.at});
+  }
+  void write_chunk(const DiskEvent& e, const float* m, const float* v) {
+    const int injected = probe_ ? probe_(e) : 0;
+    const DiskChunk& r = e.range;
+    pwrite_all(m, r.n, element(r.tensor, true, r.at, r.n), {r.tensor, true, r.at}, injected);
+    pwrite_all(v, r.n, element(r.tensor, false, r.at, r.n), {r.tensor, false, r.at});
+  }
+  static std::string describe(const Where& w, std::size_t n) {
+    if (w.tensor == static_cast<std::size_t>(-1)) return "";
+    return trellis::detail::concat(" (", w.m ? "m" : "v", " of tensor ", w.tensor, ", elements [", w.at, ", ", w.at + n, "))");
+  }
+  void pwrite_all(const float* src, std::size_t n, std::size_t element, Where where, int injected = 0) {
     const char* p = reinterpret_cast<const char*>(src);
     std::size_t left = n * sizeof(float);
     auto off = static_cast<off_t>(element * sizeof(float));
     while (left > 0) {
-      const ssize_t w = ::pwrite(fd_, p, left, off);
+      ssize_t w = -1;
+      if (injected != 0)
+        errno = std::exchange(injected, 0);  // the probe's simulated failure
+      else
+        w = ::pwrite(fd_, p, left, off);
       if (w < 0 && errno == EINTR) continue;
       TRELLIS_CHECK(w > 0, "optimizer disk tier (", dir_.string(), "): writing ", left, " bytes at ", off,
-                    " failed: ", w < 0 ? std::strerror(errno) : "nothing written (disk full?)");
+                    describe(where, n), " failed: ", w < 0 ? std::strerror(errno) : "nothing written (disk full?)");
       p += w;
       left -= static_cast<std::size_t>(w);
       off += w;
     }
   }
-  void pread_all(float* dst, std::size_t n, std::size_t element) const {
+  void pread_all(float* dst, std::size_t n, std::size_t element, Where where, int injected = 0) const {
     char* p = reinterpret_cast<char*>(dst);
     std::size_t left = n * sizeof(float);
     auto off = static_cast<off_t>(element * sizeof(float));
     while (left > 0) {
-      const ssize_t r = ::pread(fd_, p, left, off);
+      ssize_t r = -1;
+      if (injected != 0)
+        errno = std::exchange(injected, 0);  // the probe's simulated failure
+      else
+        r = ::pread(fd_, p, left, off);
       if (r < 0 && errno == EINTR) continue;
       TRELLIS_CHECK(r > 0, "optimizer disk tier (", dir_.string(), "): reading ", left, " bytes at ", off,
-                    " failed: ", r < 0 ? std::strerror(errno) : "end of file");
+                    describe(where, n), " failed: ", r < 0 ? std::strerror(errno) : "end of file");
       p += r;
       left -= static_cast<std::size_t>(r);
       off += r;
     }
   }
   void close() {
+    io_.reset();  // joined first: no job of it touches the file after this
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
   }
@@ -130,6 +277,10 @@ class DiskMoments {
   std::vector<std::size_t> offsets_, sizes_;
   std::size_t total_ = 0;
   int fd_ = -1;
+  std::array<std::vector<float>, 2> m_, v_;  // a chunk's moments; the second buffers: prefetched streams
+  DiskProbe probe_;
+  std::uint64_t streamed_ = 0;
+  std::unique_ptr<UpdateWorker> io_;  // the I/O thread (prefetched streams), started by the first
 };
 
 }  // namespace trellis::train

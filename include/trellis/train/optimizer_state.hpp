@@ -11,7 +11,10 @@
 // (train/disk_moments.hpp) and an update streams them through bounded host buffers, a chunk of
 // at most Offload::buffer_elements elements of one tensor at a time (moments read, values and
 // gradients staged, the host kernel, values uploaded, moments written back). AdamW is
-// elementwise, so chunks give the bits of one update.
+// elementwise, so chunks give the bits of one update. Prefetched (Offload::disk_prefetch, the
+// default; DiskMoments::stream): the disk tier's I/O thread reads the next chunk's moments and
+// writes the previous chunk's back while this thread updates the current one, so the host holds
+// two chunks of moments besides the chunk of values and gradients (6 buffers of a chunk; 4 without).
 // Overlapped (Offload::overlap, the host tier): an update stages its tensors' values and
 // gradients on the calling thread (the device's copies: its work so far is done), then the host
 // kernel runs on a worker thread (train/update_worker.hpp) while the caller goes on with the
@@ -45,8 +48,9 @@ struct Offload {
   bool host = false;
   std::filesystem::path dir;        // non-empty: the disk tier
   std::uint64_t dir_cap_bytes = 0;  // the most the disk tier may take (0: no cap; tests: a full disk)
-  std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it)
+  std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it, 6 prefetched)
   bool overlap = true;  // the host tier: updates on a worker thread (false: on the caller's)
+  bool disk_prefetch = true;  // the disk tier: reads and writes on its I/O thread, overlapping the update
 };
 
 template <backend::Backend B>
@@ -56,7 +60,7 @@ class OptimizerState {
   // One moment pair per tensor of `sizes` (parameters' local shards, or ZeRO pieces).
   OptimizerState(std::span<const index_t> sizes, const Offload& where, B be)
       : be_(std::move(be)), offload_(where.host || !where.dir.empty()), overlap_(where.host && where.overlap && where.dir.empty()),
-        buffer_(where.buffer_elements) {
+        buffer_(where.buffer_elements), prefetch_(where.disk_prefetch) {
     TRELLIS_CHECK(buffer_ >= 1, "OptimizerState: a disk buffer of ", buffer_, " elements");
     if (!where.dir.empty())
       disk_.emplace(where.dir, sizes, where.dir_cap_bytes);
@@ -69,6 +73,11 @@ class OptimizerState {
 
   bool offloaded() const { return offload_; }
   bool on_disk() const { return disk_.has_value(); }
+  // The disk tier's file (tests and benches: DiskMoments::set_probe, its seam).
+  DiskMoments& disk_moments() {
+    TRELLIS_CHECK(disk_.has_value(), "OptimizerState: the moments are not on disk (no offload_dir)");
+    return *disk_;
+  }
   std::size_t tensors() const { return sizes_.size(); }
   std::size_t size(std::size_t i) const { return sizes_.at(i); }
   std::int64_t step() const { return disk_ ? disk_step_ : offload_ ? host_.step() : device_.step(); }
@@ -91,11 +100,12 @@ class OptimizerState {
     }
     offload_ ? host_.reset() : device_.reset();
   }
-  // Moments in B's memory; offloaded moments (disk: the bounded buffers) and the staging
-  // buffers' largest size, in host memory; the disk tier's file.
+  // Moments in B's memory; offloaded moments (disk: the bounded buffers, a chunk of moments twice
+  // when prefetched, and one of values and gradients) and the staging buffers' largest size, in
+  // host memory; the disk tier's file.
   std::size_t device_bytes() const { return offload_ ? 0 : device_.bytes(); }
   std::size_t host_bytes() const {
-    if (disk_) return (disk_m_.size() + disk_v_.size() + staged_values_.size() + staged_grads_.size()) * sizeof(float);
+    if (disk_) return disk_->buffer_bytes() + (staged_values_.size() + staged_grads_.size()) * sizeof(float);
     std::size_t staged = 0;
     for (const auto& st : staging_) staged += (st.values.size() + st.grads.size()) * sizeof(float);
     return offload_ ? host_.bytes() + staged : 0;
@@ -191,30 +201,36 @@ class OptimizerState {
     upload(st);
   }
 
-  // Each tensor in chunks of at most buffer_ elements through the host buffers.
+  // Each tensor in chunks of at most buffer_ elements through the host buffers (DiskMoments::stream:
+  // the moments' reads and writes on its I/O thread when prefetched; values and gradients here).
   void update_from_disk(const optim::AdamW& hp, float lr, std::span<const std::size_t> which,
                         std::span<const std::span<float>> values, std::span<const std::span<const float>> grads,
                         std::span<const float> decay, float scale) {
+    std::vector<DiskChunk> chunks;
+    std::vector<std::size_t> of;  // each chunk's place in `which`
+    std::size_t c = 0;
     for (std::size_t k = 0; k < which.size(); ++k) {
       const std::size_t i = which[k], n = values[k].size();
       TRELLIS_CHECK(i < sizes_.size() && n == sizes_[i] && grads[k].size() == n, "OptimizerState: tensor ", i,
                     " given ", n, " values and ", grads[k].size(), " gradients");
       for (std::size_t at = 0; at < n; at += buffer_) {
-        const std::size_t c = std::min(buffer_, n - at);
-        for (auto* b : {&disk_m_, &disk_v_, &staged_values_, &staged_grads_}) b->resize(std::max(b->size(), c));
-        disk_->read(i, true, at, c, disk_m_.data());
-        disk_->read(i, false, at, c, disk_v_.data());
-        be_.download(staged_values_.data(), values[k].data() + at, c);
-        be_.download(staged_grads_.data(), grads[k].data() + at, c);
-        const kernels::AdamWTensor<float> t{{staged_values_.data(), c}, {staged_grads_.data(), c},
-                                            {disk_m_.data(), c}, {disk_v_.data(), c}, decay[k]};
-        backend::Host<float>{}.adamw(std::span<const kernels::AdamWTensor<float>>(&t, 1), hp.config(lr), disk_step_ + 1,
-                                     scale);
-        be_.upload(values[k].data() + at, staged_values_.data(), c);
-        disk_->write(i, true, at, c, disk_m_.data());
-        disk_->write(i, false, at, c, disk_v_.data());
+        chunks.push_back({i, at, std::min(buffer_, n - at)});
+        of.push_back(k);
+        c = std::max(c, chunks.back().n);
       }
     }
+    for (auto* b : {&staged_values_, &staged_grads_}) b->resize(std::max(b->size(), c));
+    disk_->stream(chunks, prefetch_, [&](std::size_t j, float* m, float* v) {
+      const DiskChunk& ch = chunks[j];
+      const std::size_t k = of[j];
+      be_.download(staged_values_.data(), values[k].data() + ch.at, ch.n);
+      be_.download(staged_grads_.data(), grads[k].data() + ch.at, ch.n);
+      const kernels::AdamWTensor<float> t{{staged_values_.data(), ch.n}, {staged_grads_.data(), ch.n}, {m, ch.n},
+                                          {v, ch.n}, decay[k]};
+      backend::Host<float>{}.adamw(std::span<const kernels::AdamWTensor<float>>(&t, 1), hp.config(lr), disk_step_ + 1,
+                                   scale);
+      be_.upload(values[k].data() + ch.at, staged_values_.data(), ch.n);
+    });
   }
   void read(std::size_t i, float* dst, bool m) const {
     TRELLIS_CHECK(!staging_[0].job && !staging_[1].job, "OptimizerState: moments read while an update runs");
@@ -255,7 +271,7 @@ class OptimizerState {
   std::vector<float> staged_values_, staged_grads_;  // the disk tier's values and gradients chunk
   std::optional<DiskMoments> disk_;
   std::size_t buffer_ = std::size_t{1} << 22;
-  std::vector<float> disk_m_, disk_v_;  // the disk tier's chunk of moments
+  bool prefetch_ = true;  // the disk tier's I/O on its thread, overlapping the update
   std::int64_t disk_step_ = 0;
   std::unique_ptr<UpdateWorker> worker_;  // last: joined before the buffers its jobs use go
 };

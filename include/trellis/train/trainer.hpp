@@ -552,7 +552,7 @@ class Trainer {
   // Where the AdamW moments live (TrainerConfig's offload fields).
   Offload offload() const {
     return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements,
-            cfg_.offload_update_thread};
+            cfg_.offload_update_thread, cfg_.offload_disk_prefetch};
   }
   // The fused update's clip factor for the next step, as float bits (checkpoint metadata).
   static constexpr const char* fused_scale_key = "train.fused_clip_scale";

@@ -116,10 +116,14 @@ struct TrainerConfig {
   // The disk tier (ZeRO-Infinity's): the AdamW moments in a scratch file under this directory
   // (train/disk_moments.hpp), streamed through host buffers of offload_buffer_elements; set, it
   // is used whatever offload_optimizer says. offload_dir_cap_bytes: the most the file may take
-  // (0: no cap; tests simulate a full disk with it).
+  // (0: no cap; tests simulate a full disk with it). offload_disk_prefetch: the tier's I/O thread
+  // reads the next chunk's moments and writes the previous one's back while the CPU updates a
+  // chunk (host buffers: a chunk's m and v twice, its values and gradients once, 6 chunks in all;
+  // false: synchronous, on the training thread, 4 chunks).
   std::filesystem::path offload_dir{};
   std::uint64_t offload_dir_cap_bytes = 0;
   std::size_t offload_buffer_elements = std::size_t{1} << 22;
+  bool offload_disk_prefetch = true;
   // Saved activations offloaded to host memory unit by unit (a block, the head, the embedding;
   // nn/activation_arena.hpp's offloaded pools): each chunk keeps offload_activation_frames units'
   // worth in device memory, a cache that evicts the least recently used unit to host memory and
@@ -370,6 +374,8 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
   if (c.fused_update == TrainerConfig::FusedUpdate::previous_clip && c.clip <= 0)
     add("--fused-update previous-clip needs --clip > 0 (without clipping use --fused-update unclipped)");
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
+  if (c.offload_buffer_elements < 1)
+    add("the optimizer disk tier's chunk (offload_buffer_elements) must be >= 1 element");
   if (c.offload_activations && c.offload_activation_frames < 1)
     add("offloaded activations need at least 1 device frame per chunk (got ", c.offload_activation_frames, ")");
   if (c.shard_degree < 0) add("--shard-degree must be >= 0 (0: shard over every replica), got ", c.shard_degree);
