@@ -1,6 +1,7 @@
 // The planner's cost model against measurement: every layout of one GPT on this host's 2 thread
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
-// interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, timed for real (the fastest of --iters steps
+// interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, and four tp2
+// layouts with overlap chunks (--overlap 2 and 4, with and without sp), timed for real (the fastest of --iters steps
 // after a warm-up) and predicted by plan::predict_step with rates measured on this machine
 // (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
 // there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The
@@ -115,6 +116,7 @@ int main(int argc, char** argv) try {
 
   plan::SearchSpace space;
   space.max_microbatches = 8;
+  space.overlap_chunks = {1};  // every layout without overlap; a few with it below
   space.recompute = bench::has_flag(argc, argv, "--recompute") ? std::vector<bool>{false, true} : std::vector<bool>{false};
   plan::MeasuredRates measured(3, ranks);  // every kernel timed with `ranks` copies running at once
   const plan::Rates rates = measured.rates();
@@ -127,7 +129,22 @@ int main(int argc, char** argv) try {
   std::vector<double> pred, meas;
   std::vector<std::string> names;
   bench::JsonReport report("bench_plan");
-  for (const train::TrainerConfig& c : plan::layouts(base, host.devices(), ranks, space)) {
+  std::vector<train::TrainerConfig> list = plan::layouts(base, host.devices(), ranks, space);
+  // tp overlap chunks: tp2 (sp or not) at 1 or 2 microbatches with --overlap 2 or 4, beside the
+  // same layouts without overlap above
+  const struct {
+    bool sp;
+    int microbatches, chunks;
+  } overlapped[] = {{false, 1, 2}, {false, 1, 4}, {true, 1, 4}, {true, 2, 2}};
+  for (const auto& o : overlapped)
+    for (const train::TrainerConfig& c : plan::layouts(base, host.devices(), ranks, space))
+      if (c.tp == 2 && c.dp * c.pp * c.cp * c.tp == ranks && c.options.sequence_parallel == o.sp &&
+          c.microbatches == o.microbatches && !c.options.recompute && plan::overlap_fits(c, o.chunks)) {
+        list.push_back(c);
+        list.back().options.overlap_chunks = o.chunks;
+        break;
+      }
+  for (const train::TrainerConfig& c : list) {
     if (!train::config_problems(c).empty()) continue;
     const double p = plan::predict_step(c, host, rates).step;
     const double m = measure(c, link, iters);

@@ -527,11 +527,12 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
         !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops" ||
-        o.schedule == "local_learning" || o.overlap > 1)
+        o.schedule == "local_learning")
       out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
-                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs, "
-                    "--overlap or local learning yet: drop them or give the layout yourself (--cluster FILE gives "
+                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs "
+                    "or local learning yet: drop them or give the layout yourself (--cluster FILE gives "
                     "the ranks' speeds)");
+    if (o.overlap > 1) out.push_back("--plan auto chooses --overlap (tp overlap chunks) itself: drop --overlap");
     if (o.mpi && !o.cluster.empty()) out.push_back("--plan auto --mpi plans with speeds measured, not from --cluster");
   }
   if (!o.cluster.empty() && (!o.rank_speed.empty() || !o.dp_speed.empty()))

@@ -5,7 +5,7 @@
 //   ranks' link: thread-rank collectives are memory copies, so a bus bandwidth of the measured
 //   memory-pass rate and 5 us latency; memory per rank: this machine's / N. Prints the planner's
 //   table and returns the options with the fastest layout's dp, tp, pp, cp (ring), schedule,
-//   chunks, microbatches, sp, recompute and ZeRO stage.
+//   chunks, microbatches, sp, recompute, ZeRO stage and tp overlap chunks (--overlap).
 // - --cluster FILE: the ranks' speeds from the file's devices (plan::stage_speeds), and
 //   --stage-costs measured: the costs the balanced split weighs, timed on this machine
 //   (plan::stage_costs), so every rank takes the same split.
@@ -79,7 +79,7 @@ inline Options apply_balance(const Options& given, bool print = true) {
 }
 
 // The layout (dp, tp, pp, cp by ring, schedule, chunks, microbatches, sp, recompute, ZeRO stage,
-// stage split, dp shares) of a planned config, taken into `o`; --plan is then done.
+// tp overlap chunks, stage split, dp shares) of a planned config, taken into `o`; --plan is then done.
 inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.plan.clear();  // planned: what follows is an ordinary run of this layout
   o.ranks = 0;
@@ -94,6 +94,7 @@ inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.sp = c.options.sequence_parallel;
   o.recompute = c.options.recompute;
   o.zero = c.zero;
+  o.overlap = c.options.overlap_chunks;
   o.stage_layers = c.stage_layers;
   o.dp_rows.assign(c.dp_rows.begin(), c.dp_rows.end());
 }

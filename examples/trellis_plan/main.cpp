@@ -1,5 +1,5 @@
-// trellis_plan: which dp x tp x pp layout, schedule, microbatch count, recompute and ZeRO stage to
-// train a GPT with on a cluster. A model shape and a cluster file (or --host N: this machine's
+// trellis_plan: which dp x tp x pp layout, schedule, microbatch count, recompute, ZeRO stage and tp
+// overlap chunks to train a GPT with on a cluster. A model shape and a cluster file (or --host N: this machine's
 // thread ranks, rates measured here) in; the fastest layouts by predicted step time out, with
 // MFU, memory per rank and the train_gpt flags of each. No training happens (docs/plan.md).
 #include <cstdio>
@@ -31,6 +31,7 @@ model:    --model gpt2|gpt2-medium|gpt2-large|gpt2-xl|gpt3-1.3b|gpt3-2.7b|gpt3-6
 options:  --precision bf16|fp32 (bf16 with a cluster file: the bf16 peak, activations at 2 bytes;
             fp32 with --host) --top K (10) --max-microbatches M (64)
           --schedules a,b,.. (gpipe,1f1b,interleaved_1f1b,zb_h1) --max-tp N (a node's devices)
+          --overlap K,.. (1,2,4: tp overlap chunks tried with tp > 1, train_gpt --overlap)
 )";
 
 struct Shape {
@@ -115,6 +116,15 @@ int main(int argc, char** argv) try {
     }
   }
 
+  if (auto v = arg(flags, "--overlap"); !v.empty()) {
+    space.overlap_chunks.clear();
+    for (std::size_t at = 0; at <= v.size();) {
+      const std::size_t comma = std::min(v.find(',', at), v.size());
+      space.overlap_chunks.push_back(static_cast<int>(number("--overlap", v.substr(at, comma - at))));
+      at = comma + 1;
+    }
+  }
+
   plan::Cluster cluster;
   plan::MeasuredRates measured;
   plan::Rates rates;
@@ -167,15 +177,15 @@ int main(int argc, char** argv) try {
     return 2;
   }
   const double flops = plan::model_flops(base);
-  std::printf("%3s %11s %10s %6s %9s %7s %7s %7s  %s\n", "#", "step (s)", "tokens/s", "MFU", "mem (GiB)", "bubble",
-              "tp comm", "dp exp", "train_gpt flags");
+  std::printf("%3s %11s %10s %6s %9s %7s %7s %7s %7s  %s\n", "#", "step (s)", "tokens/s", "MFU", "mem (GiB)", "bubble",
+              "tp comm", "overlap", "dp exp", "train_gpt flags");
   for (std::size_t i = 0; i < p.best.size(); ++i) {
     const auto& c = p.best[i];
-    std::printf("%3zu %11.4f %10.0f %5.1f%% %9.2f %6.1f%% %6.1f%% %6.1f%%  %s\n", i + 1, c.cost.step,
+    std::printf("%3zu %11.4f %10.0f %5.1f%% %9.2f %6.1f%% %6.1f%% %7d %6.1f%%  %s\n", i + 1, c.cost.step,
                 static_cast<double>(base.batch * base.seq) / c.cost.step,
                 100 * flops / (c.cost.step * cluster.devices() * peak), c.memory.device_total() / (1ull << 30),
-                100 * c.cost.bubble_fraction, 100 * c.cost.tp_comm / c.cost.step, 100 * c.cost.dp_exposed / c.cost.step,
-                plan::train_gpt_flags(c.config).c_str());
+                100 * c.cost.bubble_fraction, 100 * c.cost.tp_comm / c.cost.step, c.config.options.overlap_chunks,
+                100 * c.cost.dp_exposed / c.cost.step, plan::train_gpt_flags(c.config).c_str());
   }
   return 0;
 } catch (const std::exception& e) {

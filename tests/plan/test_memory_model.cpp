@@ -4,8 +4,9 @@
 // coordinates) field by field. Tolerance: none -- these are allocation sizes, and the model
 // follows the trainer's packing, shard and arena rules, so every field must be equal to the byte
 // (one exception, stated at its case: the fused update's offloaded staging is predicted as an
-// upper bound). Also: the measured activation peak is > 0 and within the predicted reserve, and
-// predict_peak_memory names a pipeline rank whose measured total is the largest.
+// upper bound). tp overlap chunks are in the grid: they change no field. Also: the measured
+// activation peak is > 0 and within the predicted reserve, and predict_peak_memory names a
+// pipeline rank whose measured total is the largest.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -77,6 +78,14 @@ std::vector<Case> grid() {
   g.push_back({"tp2", layout({.tp = 2})});
   g.push_back({"tp2+sp", layout({.tp = 2, .sp = true})});
   g.push_back({"tp2+sp vocab 97 (uneven over tp)", layout({.tp = 2, .sp = true}, 32, 97)});
+  {  // tp overlap chunks: the same saved tensors at any K (their staging is scratch of one call)
+    Case k{"tp2 overlap 4", layout({.tp = 2})};
+    k.cfg.options.overlap_chunks = 4;
+    g.push_back(k);
+    Case u{"tp2+sp overlap 3 (uneven chunks)", layout({.tp = 2, .sp = true})};
+    u.cfg.options.overlap_chunks = 3;
+    g.push_back(u);
+  }
   g.push_back({"pp2 gpipe m4", layout({.pp = 2, .schedule = "gpipe", .microbatches = 4})});
   g.push_back({"pp2 1f1b m4", layout({.pp = 2, .schedule = "1f1b", .microbatches = 4})});
   g.push_back({"pp2 zb_h1 m4", layout({.pp = 2, .schedule = "zb_h1", .microbatches = 4})});

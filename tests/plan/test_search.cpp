@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "train_gpt/flags.hpp"
@@ -37,6 +38,37 @@ train::TrainerConfig small_model() {
   c.seq = 128;
   c.batch = 16;
   return c;
+}
+
+// What train_gpt says of a layout: its flag checks (e.g. --overlap needs --tp > 1) and
+// train::config_problems, on the model's flags (seq = context) followed by the layout's.
+std::vector<std::string> train_gpt_problems(const train::TrainerConfig& c) {
+  const auto& m = c.model;
+  std::vector<std::string> args = {"--layers", std::to_string(m.layers), "--heads", std::to_string(m.heads),
+                                   "--width", std::to_string(m.width), "--vocab", std::to_string(m.vocab),
+                                   "--context", std::to_string(c.seq), "--batch", std::to_string(c.batch)};
+  std::istringstream words(plan::train_gpt_flags(c));
+  for (std::string w; words >> w;) args.push_back(w);
+  return train_gpt::problems(train_gpt::parse_flags(args));
+}
+
+// The search's first `top` against every layout of `space` checked, fitted and simulated here,
+// then sorted (steps equal to 1e-12; ties may come in another order, so the steps are compared).
+void check_against_exhaustive(const train::TrainerConfig& base, const plan::Cluster& cl, const plan::Rates& r,
+                              const plan::SearchSpace& space, const plan::Plan& plan, int top) {
+  std::vector<double> all;
+  for (const auto& c : plan::layouts(base, cl.devices(), cl.devices_per_node, space)) {
+    if (!train::config_problems(c).empty()) continue;
+    if (plan::predict_peak_memory(c).memory.device_total() > cl.device.memory_bytes) continue;
+    all.push_back(plan::predict_step(c, cl, r).step);
+  }
+  std::sort(all.begin(), all.end());
+  REQUIRE(all.size() > static_cast<std::size_t>(top));
+  REQUIRE(plan.best.size() == static_cast<std::size_t>(top));
+  for (int i = 0; i < top; ++i) {
+    INFO("rank " << i << ": search " << plan.best[i].cost.step << " " << plan::train_gpt_flags(plan.best[i].config));
+    CHECK(plan.best[i].cost.step == Approx(all[static_cast<std::size_t>(i)]).epsilon(1e-12));
+  }
 }
 
 }  // namespace
@@ -161,7 +193,7 @@ TEST_CASE("search: its top layouts equal an exhaustive evaluation; pruning skipp
     std::string flags;
   };
   std::vector<Ref> all;
-  long over = 0;
+  long over = 0, overlapped = 0;
   for (const auto& c : plan::layouts(base, 4, 2, space)) {
     if (!train::config_problems(c).empty()) continue;
     if (plan::predict_peak_memory(c).memory.device_total() > cl.device.memory_bytes) {
@@ -169,7 +201,9 @@ TEST_CASE("search: its top layouts equal an exhaustive evaluation; pruning skipp
       continue;
     }
     all.push_back({plan::predict_step(c, cl, r).step, plan::train_gpt_flags(c)});
+    overlapped += c.options.overlap_chunks > 1;
   }
+  CHECK(overlapped > 0);  // the space has tp overlap chunks in it
   std::stable_sort(all.begin(), all.end(), [](const Ref& a, const Ref& b) { return a.step < b.step; });
   REQUIRE(all.size() > static_cast<std::size_t>(top));
   REQUIRE(plan.best.size() == static_cast<std::size_t>(top));
@@ -187,6 +221,59 @@ TEST_CASE("search: its top layouts equal an exhaustive evaluation; pruning skipp
   CHECK(plan.simulated + plan.pruned == no_pruning.simulated);
 }
 
+TEST_CASE("search: tp overlap chunks -- the exhaustive optimum where overlap wins, never a K train_gpt refuses",
+          "[search][overlap]") {
+  // the 2 x 2 cluster with a slower link inside a node (20 GB/s) and a much slower one across
+  // (1 GB/s): dp over nodes pays, tp inside a node pays less with its collectives overlapped
+  plan::Cluster cl = small_cluster(48e6);
+  cl.intra_node.bandwidth = 2e10;
+  cl.inter_node.bandwidth = 1e9;
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  const train::TrainerConfig base = small_model();
+  const int top = 6;
+  const plan::Plan plan = plan::search(base, cl, r, space, top);
+  check_against_exhaustive(base, cl, r, space, plan, top);
+  const plan::Plan no_pruning = plan::search(base, cl, r, space, top, false);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(top); ++i)
+    CHECK(no_pruning.best[i].cost.step == Approx(plan.best[i].cost.step).epsilon(1e-12));
+  CHECK(plan.pruned > 0);
+  // overlap wins here: the first layout has K > 1, and the best without overlap is slower
+  REQUIRE_FALSE(plan.best.empty());
+  INFO("first: " << plan::train_gpt_flags(plan.best[0].config));
+  CHECK(plan.best[0].config.options.overlap_chunks > 1);
+  CHECK(plan::train_gpt_flags(plan.best[0].config).find("--overlap") != std::string::npos);
+  plan::SearchSpace without = space;
+  without.overlap_chunks = {1};
+  const plan::Plan plain = plan::search(base, cl, r, without, 1);
+  REQUIRE_FALSE(plain.best.empty());
+  CHECK(plain.best[0].cost.step > plan.best[0].cost.step);
+  // every layout of the space with K > 1 (not only the proposed ones): tp > 1, K dividing the
+  // chunked rows, and train_gpt's checks (its own: --overlap needs --tp > 1; then
+  // train::config_problems) pass wherever config_problems passes without the overlap
+  long overlapped = 0;
+  for (const auto& c : plan::layouts(base, cl.devices(), 2, space)) {
+    if (c.options.overlap_chunks == 1) continue;
+    ++overlapped;
+    INFO(plan::train_gpt_flags(c));
+    CHECK(c.tp > 1);
+    train::TrainerConfig k1 = c;
+    k1.options.overlap_chunks = 1;
+    if (train::config_problems(k1).empty()) {
+      CHECK(train::config_problems(c).empty());
+      CHECK(train_gpt_problems(c).empty());
+    }
+  }
+  CHECK(overlapped > 100);
+  for (const plan::Plan* p : {&plan, &no_pruning})
+    for (const auto& cand : p->best) {
+      INFO(plan::train_gpt_flags(cand.config));
+      CHECK(train::config_problems(cand.config).empty());
+      CHECK(train_gpt_problems(cand.config).empty());
+    }
+}
+
 TEST_CASE("search: never proposes a layout that does not fit or does not run", "[search]") {
   const train::TrainerConfig base = small_model();
   plan::SearchSpace space;
@@ -201,7 +288,9 @@ TEST_CASE("search: never proposes a layout that does not fit or does not run", "
     const plan::Plan plan = plan::search(base, cl, plan::cluster_rates(cl), space, 8);
     REQUIRE_FALSE(plan.best.empty());
     for (const auto& cand : plan.best) {
+      INFO(plan::train_gpt_flags(cand.config));
       CHECK(train::config_problems(cand.config).empty());
+      CHECK(train_gpt_problems(cand.config).empty());  // train_gpt's own checks too (--overlap needs --tp > 1)
       CHECK(plan::predict_peak_memory(cand.config).memory.device_total() <= memory);
     }
   }
@@ -213,7 +302,7 @@ TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[
   const plan::Cluster cl = small_cluster();
   plan::SearchSpace space;
   space.max_microbatches = 4;
-  int checked = 0;
+  int checked = 0, overlapped = 0;
   for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) {
     if (!train::config_problems(c).empty()) continue;
     std::istringstream words(plan::train_gpt_flags(c));
@@ -229,11 +318,14 @@ TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[
     CHECK(back.zero == c.zero);
     CHECK(back.options.sequence_parallel == c.options.sequence_parallel);
     CHECK(back.options.recompute == c.options.recompute);
+    CHECK(back.options.overlap_chunks == c.options.overlap_chunks);
     if (c.pp > 1) CHECK(back.schedule == c.schedule);
     if (c.pp > 1 && c.schedule == "interleaved_1f1b") CHECK(back.virtual_chunks == c.virtual_chunks);
     ++checked;
+    overlapped += c.options.overlap_chunks > 1;
   }
   CHECK(checked > 50);
+  CHECK(overlapped > 10);
 }
 
 TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid layout of --ranks ranks", "[search]") {
@@ -249,6 +341,7 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(has(problems_of({"--plan", "auto"}), "--plan auto needs --ranks"));
   CHECK(has(problems_of({"--ranks", "2"}), "--ranks N is for --plan auto"));
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "does not model --cp"));
+  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--overlap", "2"}), "chooses --overlap"));
   CHECK(problems_of({"--plan", "auto", "--ranks", "2"}).empty());
   CHECK(has(problems_of({"--plan", "auto", "--mpi", "--ranks", "2"}), "plans for mpirun's ranks: drop --ranks"));
   CHECK(problems_of({"--plan", "auto", "--mpi"}).empty());
@@ -261,4 +354,14 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(planned.plan.empty());
   CHECK(train_gpt::problems(planned).empty());
   CHECK(train::config_problems(train_gpt::trainer_config(planned)).empty());
+  // the planned tp overlap chunks are taken (adopt_layout), and train_gpt accepts them
+  train::TrainerConfig overlapped = train_gpt::trainer_config(o);
+  overlapped.dp = 1;
+  overlapped.tp = 2;
+  overlapped.options.overlap_chunks = 4;
+  train_gpt::Options adopted = o;
+  train_gpt::adopt_layout(adopted, overlapped);
+  CHECK(adopted.overlap == 4);
+  CHECK(adopted.tp == 2);
+  CHECK(train_gpt::problems(adopted).empty());
 }

@@ -13,6 +13,11 @@
 //     sequence parallelism 2 all-reduces of rows x width per block in F and in B; with it an
 //     all-gather and a reduce-scatter each instead (and B gathers again). The embedding and head
 //     add one each. Time on the tp group's link (Cluster::link).
+//   - TP overlap chunks (options.overlap_chunks = K > 1, nn/tensor_parallel.hpp): each of those
+//     collectives and the GEMM that feeds it (or that it feeds) run as K row chunks, chunk j's
+//     collective on the link while chunk j+1 computes: g + (K - 1) max(g, c) + c per section, g
+//     and c one chunk's compute and collective (K latencies; the chunk GEMMs at their own shape,
+//     so measured rates charge smaller GEMMs' lower efficiency). Derivation at detail::chunk_pipeline.
 //   - Pipeline. Each (rank, chunk, action) costs its layers' F, B or W divided by the rank's
 //     speed; a send costs latency + bytes / bandwidth on the pp link; pipe::simulate_with runs
 //     the schedule on these costs (bubbles, warm-up and messages as the executor has them).
@@ -29,8 +34,9 @@
 //   - Context parallelism (ring): rows b T / cp per rank, cp attention steps over blocks of T/cp,
 //     the partials merged, the K/V ring's hops exposed where the attention compute does not cover
 //     them; gradients over dp x cp.
-// Not modelled yet: Ulysses, expert parallelism, tp overlap chunks, offloading, hybrid sharding,
-// contention between communicators sharing one physical link.
+// Not modelled yet: Ulysses, expert parallelism, offloading, hybrid sharding, contention between
+// communicators sharing one physical link (nor, on a GPU, compute slowed by the collectives' own
+// kernels while chunks overlap).
 #pragma once
 
 #include <algorithm>
@@ -132,7 +138,7 @@ struct StepCost {
   bool bound_only = false;   // predict_step stopped at its lower bound (step holds the bound)
   double pipeline = 0;       // the schedule's makespan (compute, tp collectives, p2p, bubbles)
   double compute = 0;        // the busiest rank's compute in the schedule (no bubbles)
-  double tp_comm = 0;        // of which tp collectives, on that rank
+  double tp_comm = 0;        // of which tp collectives, on that rank (overlap chunks: what they leave exposed)
   double dp_exposed = 0;     // dp/ZeRO communication not hidden behind the backward
   double optimizer = 0;      // AdamW + gradient norm
   double bubble_fraction = 0;
@@ -145,7 +151,16 @@ struct Shape {  // the sizes the formulas need, as doubles
   double W, H, d, V, L, P, tp, dp, pp, R, T, b;
   double cp = 1;  // context parallel: R = b T / cp rows; attention by the ring (zig-zag balanced)
   bool sp;
+  int chunks = 1;  // tp overlap: the row chunks of each tp collective (1: none; overlap_chunks_of)
 };
+
+// The chunks each tp collective of `c` is cut into: options.overlap_chunks, as the layers cut
+// them (nn::detail::effective_chunks: at most one per row of what is split -- this rank's R / tp
+// rows under sp, all R rows otherwise); 1 without tp, where the layers do not chunk.
+inline int overlap_chunks_of(double K, double tp, double R, bool sp) {
+  if (tp <= 1 || K <= 1) return 1;
+  return static_cast<int>(std::max(1.0, std::min(K, std::floor(sp ? R / tp : R))));
+}
 
 // The shape of one microbatch of `c` on one rank (b: the batch's mean rows per dp rank).
 inline Shape shape_of(const train::TrainerConfig& c) {
@@ -165,7 +180,45 @@ inline Shape shape_of(const train::TrainerConfig& c) {
   s.cp = c.cp;
   s.R = s.b * s.T / s.cp;
   s.sp = c.options.sequence_parallel && c.tp > 1;
+  s.chunks = overlap_chunks_of(c.options.overlap_chunks, s.tp, s.R, s.sp);
   return s;
+}
+
+// TP overlap (options.overlap_chunks = K > 1), from what nn/tensor_parallel.hpp does. Each tp
+// collective of a layer is cut into K row chunks (equal here; the trainer's differ by a row at
+// most) and paired with the GEMM on the other side of it:
+//   - produce-then-reduce (all-reduce: the row-parallel forward, the column-parallel input
+//     gradient; reduce-scatter under sp): chunk j's GEMM, then its collective started async, then
+//     chunk j+1's GEMM; all waited at the end;
+//   - gather-then-compute (all-gather under sp: a column-parallel forward, a row-parallel input
+//     gradient, the LM head's logits): chunk j+1's gather started, chunk j waited, copied from its
+//     staging buffer into place and computed.
+// One communicator's transfers run one after another (NCCL's stream order, comm::SimulatedLink's
+// queue), and compute does not wait for the link, so with g one chunk's compute and c one chunk's
+// collective (latency + its share of the bytes: K latencies in all) a section takes
+//     g + (K - 1) max(g, c) + c
+// in both directions: the first chunk's compute (or collective) is not hidden, each further step
+// is the longer of the two, the last collective (or compute) is not hidden. K = 1: g + c, the
+// K = 1 model's GEMM plus collective. Under sp a chunk's compute is tp GEMMs of R / (tp K) rows
+// (one per rank's block of rows), plus, for a gather, the copy out of staging (2 x 4 R W / K
+// bytes); without sp one GEMM of R / K rows. Each GEMM is charged at its own shape
+// (Rates::gemm), so measured rates give the smaller GEMMs' lower efficiency; peak rates
+// (cluster_rates) give none.
+inline double chunk_pipeline(double g, double c, int K) { return g + (K - 1) * std::max(g, c) + c; }
+
+// One overlapped section at K chunks, against the K = 1 model's terms for it (`whole`: its GEMM
+// over all rows): the compute added (K chunks' compute - whole: efficiency loss, staging copies)
+// and the communication left exposed (the pipeline - K chunks' compute).
+struct OverlapTimes {
+  double compute = 0, comm = 0;
+  OverlapTimes& operator+=(const OverlapTimes& o) {
+    compute += o.compute;
+    comm += o.comm;
+    return *this;
+  }
+};
+inline OverlapTimes overlap_section(double whole, double g, double c, int K) {
+  return {K * g - whole, chunk_pipeline(g, c, K) - K * g};
 }
 
 // One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
@@ -219,6 +272,40 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
       c_b = 2 * all_reduce_seconds(tp_link, bytes, n);
     }
   }
+  if (s.chunks > 1) {  // tp overlap: each collective's section becomes a chunk pipeline (chunk_pipeline)
+    const int K = s.chunks, n = static_cast<int>(t);
+    const double bytes = 4 * R * W;
+    // section i's GEMM (m = rows, the operand widths a x b), whole and one chunk's
+    auto section = [&](double a, double b, GemmForm form, bool gather) {
+      const double whole = r.gemm(R, a, b, form);
+      const double g = s.sp ? t * r.gemm(R / (t * K), a, b, form) + (gather ? r.memory(2 * 4 * R * W / K) : 0.0)
+                            : r.gemm(R / K, a, b, form);
+      const double c = s.sp ? gather_seconds(tp_link, bytes / K, n) : all_reduce_seconds(tp_link, bytes / K, n);
+      return overlap_section(whole, g, c, K);
+    };
+    OverlapTimes f, b;
+    if (s.sp) {
+      // F: c_attn and c_fc gather their input (i = 0, 2), attn.c_proj and mlp.c_proj reduce-scatter
+      // their output (1, 3); B: the row-parallel layers gather dy (3, 1), the column-parallel ones
+      // reduce-scatter dx (2, 0) -- and gather their input again for W, one whole all-gather
+      // started before the chunks and not chunked: charged as at K = 1.
+      for (int i = 0; i < 4; ++i) {
+        f += section(outs[i], ins[i], GemmForm::nn, i % 2 == 0);
+        b += section(ins[i], outs[i], GemmForm::nt, i % 2 == 1);
+      }
+      c_b = 2 * gather_seconds(tp_link, bytes, n);
+    } else {
+      // F: the row-parallel forwards all-reduce (attn.c_proj, mlp.c_proj: i = 1, 3); B: the
+      // column-parallel input gradients (c_fc, c_attn: 2, 0)
+      for (int i : {1, 3}) f += section(outs[i], ins[i], GemmForm::nn, false);
+      for (int i : {0, 2}) b += section(ins[i], outs[i], GemmForm::nt, false);
+      c_b = 0;
+    }
+    c_f = f.comm;
+    c_b += b.comm;
+    p.forward += f.compute;
+    p.backward_input += b.compute;
+  }
   p.forward += c_f;
   p.backward_input += c_b;
   if (recompute) p.backward_input += p.forward;
@@ -231,8 +318,16 @@ inline PassTimes embedding_times(const Shape& s, const Rates& r, const Link& tp_
   p.forward = r.memory(4 * 3 * s.R * s.W);
   p.backward_weight = r.memory(4 * 3 * s.R * s.W);
   if (s.tp > 1) {  // vocab-parallel: partial rows summed (sp: reduce-scattered)
-    const double c = s.sp ? gather_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp))
-                          : all_reduce_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp));
+    double c = s.sp ? gather_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp))
+                    : all_reduce_seconds(tp_link, 4 * s.R * s.W, static_cast<int>(s.tp));
+    if (s.chunks > 1) {  // overlap: chunks of the lookup (2 x 4 R W bytes of the above) and of the sum
+      const int K = s.chunks, n = static_cast<int>(s.tp);
+      const double bytes = 4 * s.R * s.W / K;  // one chunk's
+      const double piece = s.sp ? gather_seconds(tp_link, bytes, n) : all_reduce_seconds(tp_link, bytes, n);
+      const OverlapTimes o = overlap_section(r.memory(2 * 4 * s.R * s.W), r.memory(2 * 4 * s.R * s.W / K), piece, K);
+      p.forward += o.compute;
+      c = o.comm;
+    }
     p.forward += c;
     if (comm) *comm += c;
   }
@@ -248,8 +343,24 @@ inline PassTimes head_times(const Shape& s, const Rates& r, const Link& tp_link,
   p.backward_weight = r.gemm(Vl, W, R, GemmForm::tn);
   if (s.tp > 1) {
     const int n = static_cast<int>(s.tp);
-    const double f = (s.sp ? gather_seconds(tp_link, 4 * R * W, n) : 0.0) + 3 * all_reduce_seconds(tp_link, 4 * R, n);
-    const double b = s.sp ? gather_seconds(tp_link, 4 * R * W, n) : all_reduce_seconds(tp_link, 4 * R * W, n);
+    double f = (s.sp ? gather_seconds(tp_link, 4 * R * W, n) : 0.0) + 3 * all_reduce_seconds(tp_link, 4 * R, n);
+    double b = s.sp ? gather_seconds(tp_link, 4 * R * W, n) : all_reduce_seconds(tp_link, 4 * R * W, n);
+    if (s.chunks > 1) {  // overlap (chunk_pipeline): sp, the logits over gathered chunks; the input
+      // gradient's chunks reduced (sp: reduce-scattered); the loss's small all-reduces are whole
+      const int K = s.chunks, t = n;
+      const double bytes = 4 * R * W / K;  // one chunk's
+      const double piece = s.sp ? gather_seconds(tp_link, bytes, n) : all_reduce_seconds(tp_link, bytes, n);
+      if (s.sp) {
+        const double g = t * r.gemm(R / (t * K), Vl, W, GemmForm::nt) + r.memory(2 * bytes);
+        const OverlapTimes o = overlap_section(r.gemm(R, Vl, W, GemmForm::nt), g, piece, K);
+        p.forward += o.compute;
+        f = o.comm + 3 * all_reduce_seconds(tp_link, 4 * R, n);
+      }
+      const double g = s.sp ? t * r.gemm(R / (t * K), W, Vl, GemmForm::nn) : r.gemm(R / K, W, Vl, GemmForm::nn);
+      const OverlapTimes o = overlap_section(r.gemm(R, W, Vl, GemmForm::nn), g, piece, K);
+      p.backward_input += o.compute;
+      b = o.comm;
+    }
     p.forward += f;
     p.backward_input += b;
     if (comm) *comm += f + b;

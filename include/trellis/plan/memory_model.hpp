@@ -24,6 +24,11 @@
 //    Recompute saves the block inputs only; sequence parallelism splits the norm-region rows over
 //    tp; cp splits the sequence (the attention's saved tensors are the same size in every cp mode).
 //    offload_activations: per chunk, frames x the largest unit on the device, the rooms on the host.
+//    tp overlap chunks (options.overlap_chunks) change nothing here: the layers save the same
+//    tensors at any chunk count (their saved_bytes do not depend on it), and the chunks' buffers
+//    are scratch of one call (nn/tensor_parallel.hpp: a chunked all-gather stages its R x W rows
+//    beside the gathered ones, a chunked reduce-scatter's staging replaces the whole partial
+//    buffer, an all-reduce runs in place), which Trainer::memory() does not count at any K.
 // fp32 compute only (4-byte activations: backend::Host<float>, the trainer's default). workspace:
 // the host backends reserve none (0); the CUDA backend's scratch is not modelled. Exact after a
 // step (the offloaded update's staging grows at the first update), except fused_update with
@@ -279,9 +284,10 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
       break;
   }
   const double moments = 2 * f * static_cast<double>(state);
-  if (!c.offload_dir.empty()) {  // the disk tier: the moments in a file, streamed through 4 bounded host buffers
+  if (!c.offload_dir.empty()) {  // the disk tier: the moments in a file, streamed through bounded host
+    // buffers: values, gradients and m, v (twice when the next chunk is read during an update)
     e.disk_optimizer = moments;
-    e.host_optimizer = 4 * f * static_cast<double>(std::min<std::size_t>(c.offload_buffer_elements, static_cast<std::size_t>(largest_tensor)));
+    e.host_optimizer = (c.offload_disk_prefetch ? 6 : 4) * f * static_cast<double>(std::min<std::size_t>(c.offload_buffer_elements, static_cast<std::size_t>(largest_tensor)));
   } else if (c.offload_optimizer) {
     // host: the moments, and one update's staged values and gradients: every tensor at once
     // (unfused); fused, a unit at a time in two alternating buffers (overlapped), so an upper bound

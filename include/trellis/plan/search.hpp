@@ -1,9 +1,10 @@
 // plan::search: every layout of a model on a cluster -- dp x tp x pp x cp over all its devices, the
 // pipeline schedule (and virtual chunks), microbatches, recompute, sequence parallelism, ZeRO
-// stage -- checked (train::config_problems), pruned by memory (plan::predict_peak_memory against
-// the device's memory), timed by the cost model (plan::predict_step), and the fastest returned
-// with the train_gpt flags that run each. On a cluster of mixed speeds dp replicas get shares and
-// a pipeline of one chunk per rank a split balanced for their speeds (plan::balance_for_speeds).
+// stage, tp overlap chunks -- checked (train::config_problems), pruned by memory
+// (plan::predict_peak_memory against the device's memory), timed by the cost model
+// (plan::predict_step), and the fastest returned with the train_gpt flags that run each. On a
+// cluster of mixed speeds dp replicas get shares and a pipeline of one chunk per rank a split
+// balanced for their speeds (plan::balance_for_speeds).
 //
 // Pruning by time: predict_step's bound (every rank's busy time plus what follows the schedule,
 // without simulating the pipeline) is a lower bound of its step, so a layout whose bound is not
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +33,9 @@ struct SearchSpace {
   std::vector<int> zero{0, 1, 2, 3};
   std::vector<bool> recompute{false, true};
   std::vector<bool> sequence_parallel{false, true};
+  // tp overlap chunks (options.overlap_chunks, train_gpt --overlap K): tried with tp > 1 where K
+  // divides the rows each chunked collective splits (overlap_fits)
+  std::vector<int> overlap_chunks{1, 2, 4};
   int max_microbatches = 64;  // microbatches: every m with batch % (dp m) == 0, up to this
   int max_tp = 0;             // 0: the devices of one node (tp collectives stay on the fast link)
   int max_cp = 0;             // context parallel (ring) up to this; 0: any that divides the devices and 2 cp the sequence
@@ -66,6 +71,7 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   if (c.zero > 0) s << " --zero " << c.zero;
   if (c.options.sequence_parallel) s << " --sp";
   if (c.options.recompute) s << " --recompute";
+  if (c.options.overlap_chunks > 1) s << " --overlap " << c.options.overlap_chunks;
   if (!c.dp_rows.empty()) {
     s << " --dp-rows ";
     for (std::size_t i = 0; i < c.dp_rows.size(); ++i) s << (i ? "," : "") << c.dp_rows[i];
@@ -75,6 +81,26 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
     for (std::size_t i = 0; i < c.stage_layers.size(); ++i) s << (i ? "," : "") << c.stage_layers[i];
   }
   return s.str();
+}
+
+// Whether the search tries `K` tp overlap chunks for layout `c`: K = 1, or tp > 1 (train_gpt
+// refuses --overlap > 1 without tp; the layers chunk nothing on one rank) and K dividing the rows
+// each chunked collective splits -- a microbatch's rows on a rank, (batch / dp / microbatches) x
+// seq / cp, over tp under sp (the layers chunk this rank's sequence shard). The trainer itself
+// accepts any K >= 1 (train::config_problems) and cuts uneven chunks, at most one per row
+// (nn::detail::effective_chunks); the search keeps to the K whose chunks are equal, which the
+// cost model assumes, and never one the layers would lower.
+inline bool overlap_fits(const train::TrainerConfig& c, int K) {
+  if (K == 1) return true;
+  if (K < 1 || c.tp <= 1 || c.dp < 1 || c.microbatches < 1 || c.cp < 1) return false;
+  const index_t per_microbatch = static_cast<index_t>(c.dp) * c.microbatches;
+  if (c.batch % per_microbatch != 0 || c.seq % c.cp != 0) return false;
+  index_t rows = c.batch / per_microbatch * (c.seq / c.cp);
+  if (c.options.sequence_parallel) {
+    if (rows % c.tp != 0) return false;
+    rows /= c.tp;
+  }
+  return rows % K == 0;
 }
 
 // Every layout of the search space for `base` on `devices` ranks, in a fixed order (unchecked).
@@ -110,7 +136,12 @@ inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& bas
                   c.options.recompute = rc;
                   c.options.sequence_parallel = sp;
                   c.zero = z;
-                  out.push_back(std::move(c));
+                  for (int k : space.overlap_chunks) {
+                    if (!overlap_fits(c, k)) continue;
+                    train::TrainerConfig ck = c;
+                    ck.options.overlap_chunks = k;
+                    out.push_back(std::move(ck));
+                  }
                 }
               }
           }
@@ -127,6 +158,17 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   TRELLIS_CHECK(top >= 1, "plan::search: top must be >= 1 (got ", top, ")");
   Plan plan;
   const int max_tp = space.max_tp > 0 ? space.max_tp : cluster.devices_per_node;
+  // The memory of the previous layout: layouts() lists the overlap chunks innermost, and they do
+  // not change memory (plan/memory_model.hpp), so a layout that differs from the previous one in
+  // them alone reuses it.
+  std::optional<train::TrainerConfig> last;
+  PeakMemory last_peak;
+  auto same_but_overlap = [](const train::TrainerConfig& a, const train::TrainerConfig& b) {
+    return a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.schedule == b.schedule &&
+           a.virtual_chunks == b.virtual_chunks && a.microbatches == b.microbatches &&
+           a.options.recompute == b.options.recompute && a.options.sequence_parallel == b.options.sequence_parallel &&
+           a.zero == b.zero && a.dp_rows == b.dp_rows && a.stage_layers == b.stage_layers;
+  };
   for (train::TrainerConfig& c : layouts(base, cluster.devices(), max_tp, space)) {
     ++plan.layouts;
     if (!train::config_problems(c).empty()) {
@@ -137,7 +179,12 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
       ++plan.invalid;
       continue;
     }
-    const PeakMemory peak = predict_peak_memory(c);
+    const bool reuse = last && same_but_overlap(*last, c);
+    const PeakMemory peak = reuse ? last_peak : predict_peak_memory(c);
+    if (!reuse) {
+      last = c;
+      last_peak = peak;
+    }
     MemoryEstimate mem = peak.memory;
     mem.activations *= space.activation_scale;
     if (mem.device_total() > cluster.device.memory_bytes) {
