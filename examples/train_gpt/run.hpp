@@ -160,7 +160,11 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     auto latest = train::latest_checkpoint(ckpt_root);
     TRELLIS_CHECK(latest.has_value(), "--resume: no checkpoint under ", ckpt_root);
     auto state = trainer.load(*latest);
-    loader.restore(state.data);
+    try {
+      loader.restore(state.data);
+    } catch (const Error& e) {
+      TRELLIS_THROW("--resume from ", latest->string(), ": ", e.message(), " (--seed)");
+    }
     if (lead) {
       std::cout << "resumed from " << latest->string() << " at step " << state.step;
       if (latest->extension() == ".old" || latest->extension() == ".partial")
@@ -291,7 +295,6 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
     const bool eval = (r.step % o.eval_every == 0) || r.step == o.steps;
     std::optional<double> val_now;
     if (eval) val = *(val_now = validate_now());
-    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps) save();
     if (lead) {
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -325,6 +328,9 @@ void run_training(TrainerT& trainer, bool lead, int dp_rank, double n_params, co
         bar->message(s.str());
       }
     }
+    // After the step's metrics row: a stop after the commit leaves the row written (a resume trims
+    // rows past its checkpoint's step, never recomputes one before it).
+    if (o.ckpt_every > 0 && r.step % o.ckpt_every == 0 && r.step < o.steps) save();
   }
   if (val < 0) val = validate_now();
   if (o.experts > 0) {  // tokens per expert over the run's steps (a collective)

@@ -298,7 +298,8 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       std::ofstream(index_path) << json::dump(index, 1);
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("index.json is corrupt"));
       reseal_checkpoint_index(index_path);  // as if written so: the tiling check must catch it
-      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("wte.weight") && Catch::Contains("cover"));
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("index.json") && Catch::Contains("wte.weight") &&
+                                                    Catch::Contains("cover") && Catch::Contains("corrupt"));
     }
     SECTION("missing tensor in a shard file") {
       auto index_path = dir.path / "step-00000002" / "index.json";
@@ -923,4 +924,20 @@ TEST_CASE("a version-1 checkpoint (everything in shard-<rank>, a key per box) st
   std::vector<float> mid(8);  // columns 3..4 straddle the first two boxes
   ck.read("c", DType::f32, Box{{0, 3}, {4, 2}}, mid.data());
   REQUIRE(mid == slice_of(full, s, Box{{0, 3}, {4, 2}}));
+}
+
+TEST_CASE("a `latest` holding another file is refused quoting only its start", "[checkpoint]") {
+  TempDir dir("ckpt-latest-garbage");
+  std::string big = "{\"format\": \"trellis-checkpoint\"" + std::string(20000, ' ') + "}\n";
+  big[40] = '\0';
+  write_file_atomically(dir.path / "latest", big);
+  try {
+    (void)latest_checkpoint(dir.path);
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string m = e.message();
+    CHECK_THAT(m, Catch::Contains("latest") && Catch::Contains("not a step directory name") &&
+                      Catch::Contains("(" + std::to_string(big.size() - 1) + " bytes)") && Catch::Contains("{\"format\""));
+    CHECK(m.size() < 400);  // not the whole file
+  }
 }

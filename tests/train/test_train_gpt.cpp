@@ -219,3 +219,15 @@ TEST_CASE("train_gpt: without --peak-gflops, MFU is against the machine peak of 
 #endif
   }
 }
+
+TEST_CASE("train_gpt: --resume with another --seed names the checkpoint and the flag", "[train][train_gpt][resume]") {
+  TempDir dir("train-gpt-seed");
+  auto o = tiny(dir);
+  o.steps = 2;
+  run(o);
+  o.resume = true;
+  o.steps = 3;
+  o.seed = 1;  // saved with 1234
+  REQUIRE_THROWS_WITH(run(o), Catch::Contains("--resume from") && Catch::Contains("step-00000002") &&
+                                  Catch::Contains("data seed 1234, this loader uses 1") && Catch::Contains("--seed"));
+}

@@ -307,13 +307,22 @@ struct TensorInfo {
 };
 
 namespace detail {
-// Every element of the global tensor covered exactly once.
-inline void check_tiling(const TensorInfo& t) {
-  std::string what = "checkpoint tensor \"" + t.name + "\"";
+// Every element of the global tensor covered exactly once. `source`: where the tiling comes from
+// (the index being read, or the step being committed); `hint`: the likely cause of a gap.
+inline void check_tiling(const TensorInfo& t, std::string_view source, std::string_view hint) {
+  const std::string what = std::string(source) + ": tensor \"" + t.name + "\"";
+  auto elements = [&](const Shape& shape) {  // a shape from a file: its error names the tensor too
+    try {
+      return io::shape_elements(shape);
+    } catch (const Error& e) {
+      TRELLIS_THROW(what, ": ", e.message());
+    }
+  };
+  const index_t total = elements(t.shape);
   index_t covered = 0;
   for (std::size_t i = 0; i < t.shards.size(); ++i) {
     check_box_in(t.shape, t.shards[i].box, what + " in " + t.shards[i].file);
-    covered += io::shape_elements(t.shards[i].box.shape);
+    covered += elements(t.shards[i].box.shape);
     for (std::size_t j = 0; j < i; ++j) {
       auto overlap = intersect(t.shards[i].box, t.shards[j].box);
       TRELLIS_CHECK(!overlap || io::shape_elements(overlap->shape) == 0, what, ": shards in ", t.shards[j].file,
@@ -321,9 +330,8 @@ inline void check_tiling(const TensorInfo& t) {
                     box_string(t.shards[i].box), ") overlap");
     }
   }
-  TRELLIS_CHECK(covered == io::shape_elements(t.shape), what, ": shards cover ", covered, " of ",
-                io::shape_elements(t.shape), " elements of global shape ", io::shape_string(t.shape),
-                " (a rank did not write its part?)");
+  TRELLIS_CHECK(covered == total, what, ": shards cover ", covered, " of ", total, " elements of global shape ",
+                io::shape_string(t.shape), " (", hint, ")");
 }
 
 inline io::json::Value index_json(std::int64_t step, int world_size, const std::map<std::string, TensorInfo>& tensors,
@@ -545,7 +553,9 @@ inline void commit_checkpoint(const std::filesystem::path& root, std::int64_t st
       }
     }
   }
-  for (const auto& [name, t] : tensors) detail::check_tiling(t);
+  for (const auto& [name, t] : tensors)
+    detail::check_tiling(t, "checkpoint step " + std::to_string(step) + " in " + staging.string(),
+                         "a rank did not write its part?");
 
   // Files of a larger, crashed attempt at this step do not belong to this checkpoint.
   for (const auto& entry : fs::directory_iterator(staging)) {
@@ -688,7 +698,7 @@ class Checkpoint {
         si.crc32c = s.at("crc32c", where).as_string(where);
         info.shards.push_back(std::move(si));
       }
-      detail::check_tiling(info);
+      detail::check_tiling(info, what, "the index or its shard files are corrupt");
       tensors_.emplace(name, std::move(info));
     }
     // Every shard file's header must agree with the index.
@@ -848,8 +858,12 @@ inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesys
   if (!fs::exists(pointer)) return std::nullopt;
   std::string name = io::read_whole_file(pointer);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  TRELLIS_CHECK(name.starts_with("step-") && name.find_first_of("/.") == std::string::npos, pointer,
-                " holds \"", name, "\", not a step directory name");
+  if (!name.starts_with("step-") || name.find_first_of("/.") != std::string::npos) {
+    std::string shown;  // the first bytes only, unprintable ones as '?' (it may hold any file)
+    for (char c : std::string_view(name).substr(0, 64)) shown += (c >= 0x20 && c < 0x7f) ? c : '?';
+    TRELLIS_THROW(pointer, " holds \"", shown, name.size() > 64 ? "...\" (" + std::to_string(name.size()) + " bytes)" : "\"",
+                  ", not a step directory name");
+  }
   const fs::path named = root / name;
   if (fs::exists(named)) return named;
   std::string tried;

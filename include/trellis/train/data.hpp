@@ -286,7 +286,8 @@ class DataLoader {
 
   DataState state() const { return {o_.seed, next_batch_}; }
   void restore(const DataState& s) {
-    TRELLIS_CHECK(s.seed == o_.seed, "DataLoader: saved position is for seed ", s.seed, ", this loader uses ", o_.seed);
+    TRELLIS_CHECK(s.seed == o_.seed, "DataLoader: the saved position is for data seed ", s.seed, ", this loader uses ",
+                  o_.seed, ": resume with the seed the run was saved with");
     TRELLIS_CHECK(s.next_batch <= DataState::max_next_batch, "DataLoader: saved next_batch ", s.next_batch,
                   " is out of range [0, ", DataState::max_next_batch, "]");
     next_batch_ = s.next_batch;
