@@ -301,6 +301,16 @@ TEST_CASE("a failed or corrupt save never replaces the previous checkpoint", "[c
       REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("index.json") && Catch::Contains("wte.weight") &&
                                                     Catch::Contains("cover") && Catch::Contains("corrupt"));
     }
+    SECTION("two tensors of one shape swapped in the index, resealed: the shard headers disagree") {
+      auto index_path = dir.path / "step-00000002" / "index.json";
+      json::Value index = json::parse(read_whole_file(index_path));
+      json::Object& tensors = index.as_object().at("tensors").as_object();
+      std::swap(tensors.at("h.0.ln_1.weight"), tensors.at("ln_f.weight"));
+      write_file_atomically(index_path, json::dump(index, 1));
+      reseal_checkpoint_index(index_path);
+      REQUIRE_THROWS_WITH(Checkpoint(dir.path), Catch::Contains("shard-0.safetensors") && Catch::Contains("holds \"ln_f.weight\"") &&
+                                                    Catch::Contains("lists it as \"h.0.ln_1.weight\""));
+    }
     SECTION("missing tensor in a shard file") {
       auto index_path = dir.path / "step-00000002" / "index.json";
       auto index = read_whole_file(index_path);

@@ -713,6 +713,17 @@ class Checkpoint {
         auto crc = f.metadata().find(std::string(io::safetensors_crc_prefix) + s.key);
         TRELLIS_CHECK(crc != f.metadata().end() && crc->second == s.crc32c, f.path(), ": checksum of tensor \"",
                       s.key, "\" disagrees with index.json");
+        // The writer's own record of the entry (tensor and offsets), when the file has one: an
+        // index edited to swap two tensors of one shape, its checksums recomputed, stops here.
+        if (auto rec = f.metadata().find(std::string(detail::ckpt_shard_prefix) + s.key); rec != f.metadata().end()) {
+          const std::string what = f.path().string() + ", tensor \"" + s.key + "\"";
+          const io::json::Value info = io::json::parse(rec->second, what);
+          const std::string& holds = info.at("tensor", what).as_string(what);
+          const Shape offsets = detail::shape_from_json(info.at("offsets", what), what);
+          TRELLIS_CHECK(holds == name && offsets == s.box.offsets, what, " holds \"", holds, "\" at offsets ",
+                        io::shape_string(offsets), ", but index.json lists it as \"", name, "\" at ",
+                        io::shape_string(s.box.offsets), " (the index does not describe this file)");
+        }
       }
     }
   }
