@@ -34,38 +34,46 @@ LinkFit measure_link(C& c, std::size_t min_bytes = std::size_t{1} << 12, std::si
   TRELLIS_CHECK(c.size() >= 2, "plan::measure_link: a group of ", c.size(), " rank has no link to measure");
   TRELLIS_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && repeats >= 1, "plan::measure_link: sizes ", min_bytes,
                 "..", max_bytes, " bytes, ", repeats, " repeats");
-  LinkFit fit;
   std::vector<float> buf(max_bytes / sizeof(float), 1.0f);
-  for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
-    const std::size_t n = bytes / sizeof(float);
-    c.all_reduce(buf.data(), buf.data(), n, comm::ReduceOp::sum);  // warm-up
-    double best = 1e300;
-    for (int r = 0; r < repeats; ++r) {
-      c.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      c.all_reduce(buf.data(), buf.data(), n, comm::ReduceOp::sum);
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    float slowest = static_cast<float>(best);  // the collective ends with its slowest rank
-    c.all_reduce(&slowest, &slowest, 1, comm::ReduceOp::max);
-    fit.bytes.push_back(static_cast<double>(n * sizeof(float)));
-    fit.seconds.push_back(static_cast<double>(slowest));
-  }
-  // least squares of t = a + b x, x = the bytes on the wire per rank
   const double k = 2.0 * (c.size() - 1) / c.size();
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  const double m = static_cast<double>(fit.bytes.size());
-  for (std::size_t i = 0; i < fit.bytes.size(); ++i) {
-    const double x = k * fit.bytes[i], y = fit.seconds[i];
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
+  // A busy machine can stretch one small message past the large ones: the series is measured
+  // again with twice the repeats (up to 3 times). Every rank fits the same all-reduced times, so
+  // all take the same decision.
+  for (int attempt = 1;; ++attempt, repeats *= 2) {
+    LinkFit fit;
+    for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+      const std::size_t n = bytes / sizeof(float);
+      c.all_reduce(buf.data(), buf.data(), n, comm::ReduceOp::sum);  // warm-up
+      double best = 1e300;
+      for (int r = 0; r < repeats; ++r) {
+        c.barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        c.all_reduce(buf.data(), buf.data(), n, comm::ReduceOp::sum);
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      float slowest = static_cast<float>(best);  // the collective ends with its slowest rank
+      c.all_reduce(&slowest, &slowest, 1, comm::ReduceOp::max);
+      fit.bytes.push_back(static_cast<double>(n * sizeof(float)));
+      fit.seconds.push_back(static_cast<double>(slowest));
+    }
+    // least squares of t = a + b x, x = the bytes on the wire per rank
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    const double m = static_cast<double>(fit.bytes.size());
+    for (std::size_t i = 0; i < fit.bytes.size(); ++i) {
+      const double x = k * fit.bytes[i], y = fit.seconds[i];
+      sx += x;
+      sy += y;
+      sxx += x * x;
+      sxy += x * y;
+    }
+    const double b = (m * sxy - sx * sy) / (m * sxx - sx * sx), a = (sy - b * sx) / m;
+    if (b > 0) {
+      fit.link = {.bandwidth = 1.0 / b, .latency = std::max(0.0, a)};
+      return fit;
+    }
+    TRELLIS_CHECK(attempt < 3, "plan::measure_link: the times did not grow with the message size in ", attempt,
+                  " series (up to ", repeats, " repeats per size): the machine is too busy to fit a bandwidth");
   }
-  const double b = (m * sxy - sx * sy) / (m * sxx - sx * sx), a = (sy - b * sx) / m;
-  TRELLIS_CHECK(b > 0, "plan::measure_link: the times did not grow with the message size (no bandwidth to fit)");
-  fit.link = {.bandwidth = 1.0 / b, .latency = std::max(0.0, a)};
-  return fit;
 }
 
 }  // namespace trellis::plan
