@@ -1,20 +1,26 @@
 // The planner's cost model against measurement: every layout of one GPT on this host's 2 thread
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
 // interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, and four tp2
-// layouts with overlap chunks (--overlap 2 and 4, with and without sp), timed for real (the fastest of --iters steps
-// after a warm-up) and predicted by plan::predict_step with rates measured on this machine
+// layouts with overlap chunks (--overlap 2 and 4, with and without sp), timed for real and predicted by plan::predict_step with rates measured on this machine
 // (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
 // there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The
 // ranks' communicator is comm::SimulatedLink (every collective held for
 // latency + ring bytes / --gbps): a SIMULATED link on the host, not a network; kernels run on one
 // thread per rank (one core each on a 2-core machine).
+// Measured: the layouts are run in --passes rounds (each layout once per round: built, one warm-up
+// step, --iters timed steps), and a layout's time is its fastest step over all rounds. Round robin
+// rather than all of one layout's steps at once: on a shared machine a slow spell then costs one
+// round of every layout instead of all the steps of a few, which reorders them. The spread of a
+// layout's per-round best (slowest / fastest round) is printed as the noise beside each row.
 // Prints the table, the Spearman rank correlation and the median relative error between predicted
 // and measured, and the measured time of the planner's choice against the best measured layout.
-//   bench_plan [--ranks N (2)] [--iters N] [--gbps G] [--recompute] [--json FILE]
+//   bench_plan [--ranks N (2)] [--passes N (3)] [--iters N (2)] [--gbps G] [--recompute] [--json FILE]
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -84,7 +90,9 @@ double pearson(const std::vector<double>& a, const std::vector<double>& b) {
 
 int main(int argc, char** argv) try {
   kernels::host::set_num_threads(1);
-  const int iters = static_cast<int>(bench::int_flag(argc, argv, "--iters", 3));
+  const int iters = static_cast<int>(bench::int_flag(argc, argv, "--iters", 2));
+  const int passes = static_cast<int>(bench::int_flag(argc, argv, "--passes", 3));
+  if (iters < 1 || passes < 1) throw std::invalid_argument("--iters and --passes must be at least 1");
   const double gbps = std::stod(bench::flag_value(argc, argv, "--gbps", "1"));
   const int ranks = static_cast<int>(bench::int_flag(argc, argv, "--ranks", 2));
   const comm::LinkModel link{.bandwidth = gbps * 1e9, .latency = 20e-6};
@@ -123,9 +131,9 @@ int main(int argc, char** argv) try {
 
   std::printf("# GPT 4 layers, width 256, 4 heads, vocab 2048, T 128, global batch 16, fp32; %d thread ranks, one "
               "kernel thread each, on a SIMULATED link of %.2f GB/s bus bandwidth, 20 us latency; measured: the "
-              "fastest of %d steps; predicted: plan::predict_step with rates timed on this machine\n",
-              ranks, gbps, iters);
-  std::printf("%-72s %10s %10s %8s\n", "layout (train_gpt flags)", "pred ms", "meas ms", "pred/meas");
+              "fastest of %d rounds x %d steps (round robin over the layouts); noise: the slowest round's best / the "
+              "fastest's; predicted: plan::predict_step with rates timed on this machine\n",
+              ranks, gbps, passes, iters);
   std::vector<double> pred, meas;
   std::vector<std::string> names;
   bench::JsonReport report("bench_plan");
@@ -144,36 +152,65 @@ int main(int argc, char** argv) try {
         list.back().options.overlap_chunks = o.chunks;
         break;
       }
-  for (const train::TrainerConfig& c : list) {
-    if (!train::config_problems(c).empty()) continue;
+  std::erase_if(list, [](const train::TrainerConfig& c) { return !train::config_problems(c).empty(); });
+  std::vector<double> round_best_min(list.size(), 1e30), round_best_max(list.size(), 0);
+  // the fastest over the even rounds and over the odd ones: two independent measurements, whose
+  // rank correlation is how well this machine reproduces its own order (the prediction's ceiling)
+  std::array<std::vector<double>, 2> half(std::array<std::vector<double>, 2>{std::vector<double>(list.size(), 1e30),
+                                                                             std::vector<double>(list.size(), 1e30)});
+  for (int round = 0; round < passes; ++round) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const double m = measure(list[i], link, iters);
+      round_best_min[i] = std::min(round_best_min[i], m);
+      round_best_max[i] = std::max(round_best_max[i], m);
+      half[round % 2][i] = std::min(half[round % 2][i], m);
+    }
+    std::fprintf(stderr, "# round %d of %d measured\n", round + 1, passes);
+  }
+  std::printf("%-72s %10s %10s %8s %6s\n", "layout (train_gpt flags)", "pred ms", "meas ms", "pred/meas", "noise");
+  std::vector<double> noise;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const train::TrainerConfig& c = list[i];
     const double p = plan::predict_step(c, host, rates).step;
-    const double m = measure(c, link, iters);
+    const double m = round_best_min[i];
     pred.push_back(p);
     meas.push_back(m);
+    noise.push_back(round_best_max[i] / m);
     names.push_back(plan::train_gpt_flags(c));
-    std::printf("%-72s %10.1f %10.1f %8.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m);
-    std::fflush(stdout);
+    std::printf("%-72s %10.1f %10.1f %8.3f %6.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m, noise.back());
     bench::Row row;
-    row.add_text("layout", names.back()).add("predicted_ms", p * 1e3).add("measured_ms", m * 1e3);
+    row.add_text("layout", names.back()).add("predicted_ms", p * 1e3).add("measured_ms", m * 1e3).add("noise", noise.back());
     report.add(row);
   }
   std::vector<double> err;
   for (std::size_t i = 0; i < pred.size(); ++i) err.push_back(std::abs(pred[i] / meas[i] - 1));
-  std::vector<double> sorted = err;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted.size() % 2 ? sorted[sorted.size() / 2]
-                                          : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+  const auto median_of = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  const double median = median_of(err);
   const double rho = pearson(ranks_of(pred), ranks_of(meas));
   const auto chosen = static_cast<std::size_t>(std::min_element(pred.begin(), pred.end()) - pred.begin());
   const auto fastest = static_cast<std::size_t>(std::min_element(meas.begin(), meas.end()) - meas.begin());
   std::printf("# %zu layouts: Spearman rank correlation %.3f (goal >= 0.9), median |pred/meas - 1| %.1f %% (goal <= 10 %%)\n",
               pred.size(), rho, 100 * median);
+  std::printf("# noise: median slowest / fastest round %.3f, largest %.3f\n", median_of(noise),
+              *std::max_element(noise.begin(), noise.end()));
+  double rho_halves = 0;
+  if (passes >= 2) {
+    rho_halves = pearson(ranks_of(half[0]), ranks_of(half[1]));
+    std::printf("# the measurement against itself: Spearman between the even rounds' and the odd rounds' fastest %.3f "
+                "(predicted against them: %.3f and %.3f)\n",
+                rho_halves, pearson(ranks_of(pred), ranks_of(half[0])), pearson(ranks_of(pred), ranks_of(half[1])));
+  }
   std::printf("# the planner's choice: %s, measured %.1f ms; the fastest measured: %s, %.1f ms; choice / best %.3f "
               "(goal <= 1.05)\n",
               names[chosen].c_str(), meas[chosen] * 1e3, names[fastest].c_str(), meas[fastest] * 1e3,
               meas[chosen] / meas[fastest]);
   bench::Row summary;
-  summary.add_text("layout", "summary").add("spearman", rho).add("median_error", median).add("choice_over_best", meas[chosen] / meas[fastest]);
+  summary.add_text("layout", "summary").add("spearman", rho).add("median_error", median).add("choice_over_best", meas[chosen] / meas[fastest])
+      .add("median_noise", median_of(noise))
+      .add("spearman_measured_halves", rho_halves);
   report.add(summary);
   report.write(bench::json_path(argc, argv));
   return 0;
