@@ -29,6 +29,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -393,7 +394,7 @@ TEST_CASE("ZeRO-3 holds a shard and two unit slots of values, not the whole mode
     const double z3_floats = static_cast<double>(z3.memory().parameters) / 4;
     RANK_CHECK(z3_floats >= all / 2 + wte + 2 * block);
     RANK_CHECK(z3_floats <= all / 2 + 16 * 40 + wte + 2 * (block + 12 * 16));
-    RANK_CHECK(z3.prefetched_gathers() > 0);
+    RANK_CHECK(z3.value_gathers().second > 0);
     for (auto* p : z3.parameters()) {
       INFO(p->name);
       RANK_CHECK_THROWS_WITH(static_cast<void>(p->value[0]), Catch::Matchers::Contains("not bound"));
@@ -411,8 +412,79 @@ TEST_CASE("ZeRO-3 holds a shard and two unit slots of values, not the whole mode
     cfg3.prefetch_values = false;
     Trainer<ThreadComm> off(comm, cfg3);
     off.step(batch);
-    RANK_CHECK(off.prefetched_gathers() == 0);
+    RANK_CHECK(off.value_gathers().second == 0);
   });
+}
+
+// ZeRO-3 across actions (ParamShards::follow): at an action's last unit the next action's first
+// unit is prefetched, or kept gathered when it is the same unit (F then B at the head, or a middle
+// stage's B then F at its top block). The expected counts come from walking the rank's F and B in
+// order here: every unit an action reads is one gather unless kept; within an action every unit
+// after the first is prefetched, and so is every action's first unit except the step's first and
+// the kept ones. Bits: the ZeRO-2 comparisons above run these paths.
+TEST_CASE("ZeRO-3 prefetches the next action's first unit and keeps the unit it ends on", "[train][trainer][zero]") {
+  struct Counts {
+    int gathers = 0, prefetched = 0;
+  };
+  // units: a chunk's weight units; embedding: whether it holds the embedding (its backward reads no values)
+  const auto expected = [](const std::vector<std::pair<bool, int>>& actions, int units, bool embedding) {
+    Counts n;
+    int last_unit = -1;
+    for (std::size_t i = 0; i < actions.size(); ++i) {
+      const bool backward = actions[i].first;
+      const int reads = backward ? units - (embedding ? 1 : 0) : units;
+      const int first = backward ? 0 : units - 1, last = backward ? reads - 1 : 0;
+      const bool kept = i > 0 && first == last_unit;
+      n.gathers += reads - (kept ? 1 : 0);
+      n.prefetched += reads - 1 + (i > 0 && !kept ? 1 : 0);
+      last_unit = last;
+    }
+    return n;
+  };
+  SECTION("pp 1: each microbatch's F then B") {
+    auto cfg = with_layout(tiny_config(), {.dp = 2, .zero = 3, .microbatches = 2});
+    const int units = cfg.model.layers + 2;  // embedding, blocks, head
+    std::vector<std::pair<bool, int>> order;
+    for (int mb = 0; mb < cfg.microbatches; ++mb) order.insert(order.end(), {{false, mb}, {true, mb}});
+    const Counts want = expected(order, units, true);
+    CHECK(want.gathers == 2 * (2 * units - 2));  // the head kept from each F for its B
+    CHECK(want.prefetched == 2 * (2 * units - 3) + 1);
+    nn_test::run_ranks(2, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, cfg);
+      trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, comm.rank(), 2});
+      t.step(loader.next());
+      RANK_CHECK(t.value_gathers().first == want.gathers);
+      RANK_CHECK(t.value_gathers().second == want.prefetched);
+      auto off_cfg = cfg;
+      off_cfg.prefetch_values = false;  // every unit gathered when needed, none kept
+      Trainer<ThreadComm> off(comm, off_cfg);
+      off.step(loader.next());
+      RANK_CHECK(off.value_gathers().first == 2 * (2 * units - 1));
+      RANK_CHECK(off.value_gathers().second == 0);
+    });
+  }
+  SECTION("pp 2, 1f1b, 4 microbatches") {
+    const auto cfg = with_layout(tiny_config(), {.pp = 2, .dp = 2, .zero = 3, .schedule = "1f1b", .microbatches = 4});
+    const auto schedule = trellis::pipe::make_schedule("1f1b", 2, 4, 1);
+    std::array<Counts, 2> want;
+    for (int s = 0; s < 2; ++s) {
+      std::vector<std::pair<bool, int>> order;
+      for (const auto& a : schedule.ranks[static_cast<std::size_t>(s)])
+        if (a.kind == trellis::pipe::ActionKind::forward || a.kind == trellis::pipe::ActionKind::backward_input)
+          order.emplace_back(a.kind == trellis::pipe::ActionKind::backward_input, a.microbatch);
+      want[static_cast<std::size_t>(s)] = expected(order, cfg.model.layers / 2 + 1, s == 0);
+    }
+    CHECK(want[1].gathers == 4 * 6 - 7);  // the last stage keeps its head (F to B) and its top block (B to F)
+    nn_test::run_ranks(4, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, cfg);
+      const int dp = t.mesh().coord<trellis::dp>();
+      trellis::train::DataLoader loader(tokens(), {cfg.batch, cfg.seq, 99, true, dp, 2});
+      t.step(loader.next());
+      const Counts& w = want[static_cast<std::size_t>(t.mesh().coord<trellis::pp>())];
+      RANK_CHECK(t.value_gathers().first == w.gathers);
+      RANK_CHECK(t.value_gathers().second == w.prefetched);
+    });
+  }
 }
 
 // Hybrid sharding (TrainerConfig::shard_degree; FSDP's HYBRID_SHARD): ZeRO over groups of

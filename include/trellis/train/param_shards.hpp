@@ -8,6 +8,12 @@
 //   done(c, u)      after: the views unbound, the slot free for the next unit;
 //   prefetch(c, u)  the gather of the unit that computes next started into a free slot while the
 //                   current one computes (its need() then only waits);
+//   follow(order)   the step's value-reading actions on this rank, in order (a schedule's F and B
+//                   of each microbatch and chunk): an action's last unit then prefetches the next
+//                   action's first unit (prefetch_next), and when that is the same unit (a stage's
+//                   F then a B at its head) keeps it gathered instead of releasing it and
+//                   gathering it again (done(c, u, action)), as FSDP leaves its last unit
+//                   unsharded after the forward;
 //   hold_wte()      wte (tied: the embedding's forward and the head's forward and backward read it,
 //                   on every microbatch) gathered once per step into a buffer of its own and kept
 //                   until release_step(), as FSDP keeps a tied weight in its root unit;
@@ -22,16 +28,54 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <map>
+#include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "trellis/comm/communicator.hpp"
 #include "trellis/core/error.hpp"
+#include "trellis/pipe/schedule.hpp"
 #include "trellis/shard/flat.hpp"
 #include "trellis/train/grad_buckets.hpp"
 
 namespace trellis::train {
+
+// One value-reading action of a step: the forward or backward_input of (microbatch, chunk), and
+// the unit it reads first (a forward counts down from the top unit to the head, a backward up
+// from the head).
+struct ValueAction {
+  bool backward = false;
+  int microbatch = 0, chunk = 0, first = 0;
+};
+// The value-reading actions of pipeline rank `rank` in `schedule` (its F and B; a W reads none),
+// or without a schedule the pp = 1 loop's (each microbatch's F through the chunks, then its B back
+// through them). chunks[c]: a model chunk (weight_units(), stage().embedding); a backward reads
+// none of an embedding-only chunk.
+template <class Model>
+std::vector<ValueAction> value_actions(const pipe::Schedule* schedule, int rank, int microbatches,
+                                       const std::vector<std::unique_ptr<Model>>& chunks) {
+  std::vector<ValueAction> out;
+  const auto add = [&](bool backward, int mb, int c) {
+    const Model& m = *chunks.at(static_cast<std::size_t>(c));
+    if (backward && m.weight_units() == (m.stage().embedding ? 1 : 0)) return;
+    out.push_back({backward, mb, c, backward ? 0 : m.weight_units() - 1});
+  };
+  if (schedule) {
+    for (const pipe::Action& a : schedule->ranks.at(static_cast<std::size_t>(rank)))
+      if (a.kind == pipe::ActionKind::forward || a.kind == pipe::ActionKind::backward_input)
+        add(a.kind == pipe::ActionKind::backward_input, a.microbatch, a.chunk);
+    return out;
+  }
+  const int n = static_cast<int>(chunks.size());
+  for (int mb = 0; mb < microbatches; ++mb) {
+    for (int c = 0; c < n; ++c) add(false, mb, c);
+    for (int c = n - 1; c >= 0; --c) add(true, mb, c);
+  }
+  return out;
+}
 
 template <comm::Communicator C, backend::Backend B>
 class ParamShards {
@@ -84,6 +128,27 @@ class ParamShards {
   }
   // Gathers started ahead of their unit (prefetch) and found ready or in flight by its need().
   int prefetched() const { return prefetched_; }
+  // Unit gathers started (prefetched or not); a unit kept for the next action is not gathered again.
+  int gathers() const { return gathers_; }
+
+  // The order of this step's value-reading actions (see the file's header); empty: none (an
+  // evaluation, or prefetch off), each action then releases its last unit and prefetches nothing
+  // beyond itself. Every replica follows the same order, so the gathers still match.
+  void follow(std::vector<ValueAction> order) {
+    next_.clear();
+    if (!opt_.prefetch) return;
+    for (std::size_t i = 0; i + 1 < order.size(); ++i)
+      next_[key(order[i].backward, order[i].microbatch, order[i].chunk)] = {order[i + 1].chunk, order[i + 1].first};
+  }
+  // A training step begins: wte held, `order` followed.
+  void begin_step(std::vector<ValueAction> order) {
+    hold_wte();
+    follow(std::move(order));
+  }
+  // Action (backward, mb, c) reached its last unit: the next action's first unit prefetched.
+  void prefetch_next(bool backward, int mb, int c) {
+    if (const auto it = next_.find(key(backward, mb, c)); it != next_.end()) prefetch(it->second.first, it->second.second);
+  }
 
   // ---- during a step ------------------------------------------------------------------------------
   void need(int c, int u) {
@@ -96,13 +161,19 @@ class ParamShards {
     s.prefetched = false;
     if (s.users++ == 0) bind(c, u, s.values.data());
   }
-  void done(int c, int u) {
+  // keep_for: unit u was the last that action (backward, mb, c) reads; if the next action reads it
+  // first, its slot stays gathered (unbound) for that action's need().
+  void done(int c, int u, std::optional<std::pair<bool, int>> keep_for = std::nullopt) {
     int& at = resident(c, u);
     TRELLIS_CHECK(at >= 0 && slots_[static_cast<std::size_t>(at)].users > 0, "ParamShards: unit ", u, " of chunk ", c,
                   " done without need");
     Slot& s = slots_[static_cast<std::size_t>(at)];
     if (--s.users > 0) return;
     bind(c, u, nullptr);
+    if (keep_for) {
+      const auto it = next_.find(key(keep_for->first, keep_for->second, c));
+      if (it != next_.end() && it->second == std::make_pair(c, u)) return;
+    }
     s.unit.reset();
     at = -1;
   }
@@ -121,8 +192,10 @@ class ParamShards {
     wte_held_ = true;
   }
   // After a step (or an evaluation): wte released; every unit must be done (a prefetch that was
-  // never needed is waited for and dropped).
+  // never needed, or a unit kept for an action that did not come, is waited for and dropped); the
+  // order followed is forgotten.
   void release_step() {
+    next_.clear();
     if (wte_held_) buckets_->parameters()[buckets_->bucket(*wte_bucket_).params.front()]->value.rebind(nullptr, B::host_readable);
     wte_held_ = false;
     for (std::size_t c = 0; c < resident_.size(); ++c)
@@ -169,6 +242,7 @@ class ParamShards {
     bool prefetched = false;
   };
 
+  static long key(bool backward, int mb, int c) { return (static_cast<long>(mb) * 65536 + c) * 2 + (backward ? 1 : 0); }
   int& resident(int c, int u) { return resident_.at(static_cast<std::size_t>(c)).at(static_cast<std::size_t>(u)); }
   float* packed_values(const typename Buckets::Bucket& b) const {
     return buckets_->chunks()[static_cast<std::size_t>(b.owner)]->parameter_buffer().values().data() + b.packed_begin;
@@ -194,6 +268,7 @@ class ParamShards {
     Slot& s = slots_[static_cast<std::size_t>(at)];
     s.unit = std::make_pair(c, u);
     s.prefetched = prefetch;
+    ++gathers_;
     const auto& unit = buckets_->unit(c, u);
     for (std::size_t k : unit.buckets) {
       const auto& b = buckets_->bucket(k);
@@ -218,7 +293,8 @@ class ParamShards {
   std::vector<Slot> slots_;
   std::vector<std::vector<int>> resident_;  // [chunk][unit]: its slot, or -1
   std::vector<std::vector<std::vector<std::size_t>>> offsets_;  // [chunk][unit][k]: param k's offset in the unit
-  int prefetched_ = 0;
+  int prefetched_ = 0, gathers_ = 0;
+  std::map<long, std::pair<int, int>> next_;  // follow(): action key -> the next action's (chunk, first unit)
 };
 
 }  // namespace trellis::train

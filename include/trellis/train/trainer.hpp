@@ -222,7 +222,7 @@ class Trainer {
                                   (cfg_.dp_speed.empty() ? 1.0 : cfg_.dp_speed.at(static_cast<std::size_t>(mesh_.template coord<trellis::dp>())))));
     stage_->set_unit_hook([this](int mb, int c, int u, nn::UnitPhase ph) {
       saved_->on_unit(mb, c, u, ph);
-      on_unit(c, u, ph);
+      on_unit(mb, c, u, ph);
     });
     // Every parameter once per rank (chunks list only what they own; wte at most once).
     for (std::size_t c = 0; c < models_.size(); ++c)
@@ -305,8 +305,8 @@ class Trainer {
     } release{&*values_};
     f();
   }
-  // ZeRO-3: gathers that were prefetched (started while the unit before computed) so far.
-  int prefetched_gathers() const { return values_ ? values_->prefetched() : 0; }
+  // ZeRO-3: the unit gathers started and those prefetched (started while another unit computed) so far.
+  std::pair<int, int> value_gathers() const { return values_ ? std::pair{values_->gathers(), values_->prefetched()} : std::pair{0, 0}; }
   std::vector<std::unique_ptr<Model>>& chunks() { return models_; }
   Rng& rng() { return rng_; }
   OptimizerState<B>& optimizer_state() { return state_; }
@@ -371,7 +371,7 @@ class Trainer {
     for (std::size_t c = 0; c < models_.size(); ++c)
       unit_done_[c].assign(static_cast<std::size_t>(models_[c]->weight_units()), 0);
     overlapped_ = 0;
-    if (values_) values_->hold_wte();
+    if (values_) values_->begin_step(value_actions(cfg_.pp > 1 ? &*schedule_ : nullptr, pp_comm_->rank(), cfg_.microbatches, models_));
     if (cfg_.pp > 1) {
       pipe::ExecuteOptions run;
       run.p2p = p2p_mode();
@@ -647,28 +647,29 @@ class Trainer {
     if (values_) values_->release_full(/*write_back=*/true);
   }
 
-  // The models' unit hook (nn::UnitPhase). ZeRO-3: a unit's values are gathered around its
-  // forward and its backward_input, and the next unit's gather prefetched (forward: units count
-  // down; backward: up, to the last that reads values: the embedding's backward reads none).
-  // A W: its begin binds ZeRO-2/3's gradient slot, its end goes to on_weight_end.
-  void on_unit(int c, int u, nn::UnitPhase phase) {
+  // The models' unit hook (nn::UnitPhase). ZeRO-3: values gathered around a unit's forward and
+  // backward_input, the next unit's prefetched (forward: units count down; backward: up to the last
+  // that reads values, not the embedding), at an action's last unit the next action's first
+  // (ParamShards::follow). A W: its begin binds ZeRO-2/3's gradient slot, its end: on_weight_end.
+  void on_unit(int mb, int c, int u, nn::UnitPhase phase) {
     using P = nn::UnitPhase;
     const Model& m = *models_[static_cast<std::size_t>(c)];
     const bool embedding = m.stage().embedding && u == m.weight_units() - 1;
+    const bool backward = phase == P::backward_begin || phase == P::backward_end;
+    const bool last = backward ? u + 1 == m.weight_units() - (m.stage().embedding ? 1 : 0) : u == 0;  // of the action
     switch (phase) {
       case P::forward_begin:
       case P::backward_begin:
-        if (!values_ || (embedding && phase == P::backward_begin)) return;  // its backward reads no values
+        if (!values_ || (embedding && backward)) return;  // its backward reads no values
         values_->need(c, u);
-        if (phase == P::forward_begin) {
-          values_->prefetch(c, u - 1);
-        } else if (u + 1 < m.weight_units() - (m.stage().embedding ? 1 : 0)) {
-          values_->prefetch(c, u + 1);
-        }
+        if (!last)
+          values_->prefetch(c, backward ? u + 1 : u - 1);
+        else
+          values_->prefetch_next(backward, mb, c);
         return;
       case P::forward_end:
       case P::backward_end:
-        if (values_ && !(embedding && phase == P::backward_end)) values_->done(c, u);
+        if (values_ && !(embedding && backward)) values_->done(c, u, last ? std::optional{std::pair{backward, mb}} : std::nullopt);
         return;
       case P::weight_begin:
         if (grads_) grads_->begin_unit(c, u);
