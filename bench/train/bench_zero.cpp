@@ -42,9 +42,13 @@
 // each chunk's pread / pwrite, one at a time as on one queue (the file itself is in the page
 // cache). GPT-2 124M on one thread rank (one kernel thread), T 64, 1 row (so the update, AdamW
 // over every parameter and its 2 GB of disk traffic, is much of the step), chunks of --chunk
-// elements (1 << 20); fastest of --iters steps; the modelled disk time per step beside it.
-//   bench_zero [--memory | --link | --activations | --disk] [--iters N] [--share S] [--disk-gbps G]
-//              [--chunk N] [--json FILE]
+// elements (1 << 20); fastest of --iters steps; the modelled disk time per step beside it. Each
+// with the tier's chunks coalesced (consecutive tensors in one chunk, the default) and not (each
+// chunk one tensor's: OptimizerState::set_disk_coalescing, the seam), with the chunks per step.
+// --disk --small: the --link model instead (8 layers, width 256, vocab 8192, T 128, 1 row), whose
+// biases and norms are a larger share of the chunks.
+//   bench_zero [--memory | --link | --activations | --disk [--small]] [--iters N] [--share S]
+//              [--disk-gbps G] [--chunk N] [--json FILE]
 #include <malloc.h>
 
 #include <algorithm>
@@ -410,26 +414,34 @@ int disk_main(int argc, char** argv) {
   const double gbps = bench::double_flag(argc, argv, "--disk-gbps", 1.0);
   const auto chunk = static_cast<std::size_t>(bench::int_flag(argc, argv, "--chunk", 1 << 20));
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "trellis-bench-zero-disk";
-  train::TrainerConfig c;
-  c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
-  c.seq = 64;
+  const bool small = bench::has_flag(argc, argv, "--small");
+  train::TrainerConfig c = small ? link_config(0, true) : train::TrainerConfig{};
+  if (small) {
+    c.dp = 1;
+  } else {
+    c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
+    c.seq = 64;
+  }
   c.batch = 1;  // one row: the update (AdamW over every parameter, and its disk traffic) is much of the step
   c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
   c.offload_dir = dir;
   c.offload_buffer_elements = chunk;
-  std::printf("# GPT-2 124M, T 64, 1 row, 1 thread rank (1 kernel thread): AdamW moments "
+  std::printf("# %s, T %d, 1 row, 1 thread rank (1 kernel thread): AdamW moments "
               "on disk in chunks of %zu elements, on a SIMULATED disk of %.2f GB/s (a sleep of bytes / bandwidth "
               "before each chunk's pread / pwrite; the file is in the page cache); fastest of %d steps\n",
-              chunk, gbps, iters);
-  std::printf("%-22s %10s %12s %14s %12s %14s\n", "case", "step ms", "x sync", "disk ms/step", "host MB", "loss");
+              small ? "GPT 8 layers, width 256, vocab 8192" : "GPT-2 124M", static_cast<int>(c.seq), chunk, gbps, iters);
+  std::printf("%-34s %10s %12s %14s %12s %12s %14s\n", "case", "step ms", "x sync", "disk ms/step", "chunks/step", "host MB",
+              "loss");
   bench::JsonReport report("bench_zero_disk");
-  double base = 0;
-  for (bool prefetch : {false, true}) {
+  double base = 0;  // the synchronous step of the same chunking
+  for (int kase = 0; kase < 4; ++kase) {
+    const bool coalesce = kase >= 2, prefetch = kase % 2 == 1;  // per tensor, then coalesced; each sync first
     train::TrainerConfig ck = c;
     ck.offload_disk_prefetch = prefetch;
-    double best = 1e9, loss = 0, disk_s = 0, host_mb = 0;
+    double best = 1e9, loss = 0, disk_s = 0, host_mb = 0, chunks = 0;
     comm::ThreadWorld(1).run([&](comm::ThreadComm& comm) {
       train::Trainer<comm::ThreadComm> t(comm, ck);
+      t.optimizer_state().set_disk_coalescing(coalesce);
       std::mutex mutex;
       double slept = 0;
       t.optimizer_state().disk_moments().set_probe([&](const train::DiskEvent& e) {
@@ -443,21 +455,26 @@ int disk_main(int argc, char** argv) {
       const auto b = make_batch(c.batch, c.seq, c.model.vocab, 0);
       t.step(b);  // warm-up
       const double slept0 = slept;
+      const auto chunks0 = t.optimizer_state().disk_moments().chunks_streamed();
       for (int i = 0; i < iters; ++i) {
         const double t0 = bench::now_seconds();
         loss = t.step(b).loss;
         best = std::min(best, bench::now_seconds() - t0);
       }
       disk_s = (slept - slept0) / iters;
+      chunks = static_cast<double>(t.optimizer_state().disk_moments().chunks_streamed() - chunks0) / iters;
       host_mb = static_cast<double>(t.memory().host_optimizer) / 1e6;
       comm.barrier();
     });
     if (!prefetch) base = best;
-    const char* name = prefetch ? "disk, prefetched" : "disk, synchronous";
-    std::printf("%-22s %10.1f %12.3f %14.1f %12.1f %14.6f\n", name, best * 1e3, best / base, disk_s * 1e3, host_mb, loss);
+    const std::string name = std::string(prefetch ? "disk, prefetched" : "disk, synchronous") +
+                             (coalesce ? ", coalesced" : ", per tensor");
+    std::printf("%-34s %10.1f %12.3f %14.1f %12.0f %12.1f %14.6f\n", name.c_str(), best * 1e3, best / base, disk_s * 1e3,
+                chunks, host_mb, loss);
     bench::Row row;
     row.add_text("case", name)
         .add("step_ms", best * 1e3)
+        .add("chunks_per_step", chunks)
         .add("over_synchronous", best / base)
         .add("simulated_disk_ms_per_step", disk_s * 1e3)
         .add("simulated_disk_gb_s", gbps)

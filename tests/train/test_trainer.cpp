@@ -39,6 +39,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -891,15 +892,16 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
 }
 
 // The disk tier (TrainerConfig::offload_dir): the moments in a scratch file, each update streamed
-// through host buffers of offload_buffer_elements (300 here: every tensor cut into chunks, most
-// into several). The same host kernel on each chunk: the bits of the run without offloading, in
-// every layout, with the reads and writes prefetched on the tier's I/O thread (the default) and
+// through host buffers of offload_buffer_elements (300 here: large tensors cut into several
+// chunks, small ones coalesced into one). The same host kernel on each chunk: the bits of the run
+// without offloading, in every layout, with the reads and writes prefetched on the tier's I/O thread (the default) and
 // synchronous (offload_disk_prefetch false); checkpoints move between the two; the bytes are the
 // file's, the host buffers stay bounded (one chunk x 4, x 6 prefetched: the moments twice).
 // Faults: a directory that cannot be made, or a cap below the moments' size (a full disk), is an
 // error naming it before the first step; a read or a write that fails on the I/O thread (the
-// probe's injected EIO / ENOSPC) is that error on the training thread, naming the directory, the
-// range and errno; the checkpoint saved before them still resumes bitwise.
+// probe's injected EIO / ENOSPC, one in a chunk of one tensor and one in a coalesced chunk) is
+// that error on the training thread, naming the directory, the range (a coalesced chunk's first
+// and last tensor) and errno; the checkpoint saved before them still resumes bitwise.
 TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers, and clear errors",
           "[train][trainer][offload][disk]") {
   using Fused = TrainerConfig::FusedUpdate;
@@ -978,26 +980,39 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
     RANK_CHECK_THAT(e2, Catch::Matchers::Contains("more than the 1000 bytes the directory may take (no space left)"));
   });
   // An I/O error on the I/O thread: the 5th chunk read of a step, or the last chunk write of the
-  // first update (its error surfaces at the stream's end), fails as if pread / pwrite had. Every
-  // rank fails alike (no rank left waiting in a collective).
+  // first update (its error surfaces at the stream's end), or the first read or write of a
+  // coalesced chunk (several tensors), fails as if pread / pwrite had. The error names the chunk:
+  // its tensor and elements, or its first and last tensor. Every rank fails alike (no rank left
+  // waiting in a collective).
   struct Injected {
     DiskEvent::Kind kind;
     int err;
     const char* says;
+    bool coalesced;  // the first chunk of several tensors (else the 5th read, the last write)
   };
-  for (const Injected& f : {Injected{DiskEvent::Kind::read, EIO, "reading"}, Injected{DiskEvent::Kind::write, ENOSPC, "writing"}}) {
-    INFO("injected " << f.says);
+  for (const Injected& f : {Injected{DiskEvent::Kind::read, EIO, "reading", false},
+                            Injected{DiskEvent::Kind::write, ENOSPC, "writing", false},
+                            Injected{DiskEvent::Kind::read, EIO, "reading", true},
+                            Injected{DiskEvent::Kind::write, ENOSPC, "writing", true}}) {
+    INFO("injected " << f.says << (f.coalesced ? " in a coalesced chunk" : ""));
     nn_test::run_ranks(2, [&](ThreadComm& comm) {
       Trainer<ThreadComm> t(comm, on_disk(c));
       trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
       loader.restore(t.load(*trellis::train::latest_checkpoint(ckpt.path)).data);
       const auto training = std::this_thread::get_id();
       std::atomic<int> reads{0};
-      std::atomic<bool> on_io_thread{false};
+      std::atomic<bool> on_io_thread{false}, failed{false};
+      std::mutex failed_mutex;
+      trellis::train::DiskChunk failed_range;
       t.optimizer_state().disk_moments().set_probe([&](const DiskEvent& e) {
         if (e.kind != f.kind) return 0;
-        const bool fail = f.kind == DiskEvent::Kind::read ? ++reads == 5 : e.last;
-        if (fail) on_io_thread = std::this_thread::get_id() != training;
+        const bool fail = f.coalesced ? e.range.tensors > 1 && !failed.exchange(true)
+                                      : f.kind == DiskEvent::Kind::read ? ++reads == 5 : e.last;
+        if (fail) {
+          on_io_thread = std::this_thread::get_id() != training;
+          std::lock_guard lock(failed_mutex);
+          failed_range = e.range;
+        }
         return fail ? f.err : 0;
       });
       std::string what;
@@ -1010,10 +1025,16 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
       }
       RANK_CHECK(on_io_thread.load());
       RANK_CHECK(rank == comm.rank());  // thrown on the I/O thread with the caller's rank
+      std::lock_guard lock(failed_mutex);
+      const trellis::train::DiskChunk& r = failed_range;
+      if (f.coalesced) RANK_CHECK(r.tensors > 1);
+      const std::string elements = "elements [" + std::to_string(r.at) + ", " + std::to_string(r.at + r.n) + ")";
+      const std::string named = r.tensors > 1 ? "(m of tensors " + std::to_string(r.tensor) + " to " +
+                                                    std::to_string(r.tensor + r.tensors - 1) + ": " + elements
+                                              : "(m of tensor " + std::to_string(r.tensor) + ", " + elements;
       RANK_CHECK_THAT(what, Catch::Matchers::Contains("optimizer disk tier (" + (dir.path / "moments").string() + "): " +
                                                       f.says) &&
-                                Catch::Matchers::Contains(" of tensor ") && Catch::Matchers::Contains(", elements [") &&
-                                Catch::Matchers::Contains(std::strerror(f.err)));
+                                Catch::Matchers::Contains(named) && Catch::Matchers::Contains(std::strerror(f.err)));
     });  // the trainers (and their I/O threads) gone after the error: no hang
   }
   nn_test::Collector w6, w33, wd;
@@ -1024,6 +1045,101 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
   for (int i = 0; i < 3; ++i) CHECK(after.losses[i] == six.losses[3 + i]);
   for (int i = 0; i < 3; ++i) CHECK(after_disk.losses[i] == six.losses[3 + i]);
   check_bitwise(after_disk, wd, after, w33);
+}
+
+// Coalescing: a disk chunk runs on from one tensor into the next ones in the file (at most
+// min(offload_buffer_elements, the largest tensor) elements). Chunks of 300, of 7 (chunks ending
+// mid-tensor and running on into the next) and of 100000 (over the largest tensor: the bound is
+// the largest tensor), coalesced or not (OptimizerState::set_disk_coalescing, the seam),
+// prefetched or not, unfused and fused (a unit's parameters come in backward order; the update
+// visits them in the file's), 1 rank: the bits of the run without offloading; the chunks
+// streamed equal the count from the parameters' sizes (cap = min(chunk, largest); per update,
+// ceil(total / cap) coalesced, the sum of ceil(n / cap) not; unfused one update of every
+// tensor, fused one per unit: a block's, the head's ln_f, wpe, wte); the host buffers are 6 (4)
+// chunks of cap.
+TEST_CASE("the disk tier coalesces consecutive tensors into one chunk, with the same bits",
+          "[train][trainer][offload][disk]") {
+  using Fused = TrainerConfig::FusedUpdate;
+  TempDir dir("disk-coalesce");
+  constexpr int steps = 3;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<std::vector<float>> values;
+    std::vector<std::string> names;
+    std::vector<std::size_t> sizes;
+    std::uint64_t chunks = 0;
+    std::size_t host = 0;
+  };
+  auto run = [&](const TrainerConfig& c, bool coalesce) {
+    Run out;
+    nn_test::run_ranks(1, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, c);
+      if (!c.offload_dir.empty()) t.optimizer_state().set_disk_coalescing(coalesce);
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      for (int s = 0; s < steps; ++s) out.losses.push_back(t.step(loader.next()).loss);
+      for (trellis::nn::Parameter* p : t.parameters()) {
+        out.names.push_back(p->name);
+        out.sizes.push_back(static_cast<std::size_t>(p->numel()));
+        out.values.push_back(trellis::backend::download_vector(t.backend(), p->value.data(), p->value.size()));
+      }
+      if (!c.offload_dir.empty()) out.chunks = t.optimizer_state().disk_moments().chunks_streamed();
+      out.host = t.memory().host_optimizer;
+    });
+    return out;
+  };
+  // The chunks of `steps` steps, from the sizes: per update, the tensors are adjacent in the file.
+  auto expected_chunks = [&](const Run& r, std::size_t chunk, bool coalesce, bool fused) {
+    const std::size_t cap = std::min(chunk, *std::max_element(r.sizes.begin(), r.sizes.end()));
+    std::map<std::string, std::vector<std::size_t>> updates;  // fused: h.N, ln_f, wpe, wte
+    for (std::size_t i = 0; i < r.names.size(); ++i) {
+      const std::string& name = r.names[i];
+      const std::string unit = !fused ? "all" : name.substr(0, name.find('.', name.rfind("h.", 0) == 0 ? 2 : 0));
+      updates[unit].push_back(r.sizes[i]);
+    }
+    std::uint64_t n = 0;
+    for (const auto& [unit, sizes] : updates) {
+      std::size_t total = 0;
+      for (std::size_t s : sizes) {
+        total += s;
+        if (!coalesce) n += (s + cap - 1) / cap;
+      }
+      if (coalesce) n += (total + cap - 1) / cap;
+    }
+    return n * steps;
+  };
+  struct Case {
+    std::size_t chunk;
+    bool coalesce, prefetch;
+  };
+  TrainerConfig unfused = with_layout(tiny_config(), {});
+  TrainerConfig fused = unfused;
+  fused.clip = 0;
+  fused.fused_update = Fused::unclipped;
+  for (const TrainerConfig& base : {unfused, fused}) {
+    const bool is_fused = base.fused_update != Fused::off;
+    const Run ref = run(base, true);
+    REQUIRE(ref.names.size() > 40);  // 4 blocks of 12 tensors, and wte, wpe, ln_f
+    for (const Case& k : {Case{300, true, true}, Case{300, true, false}, Case{7, true, true}, Case{100000, true, false},
+                          Case{300, false, true}}) {
+      INFO("fused " << is_fused << " chunk " << k.chunk << " coalesced " << k.coalesce << " prefetch " << k.prefetch);
+      TrainerConfig c = base;
+      c.offload_dir = dir.path;
+      c.offload_buffer_elements = k.chunk;
+      c.offload_disk_prefetch = k.prefetch;
+      const Run got = run(c, k.coalesce);
+      CHECK(got.losses == ref.losses);
+      REQUIRE(got.names == ref.names);
+      for (std::size_t i = 0; i < ref.names.size(); ++i) {
+        INFO("tensor " << ref.names[i]);
+        CHECK(got.values[i] == ref.values[i]);
+      }
+      CHECK(got.chunks == expected_chunks(ref, k.chunk, k.coalesce, is_fused));
+      const std::size_t cap = std::min(k.chunk, *std::max_element(ref.sizes.begin(), ref.sizes.end()));
+      CHECK(got.host == (k.prefetch ? 6 : 4) * cap * sizeof(float));
+    }
+    // The cases exercise coalescing: fewer chunks than the tensors' pieces (a step: 179 against 215 unfused).
+    CHECK(expected_chunks(ref, 300, true, is_fused) < expected_chunks(ref, 300, false, is_fused));
+  }
 }
 
 // The disk tier's overlap (offload_disk_prefetch): a probe (DiskMoments::set_probe, the tier's

@@ -7,6 +7,10 @@
 // (the directory is created if missing)
 // naming the directory and the bytes. Reads and writes are pread/pwrite of element ranges; every
 // short or failed call is an error naming the file's directory, the range and errno.
+// The file holds the tensors in order (all m, then all v), so consecutive tensors are adjacent:
+// a chunk may run on from one tensor into the next ones (a coalesced chunk: a layer's biases and
+// norms in one read and one write of m and v each, not one tiny transfer and thread hand-off
+// apiece; OptimizerState builds them).
 // An update streams chunks (stream()): each chunk's moments read into host buffers, the caller's
 // function run on them, the moments written back. Prefetched (the default), an I/O thread of this
 // object (a train::UpdateWorker: jobs in order) reads chunk j+1 and writes chunk j-1 back while
@@ -46,9 +50,11 @@
 
 namespace trellis::train {
 
-// One chunk of a stream: elements [at, at + n) of tensor `tensor`'s moments.
+// One chunk of a stream: n elements of the moments from element `at` of tensor `tensor` on, in the
+// file's order: within that tensor, or (coalesced, `tensors` > 1) running on through the tensors
+// after it, up to tensor `tensor + tensors - 1`. One contiguous range of the file for m and one for v.
 struct DiskChunk {
-  std::size_t tensor = 0, at = 0, n = 0;
+  std::size_t tensor = 0, at = 0, n = 0, tensors = 1;
 };
 
 // What the probe (DiskMoments::set_probe, a test and bench seam) is told.
@@ -110,6 +116,8 @@ class DiskMoments {
 
   std::size_t tensors() const { return sizes_.size(); }
   std::size_t size(std::size_t i) const { return sizes_.at(i); }
+  // Tensor i's first element in the file's order (m's; v's is total elements later).
+  std::size_t offset(std::size_t i) const { return offsets_.at(i); }
   std::uint64_t bytes() const { return 2ull * total_ * sizeof(float); }
   const std::filesystem::path& dir() const { return dir_; }
   // The host buffers of moments streams use: one chunk's m and v, twice when prefetched.
@@ -147,7 +155,7 @@ class DiskMoments {
     if (chunks.empty()) return;
     std::size_t c = 0;
     for (const DiskChunk& ch : chunks) {
-      (void)element(ch.tensor, true, ch.at, ch.n);  // checks the range
+      (void)element(ch, true);  // checks the range
       c = std::max(c, ch.n);
     }
     for (std::size_t s = 0; s < (prefetch ? 2u : 1u); ++s)
@@ -214,22 +222,39 @@ class DiskMoments {
                   ") of tensor ", i, " (", i < sizes_.size() ? sizes_[i] : 0, " elements, ", sizes_.size(), " tensors)");
     return (m ? 0 : total_) + offsets_[i] + at;
   }
+  // A streamed chunk's first element: its range must start in its first tensor and end in its last.
+  std::size_t element(const DiskChunk& c, bool m) const {
+    const std::size_t last = c.tensor + c.tensors - 1;
+    const bool ok = c.tensors >= 1 && last < sizes_.size() && c.at + c.n <= offsets_[last] + sizes_[last] - offsets_[c.tensor] &&
+                    (c.tensors == 1 || (c.at < sizes_[c.tensor] && c.at + c.n > offsets_[last] - offsets_[c.tensor]));
+    TRELLIS_CHECK(ok, "optimizer disk tier: a chunk of ", c.n, " elements from element ", c.at, " of tensor ", c.tensor,
+                  " over ", c.tensors, " tensors (", sizes_.size(), " tensors)");
+    return (m ? 0 : total_) + offsets_[c.tensor] + c.at;
+  }
   // A streamed chunk's m and v, the probe asked first (an errno it returns fails the call).
   void read_chunk(const DiskEvent& e, float* m, float* v) const {
     const int injected = probe_ ? probe_(e) : 0;
     const DiskChunk& r = e.range;
-    pread_all(m, r.n, element(r.tensor, true, r.at, r.n), {r.tensor, true, r.at}, injected);
-    pread_all(v, r.n, element(r.tensor, false, r.at, r.n), {r.tensor, false, r.at});
+    pread_all(m, r.n, element(r, true), {r.tensor, true, r.at}, injected);
+    pread_all(v, r.n, element(r, false), {r.tensor, false, r.at});
   }
   void write_chunk(const DiskEvent& e, const float* m, const float* v) {
     const int injected = probe_ ? probe_(e) : 0;
     const DiskChunk& r = e.range;
-    pwrite_all(m, r.n, element(r.tensor, true, r.at, r.n), {r.tensor, true, r.at}, injected);
-    pwrite_all(v, r.n, element(r.tensor, false, r.at, r.n), {r.tensor, false, r.at});
+    pwrite_all(m, r.n, element(r, true), {r.tensor, true, r.at}, injected);
+    pwrite_all(v, r.n, element(r, false), {r.tensor, false, r.at});
   }
-  static std::string describe(const Where& w, std::size_t n) {
+  // One tensor's range, or a coalesced chunk's: its first and last tensor and its elements counted
+  // from the first tensor's start.
+  std::string describe(const Where& w, std::size_t n) const {
     if (w.tensor == static_cast<std::size_t>(-1)) return "";
-    return trellis::detail::concat(" (", w.m ? "m" : "v", " of tensor ", w.tensor, ", elements [", w.at, ", ", w.at + n, "))");
+    const std::size_t end = offsets_[w.tensor] + w.at + n;  // past the range, in m's order
+    std::size_t last = w.tensor;
+    while (last + 1 < sizes_.size() && offsets_[last + 1] < end) ++last;
+    if (last == w.tensor)
+      return trellis::detail::concat(" (", w.m ? "m" : "v", " of tensor ", w.tensor, ", elements [", w.at, ", ", w.at + n, "))");
+    return trellis::detail::concat(" (", w.m ? "m" : "v", " of tensors ", w.tensor, " to ", last, ": elements [", w.at, ", ",
+                                   w.at + n, ") counted from tensor ", w.tensor, "'s first)");
   }
   void pwrite_all(const float* src, std::size_t n, std::size_t element, Where where, int injected = 0) {
     const char* p = reinterpret_cast<const char*>(src);

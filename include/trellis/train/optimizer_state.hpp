@@ -8,10 +8,15 @@
 // (device_bytes, host_bytes), so the logic and the accounting are tested on any machine, and the
 // host kernel is the one the host backends run: offloading changes no bits there.
 // The disk tier (Offload::dir set; ZeRO-Infinity's NVMe tier): the moments live in a file
-// (train/disk_moments.hpp) and an update streams them through bounded host buffers, a chunk of
-// at most Offload::buffer_elements elements of one tensor at a time (moments read, values and
-// gradients staged, the host kernel, values uploaded, moments written back). AdamW is
-// elementwise, so chunks give the bits of one update. Prefetched (Offload::disk_prefetch, the
+// (train/disk_moments.hpp) and an update streams them through bounded host buffers, a chunk at a
+// time (moments read, values and gradients staged, the host kernel, values uploaded, moments
+// written back). A chunk is a contiguous range of the file of at most min(Offload::buffer_elements,
+// the largest tensor) elements (the host-buffer bound of before, which plan/memory_model.hpp
+// models): a large tensor is cut into several, and consecutive tensors of an update share one
+// (coalesced: biases and norms are not a tiny read and a thread hand-off each). The update visits
+// its tensors in the file's order (any order gives the same bits: tensors are independent), so a
+// unit's parameters, listed in backward order, are adjacent there. AdamW is elementwise, so
+// chunks give the bits of one update. Prefetched (Offload::disk_prefetch, the
 // default; DiskMoments::stream): the disk tier's I/O thread reads the next chunk's moments and
 // writes the previous chunk's back while this thread updates the current one, so the host holds
 // two chunks of moments besides the chunk of values and gradients (6 buffers of a chunk; 4 without).
@@ -78,6 +83,9 @@ class OptimizerState {
     TRELLIS_CHECK(disk_.has_value(), "OptimizerState: the moments are not on disk (no offload_dir)");
     return *disk_;
   }
+  // The disk tier's coalescing of consecutive tensors into one chunk (default on). A test and
+  // bench seam: off, each chunk is one tensor's, as before it was built (the same bits).
+  void set_disk_coalescing(bool on) { coalesce_ = on; }
   std::size_t tensors() const { return sizes_.size(); }
   std::size_t size(std::size_t i) const { return sizes_.at(i); }
   std::int64_t step() const { return disk_ ? disk_step_ : offload_ ? host_.step() : device_.step(); }
@@ -201,35 +209,77 @@ class OptimizerState {
     upload(st);
   }
 
-  // Each tensor in chunks of at most buffer_ elements through the host buffers (DiskMoments::stream:
+  // One tensor's part of a disk chunk: elements [at, at + n) of which[k], at `off` in the chunk.
+  struct Slice {
+    std::size_t k = 0, at = 0, n = 0, off = 0;
+  };
+  // The chunks of an update of `which` (sizes n), in the file's order: a chunk runs on into the
+  // next tensor while that one starts where it ends in the file (coalescing) and it has room;
+  // slices[first[j], first[j + 1]) are chunk j's. At most min(buffer_, largest tensor) elements.
+  void plan_chunks(std::span<const std::size_t> which, std::span<const std::size_t> n, std::vector<DiskChunk>& chunks,
+                   std::vector<Slice>& slices, std::vector<std::size_t>& first) const {
+    std::size_t largest = 1;
+    for (std::size_t s : sizes_) largest = std::max(largest, s);
+    const std::size_t cap = std::min(buffer_, largest);
+    std::vector<std::size_t> order(which.size());
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return which[a] < which[b]; });
+    std::size_t end = 0;  // the open chunk's end in the file (m's order)
+    for (std::size_t k : order) {
+      const std::size_t i = which[k];
+      const bool joins = coalesce_ && !chunks.empty() && chunks.back().n < cap && disk_->offset(i) == end;
+      for (std::size_t at = 0; at < n[k];) {
+        if (at == 0 && joins) {
+          chunks.back().tensors = i - chunks.back().tensor + 1;  // (over empty tensors between, if any)
+        } else {  // the tensor's start out of reach, or the chunk before full
+          first.push_back(slices.size());
+          chunks.push_back({i, at, 0, 1});
+        }
+        const std::size_t take = std::min(n[k] - at, cap - chunks.back().n);
+        slices.push_back({k, at, take, chunks.back().n});
+        chunks.back().n += take;
+        at += take;
+      }
+      if (n[k] > 0) end = disk_->offset(i) + n[k];
+    }
+    first.push_back(slices.size());
+  }
+
+  // The disk tier: the update's chunks (plan_chunks) through the host buffers (DiskMoments::stream:
   // the moments' reads and writes on its I/O thread when prefetched; values and gradients here).
   void update_from_disk(const optim::AdamW& hp, float lr, std::span<const std::size_t> which,
                         std::span<const std::span<float>> values, std::span<const std::span<const float>> grads,
                         std::span<const float> decay, float scale) {
-    std::vector<DiskChunk> chunks;
-    std::vector<std::size_t> of;  // each chunk's place in `which`
-    std::size_t c = 0;
+    std::vector<std::size_t> n(which.size());
     for (std::size_t k = 0; k < which.size(); ++k) {
-      const std::size_t i = which[k], n = values[k].size();
-      TRELLIS_CHECK(i < sizes_.size() && n == sizes_[i] && grads[k].size() == n, "OptimizerState: tensor ", i,
-                    " given ", n, " values and ", grads[k].size(), " gradients");
-      for (std::size_t at = 0; at < n; at += buffer_) {
-        chunks.push_back({i, at, std::min(buffer_, n - at)});
-        of.push_back(k);
-        c = std::max(c, chunks.back().n);
-      }
+      const std::size_t i = which[k];
+      n[k] = values[k].size();
+      TRELLIS_CHECK(i < sizes_.size() && n[k] == sizes_[i] && grads[k].size() == n[k], "OptimizerState: tensor ", i,
+                    " given ", n[k], " values and ", grads[k].size(), " gradients");
     }
+    std::vector<DiskChunk> chunks;
+    std::vector<Slice> slices;
+    std::vector<std::size_t> first;
+    plan_chunks(which, n, chunks, slices, first);
+    std::size_t c = 0;
+    for (const DiskChunk& ch : chunks) c = std::max(c, ch.n);
     for (auto* b : {&staged_values_, &staged_grads_}) b->resize(std::max(b->size(), c));
+    std::vector<kernels::AdamWTensor<float>> ts;
     disk_->stream(chunks, prefetch_, [&](std::size_t j, float* m, float* v) {
-      const DiskChunk& ch = chunks[j];
-      const std::size_t k = of[j];
-      be_.download(staged_values_.data(), values[k].data() + ch.at, ch.n);
-      be_.download(staged_grads_.data(), grads[k].data() + ch.at, ch.n);
-      const kernels::AdamWTensor<float> t{{staged_values_.data(), ch.n}, {staged_grads_.data(), ch.n}, {m, ch.n},
-                                          {v, ch.n}, decay[k]};
-      backend::Host<float>{}.adamw(std::span<const kernels::AdamWTensor<float>>(&t, 1), hp.config(lr), disk_step_ + 1,
-                                   scale);
-      be_.upload(values[k].data() + ch.at, staged_values_.data(), ch.n);
+      ts.clear();
+      for (std::size_t q = first[j]; q < first[j + 1]; ++q) {  // each tensor's slice of the chunk
+        const Slice& sl = slices[q];
+        float* val = staged_values_.data() + sl.off;
+        float* grad = staged_grads_.data() + sl.off;
+        be_.download(val, values[sl.k].data() + sl.at, sl.n);
+        be_.download(grad, grads[sl.k].data() + sl.at, sl.n);
+        ts.push_back({{val, sl.n}, {grad, sl.n}, {m + sl.off, sl.n}, {v + sl.off, sl.n}, decay[sl.k]});
+      }
+      backend::Host<float>{}.adamw(std::span<const kernels::AdamWTensor<float>>(ts), hp.config(lr), disk_step_ + 1, scale);
+      for (std::size_t q = first[j]; q < first[j + 1]; ++q) {
+        const Slice& sl = slices[q];
+        be_.upload(values[sl.k].data() + sl.at, staged_values_.data() + sl.off, sl.n);
+      }
     });
   }
   void read(std::size_t i, float* dst, bool m) const {
@@ -272,6 +322,7 @@ class OptimizerState {
   std::optional<DiskMoments> disk_;
   std::size_t buffer_ = std::size_t{1} << 22;
   bool prefetch_ = true;  // the disk tier's I/O on its thread, overlapping the update
+  bool coalesce_ = true;  // the disk tier: consecutive tensors share a chunk (set_disk_coalescing)
   std::int64_t disk_step_ = 0;
   std::unique_ptr<UpdateWorker> worker_;  // last: joined before the buffers its jobs use go
 };
