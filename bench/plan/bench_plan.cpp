@@ -1,7 +1,8 @@
 // The planner's cost model against measurement: every layout of one GPT on this host's 2 thread
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
 // interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, and four tp2
-// layouts with overlap chunks (--overlap 2 and 4, with and without sp), timed for real and predicted by plan::predict_step with rates measured on this machine
+// layouts with overlap chunks (--overlap 2 and 4, with and without sp), four cp2 Ulysses layouts
+// (--cp-mode ulysses, ZeRO 0 and 3, 1 and 4 microbatches), timed for real and predicted by plan::predict_step with rates measured on this machine
 // (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
 // there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The
 // ranks' communicator is comm::SimulatedLink (every collective held for
@@ -125,6 +126,9 @@ int main(int argc, char** argv) try {
   plan::SearchSpace space;
   space.max_microbatches = 8;
   space.overlap_chunks = {1};  // every layout without overlap; a few with it below
+  space.cp_modes = {nn::CpMode::ring};  // ring cp; a few Ulysses layouts below
+  space.shard_degrees = false;          // dp2 / cp2: no shard degree besides full sharding anyway
+  space.offload_optimizer = {false};
   space.recompute = bench::has_flag(argc, argv, "--recompute") ? std::vector<bool>{false, true} : std::vector<bool>{false};
   plan::MeasuredRates measured(3, ranks);  // every kernel timed with `ranks` copies running at once
   const plan::Rates rates = measured.rates();
@@ -152,6 +156,16 @@ int main(int argc, char** argv) try {
         list.back().options.overlap_chunks = o.chunks;
         break;
       }
+  // Ulysses: cp2 --cp-mode ulysses at ZeRO 0 and 3, 1 and 4 microbatches, beside the same ring layouts
+  for (int zero : {0, 3})
+    for (int m : {1, 4})
+      for (const train::TrainerConfig& c : plan::layouts(base, host.devices(), ranks, space))
+        if (c.cp == 2 && c.dp * c.pp * c.cp * c.tp == ranks && c.zero == zero && c.microbatches == m &&
+            !c.options.recompute) {
+          list.push_back(c);
+          list.back().cp_mode = nn::CpMode::ulysses;
+          break;
+        }
   std::erase_if(list, [](const train::TrainerConfig& c) { return !train::config_problems(c).empty(); });
   std::vector<double> round_best_min(list.size(), 1e30), round_best_max(list.size(), 0);
   // the fastest over the even rounds and over the odd ones: two independent measurements, whose

@@ -528,10 +528,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
         !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops" ||
         o.schedule == "local_learning")
-      out.push_back("--plan auto does not model --cp, --experts, --offload(-dir), --shard-degree, --fused-update, "
-                    "--schedule-file, --stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs "
-                    "or local learning yet: drop them or give the layout yourself (--cluster FILE gives "
-                    "the ranks' speeds)");
+      out.push_back("--plan auto chooses --cp (and its mode), --shard-degree and --offload optimizer itself, and does "
+                    "not model --experts, --offload activations, --offload-dir, --fused-update, --schedule-file, "
+                    "--stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs or local learning yet: drop "
+                    "them or give the layout yourself (--cluster FILE gives the ranks' speeds)");
     if (o.overlap > 1) out.push_back("--plan auto chooses --overlap (tp overlap chunks) itself: drop --overlap");
     if (o.mpi && !o.cluster.empty()) out.push_back("--plan auto --mpi plans with speeds measured, not from --cluster");
   }
@@ -548,8 +548,7 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     if (o.mpi || o.backend != "host")
       out.push_back("--stage-costs measured times the host kernels of thread ranks (no --mpi, --backend cuda): give "
                     "--stage-layers, or weigh flops");
-    if (o.experts > 0 || (o.cp > 1 && o.cp_mode != "ring"))
-      out.push_back("--stage-costs measured: MoE blocks and Ulysses / hybrid cp are not in the cost model yet");
+    if (o.experts > 0) out.push_back("--stage-costs measured: MoE blocks are not in the cost model yet");
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");

@@ -87,7 +87,10 @@ inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.tp = c.tp;
   o.pp = c.pp;
   o.cp = c.cp;
-  o.cp_mode = "ring";
+  o.cp_mode = trellis::nn::to_string(c.cp_mode);
+  o.cp_ulysses = c.cp_ulysses;
+  o.shard_degree = c.shard_degree;
+  o.offload = c.offload_optimizer ? "optimizer" : "";
   o.schedule = c.schedule;
   o.chunks = c.virtual_chunks;
   o.microbatches = c.microbatches;

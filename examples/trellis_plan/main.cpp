@@ -1,5 +1,5 @@
-// trellis_plan: which dp x tp x pp layout, schedule, microbatch count, recompute, ZeRO stage and tp
-// overlap chunks to train a GPT with on a cluster. A model shape and a cluster file (or --host N: this machine's
+// trellis_plan: which dp x tp x pp x cp layout, cp mode, schedule, microbatch count, recompute, ZeRO
+// stage and shard degree, offloaded optimizer and tp overlap chunks to train a GPT with on a cluster. A model shape and a cluster file (or --host N: this machine's
 // thread ranks, rates measured here) in; the fastest layouts by predicted step time out, with
 // MFU, memory per rank and the train_gpt flags of each. No training happens (docs/plan.md).
 #include <cstdio>
@@ -32,6 +32,9 @@ options:  --precision bf16|fp32 (bf16 with a cluster file: the bf16 peak, activa
             fp32 with --host) --top K (10) --max-microbatches M (64)
           --schedules a,b,.. (gpipe,1f1b,interleaved_1f1b,zb_h1) --max-tp N (a node's devices)
           --overlap K,.. (1,2,4: tp overlap chunks tried with tp > 1, train_gpt --overlap)
+          --cp-modes a,b,.. (ring,ulysses,hybrid: context-parallel modes tried with cp > 1)
+          --shard-degrees on|off (on: hybrid sharding's degrees tried with ZeRO, --shard-degree)
+          --offload on|off (on: the optimizer offloaded where nothing fits without, --offload optimizer)
 )";
 
 struct Shape {
@@ -125,6 +128,22 @@ int main(int argc, char** argv) try {
     }
   }
 
+  if (auto v = arg(flags, "--cp-modes"); !v.empty()) {
+    space.cp_modes.clear();
+    for (std::size_t at = 0; at <= v.size();) {
+      const std::size_t comma = std::min(v.find(',', at), v.size());
+      space.cp_modes.push_back(nn::parse_cp_mode(v.substr(at, comma - at)));
+      at = comma + 1;
+    }
+  }
+  auto on_off = [&](const std::string& flag) {
+    const std::string v = arg(flags, flag, "on");
+    TRELLIS_CHECK(v == "on" || v == "off", flag, " is on or off (got '", v, "')");
+    return v == "on";
+  };
+  space.shard_degrees = on_off("--shard-degrees");
+  if (!on_off("--offload")) space.offload_optimizer = {false};
+
   plan::Cluster cluster;
   plan::MeasuredRates measured;
   plan::Rates rates;
@@ -169,9 +188,9 @@ int main(int argc, char** argv) try {
   std::printf("cluster: %s: %d x %d devices of %.1f GiB, %s peak %.1f TFLOP/s\n", cluster.name.c_str(), cluster.nodes,
               cluster.devices_per_node, cluster.device.memory_bytes / (1ull << 30), precision.c_str(), peak / 1e12);
   const plan::Plan p = plan::search(base, cluster, rates, space, top);
-  std::printf("searched %ld layouts: %ld refused by the trainer's checks, %ld over memory, %ld pruned by the time "
-              "bound, %ld simulated\n",
-              p.layouts, p.invalid, p.over_memory, p.pruned, p.simulated);
+  std::printf("searched %ld layouts: %ld refused by the trainer's checks, %ld offloaded not needed, %ld over memory, "
+              "%ld pruned by the time bound, %ld simulated\n",
+              p.layouts, p.invalid, p.offload_not_needed, p.over_memory, p.pruned, p.simulated);
   if (p.best.empty()) {
     std::printf("no layout fits: use more devices, a smaller batch or model\n");
     return 2;

@@ -59,6 +59,7 @@ void check_against_exhaustive(const train::TrainerConfig& base, const plan::Clus
   std::vector<double> all;
   for (const auto& c : plan::layouts(base, cl.devices(), cl.devices_per_node, space)) {
     if (!train::config_problems(c).empty()) continue;
+    if (!plan::offload_tried(c, cl, space.activation_scale)) continue;
     if (plan::predict_peak_memory(c).memory.device_total() > cl.device.memory_bytes) continue;
     all.push_back(plan::predict_step(c, cl, r).step);
   }
@@ -196,6 +197,7 @@ TEST_CASE("search: its top layouts equal an exhaustive evaluation; pruning skipp
   long over = 0, overlapped = 0;
   for (const auto& c : plan::layouts(base, 4, 2, space)) {
     if (!train::config_problems(c).empty()) continue;
+    if (!plan::offload_tried(c, cl, space.activation_scale)) continue;  // the search's rule for offload
     if (plan::predict_peak_memory(c).memory.device_total() > cl.device.memory_bytes) {
       ++over;
       continue;
@@ -302,7 +304,7 @@ TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[
   const plan::Cluster cl = small_cluster();
   plan::SearchSpace space;
   space.max_microbatches = 4;
-  int checked = 0, overlapped = 0;
+  int checked = 0, overlapped = 0, ulysses = 0, sharded = 0, offloaded = 0;
   for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) {
     if (!train::config_problems(c).empty()) continue;
     std::istringstream words(plan::train_gpt_flags(c));
@@ -319,13 +321,23 @@ TEST_CASE("train_gpt_flags: train_gpt parses them back into the same layout", "[
     CHECK(back.options.sequence_parallel == c.options.sequence_parallel);
     CHECK(back.options.recompute == c.options.recompute);
     CHECK(back.options.overlap_chunks == c.options.overlap_chunks);
+    CHECK(back.cp_mode == c.cp_mode);
+    if (c.cp_mode == nn::CpMode::hybrid) CHECK(back.cp_ulysses == c.cp_ulysses);
+    CHECK(back.shard_degree == c.shard_degree);
+    CHECK(back.offload_optimizer == c.offload_optimizer);
     if (c.pp > 1) CHECK(back.schedule == c.schedule);
     if (c.pp > 1 && c.schedule == "interleaved_1f1b") CHECK(back.virtual_chunks == c.virtual_chunks);
     ++checked;
     overlapped += c.options.overlap_chunks > 1;
+    ulysses += c.cp_mode != nn::CpMode::ring;
+    sharded += c.shard_degree > 0;
+    offloaded += c.offload_optimizer;
   }
   CHECK(checked > 50);
   CHECK(overlapped > 10);
+  CHECK(ulysses > 10);
+  CHECK(sharded > 10);
+  CHECK(offloaded > 10);
 }
 
 TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid layout of --ranks ranks", "[search]") {
@@ -340,7 +352,7 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(has(problems_of({"--plan", "best"}), "--plan takes auto"));
   CHECK(has(problems_of({"--plan", "auto"}), "--plan auto needs --ranks"));
   CHECK(has(problems_of({"--ranks", "2"}), "--ranks N is for --plan auto"));
-  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "does not model --cp"));
+  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "chooses --cp"));
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--overlap", "2"}), "chooses --overlap"));
   CHECK(problems_of({"--plan", "auto", "--ranks", "2"}).empty());
   CHECK(has(problems_of({"--plan", "auto", "--mpi", "--ranks", "2"}), "plans for mpirun's ranks: drop --ranks"));

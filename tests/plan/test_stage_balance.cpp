@@ -160,6 +160,30 @@ TEST_CASE("stage_costs: with GEMM and attention rates of FLOPs alone it is 3 R /
   CHECK_THROWS_WITH(plan::stage_costs(moe, with_speeds({1, 1}), r), Catch::Contains("MoE blocks"));
 }
 
+// Context parallelism in every mode is costed as predict_step costs it: its per-stage times (one
+// microbatch, an even split: blocks x block + the stage's fixed work) equal stage_costs'. On nodes of
+// 2 devices with a slower link between them, hybrid cp4 (u 2) has its all-to-alls inside a node and
+// its ring across: a block costed with one link for both would differ.
+TEST_CASE("stage_costs: ring, Ulysses and hybrid context parallelism as predict_step costs them", "[balance]") {
+  const plan::Rates r = plan::cluster_rates(with_speeds({1}), plan::Precision::fp32);
+  for (const auto& [mode, cp] : {std::pair{nn::CpMode::ring, 2}, std::pair{nn::CpMode::ulysses, 2},
+                                 std::pair{nn::CpMode::hybrid, 4}}) {
+    train::TrainerConfig c = layout(2, 1, cp, 1);
+    c.cp_mode = mode;
+    c.cp_ulysses = 2;
+    plan::Cluster cluster = with_speeds(std::vector<double>(static_cast<std::size_t>(2 * cp), 1.0), 2);
+    cluster.nodes = cp;
+    cluster.inter_node = {.bandwidth = 1e9, .latency = 2e-5};
+    INFO(nn::to_string(mode));
+    REQUIRE(train::config_problems(c).empty());
+    const train::LayerCosts timed = plan::stage_costs(c, cluster, r);
+    const plan::StepCost cost = plan::predict_step(c, cluster, r);
+    REQUIRE(cost.stage.size() == 2);
+    CHECK(cost.stage[0].total() == Approx(4 * timed.layers[0] + timed.fixed[0]).epsilon(1e-12));
+    CHECK(cost.stage[1].total() == Approx(4 * timed.layers[7] + timed.fixed[1]).epsilon(1e-12));
+  }
+}
+
 TEST_CASE("stage_costs in the config: the split weighs them; bad ones are refused", "[balance]") {
   train::TrainerConfig c = layout(2, 1, 1, 1);
   c.rank_speed = {1, 1};

@@ -8,6 +8,7 @@
 //    "intra_node": {"bandwidth_gbps": 360, "latency_us": 5},
 //    "inter_node": {"bandwidth_gbps": 45, "latency_us": 15},   // required only when nodes > 1
 //    "efficiency": {"gemm": 0.7, "attention": 0.45},           // optional
+//    "host": {"memory_bandwidth_gbps": 50, "link_gbps": 25},   // optional: the offloaded optimizer's
 //    "speed": [1, 1, 0.5, ...]}                                // optional, one per device
 //
 // Units in the file are the ones data sheets use (GiB, TFLOP/s, GB/s = 1e9 bytes/s, microseconds);
@@ -59,6 +60,12 @@ struct Cluster {
   Link intra_node, inter_node;
   double gemm_efficiency = 0.7;       // achieved fraction of peak for large dense GEMMs
   double attention_efficiency = 0.5;  // achieved fraction of peak for attention kernels
+  // The host, for the offloaded optimizer (AdamW on the CPU): each device's share of the host's
+  // memory bandwidth (bytes/s; a node's CPUs serve all its devices), and the device-host link
+  // (PCIe; bytes/s one way, per device). Defaults: 50 GB/s (two sockets of DDR5 shared by 8
+  // devices, at about 70 % of peak) and 25 GB/s (PCIe 4.0 x16 as achieved).
+  double host_memory_bandwidth = 50e9;
+  double host_link_bandwidth = 25e9;
   std::vector<double> speed;          // empty, or one relative speed factor (> 0) per device, rank order
 
   int devices() const { return nodes * devices_per_node; }
@@ -222,7 +229,7 @@ class ClusterReader {
   Cluster cluster(const io::json::Value& root) const {
     const auto& o = object(root, "",
                            {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node",
-                            "efficiency", "speed"});
+                            "efficiency", "host", "speed"});
     Cluster c;
     c.name = name(*member(o, "", "name"), "name");
     c.nodes = count(*member(o, "", "nodes"), "nodes");
@@ -245,6 +252,13 @@ class ClusterReader {
         c.gemm_efficiency = number(*g, "efficiency.gemm", Range::fraction);
       if (const auto* a = member(e, "efficiency", "attention", false))
         c.attention_efficiency = number(*a, "efficiency.attention", Range::fraction);
+    }
+    if (const auto* host = member(o, "", "host", false)) {
+      const auto& h = object(*host, "host", {"memory_bandwidth_gbps", "link_gbps"});
+      if (const auto* m = member(h, "host", "memory_bandwidth_gbps", false))
+        c.host_memory_bandwidth = number(*m, "host.memory_bandwidth_gbps", Range::positive, cluster_unit_gbps);
+      if (const auto* l = member(h, "host", "link_gbps", false))
+        c.host_link_bandwidth = number(*l, "host.link_gbps", Range::positive, cluster_unit_gbps);
     }
     if (const auto* speed = member(o, "", "speed", false)) {
       if (!speed->is_array()) fail("speed must be an array of numbers > 0 (got ", got(*speed), ")");
@@ -293,7 +307,7 @@ inline Cluster load_cluster(const std::filesystem::path& file) {
 }
 
 // Writes the file format (pretty-printed, keys sorted); parse_cluster(to_json(c), ...) == c for
-// every field of a cluster the parser produced. inter_node and efficiency are always written.
+// every field of a cluster the parser produced. inter_node, efficiency and host are always written.
 inline std::string to_json(const Cluster& c) {
   using io::json::Value;
   auto link = [](const Link& l) {
@@ -313,6 +327,9 @@ inline std::string to_json(const Cluster& c) {
   io::json::Object efficiency;
   efficiency["gemm"] = Value(c.gemm_efficiency);
   efficiency["attention"] = Value(c.attention_efficiency);
+  io::json::Object host;
+  host["memory_bandwidth_gbps"] = Value(detail::cluster_unit_gbps.from_si(c.host_memory_bandwidth));
+  host["link_gbps"] = Value(detail::cluster_unit_gbps.from_si(c.host_link_bandwidth));
   io::json::Object root;
   root["name"] = Value(c.name);
   root["nodes"] = Value(c.nodes);
@@ -321,6 +338,7 @@ inline std::string to_json(const Cluster& c) {
   root["intra_node"] = link(c.intra_node);
   root["inter_node"] = link(c.inter_node);
   root["efficiency"] = Value(std::move(efficiency));
+  root["host"] = Value(std::move(host));
   if (!c.speed.empty()) {
     io::json::Array speed;
     for (double s : c.speed) speed.emplace_back(s);

@@ -31,10 +31,22 @@
 //     copies' memory traffic where the device moves the bytes itself (Rates::collective_copy_bytes).
 //   - The optimizer: AdamW over this rank's (ZeRO: sharded) parameters plus the gradient norm,
 //     memory-bound.
-//   - Context parallelism (ring): rows b T / cp per rank, cp attention steps over blocks of T/cp,
-//     the partials merged, the K/V ring's hops exposed where the attention compute does not cover
-//     them; gradients over dp x cp.
-// Not modelled yet: Ulysses, expert parallelism, offloading, hybrid sharding, contention between
+//   - Context parallelism: rows b T / cp per rank; gradients over dp x cp. Ring: cp attention
+//     steps over blocks of T/cp, the partials merged, the K/V ring's hops exposed where the
+//     attention compute does not cover them. Ulysses (u = cp) and hybrid (Ulysses in groups of u,
+//     a ring over the cp / u groups): an all-to-all of q, k, v before attention and of the output
+//     after in F, of dO before and dQ, dK, dV after in B (blocking, so on the critical path), on
+//     the link of u ranks at stride tp; attention over heads / (tp u) heads, the whole sequence
+//     (Ulysses) or the ring's cp / u steps (hybrid, on the link at stride tp u).
+//   - Hybrid sharding (shard_degree S < dp x cp): ZeRO's reduce-scatters and all-gathers over the S
+//     ranks of a shard group (their link), and the reduced shards (1/S of the gradients) all-reduced
+//     across the dp x cp / S groups once per step: ZeRO-1 after the schedule, ZeRO-2/3 overlapping
+//     the last backward.
+//   - Offloaded optimizer (offload_optimizer): the moments on the host; each update downloads the
+//     values and gradients and uploads the values (Rates::host_copy) around the host's AdamW
+//     (Rates::host_adamw): after the schedule, or with fused_update and the update thread, the
+//     host AdamW overlapping the last backward unit by unit (the copies stay on the critical path).
+// Not modelled yet: expert parallelism, offloaded activations, the disk tier, contention between
 // communicators sharing one physical link (nor, on a GPU, compute slowed by the collectives' own
 // kernels while chunks overlap).
 #pragma once
@@ -73,6 +85,11 @@ struct Rates {
   std::function<double(double rows, double cols, bool backward)> cross_entropy;
   std::function<double(double bytes)> memory;  // any other memory-bound pass touching `bytes`
   std::function<double(double n)> adamw;       // the AdamW update of n parameters (values, grads, moments)
+  // The offloaded optimizer (TrainerConfig::offload_optimizer): AdamW of n parameters on the host's
+  // CPU, and `bytes` copied between device and host memory (one direction). Empty: adamw and
+  // memory(2 bytes) -- the host backends, where the host is the device and a copy reads and writes.
+  std::function<double(double n)> host_adamw;
+  std::function<double(double bytes)> host_copy;
   // Bytes of memory traffic a rank's compute pays per byte its dp collectives put on the wire:
   // 0 where a copy engine or NIC moves them (cluster_rates), about 2 (read + write) where the
   // processor copies them itself -- thread ranks, whose collectives are memcpy on the same cores.
@@ -96,6 +113,9 @@ inline Rates cluster_rates(const Cluster& c, Precision p = Precision::bf16) {
   r.cross_entropy = [=](double rows, double cols, bool bwd) { return (bwd ? 2.0 : 3.0) * 4 * rows * cols / bw; };
   r.memory = [=](double bytes) { return bytes / bw; };
   r.adamw = [=](double n) { return 28 * n / bw; };  // read value, gradient, 2 moments; write 3 (fp32)
+  const double host_bw = c.host_memory_bandwidth, host_link = c.host_link_bandwidth;
+  r.host_adamw = [=](double n) { return 28 * n / host_bw; };  // the same passes over host memory
+  r.host_copy = [=](double bytes) { return bytes / host_link; };
   return r;
 }
 
@@ -108,6 +128,9 @@ inline double gather_seconds(const Link& l, double bytes, int n) {
   return n <= 1 ? 0.0 : l.latency + static_cast<double>(n - 1) / n * bytes / l.bandwidth;
 }
 inline double send_seconds(const Link& l, double bytes) { return l.latency + bytes / l.bandwidth; }
+// all-to-all (bytes: one rank's whole send buffer, n blocks, its own included): (n - 1)/n of it
+// crosses the link, as comm::SimulatedLink charges it (comm::wire::all_to_all)
+inline double all_to_all_seconds(const Link& l, double bytes, int n) { return gather_seconds(l, bytes, n); }
 
 // `pieces` equal transfers of total duration `total` on one link, ready one by one at even
 // intervals over a window of `window` seconds (the last at its end): the time the last finishes
@@ -150,6 +173,7 @@ namespace detail {
 struct Shape {  // the sizes the formulas need, as doubles
   double W, H, d, V, L, P, tp, dp, pp, R, T, b;
   double cp = 1;  // context parallel: R = b T / cp rows; attention by the ring (zig-zag balanced)
+  double u = 1;   // Ulysses' all-to-all group: 1 (ring), cp (ulysses) or cp_ulysses (hybrid); cp / u ring members
   bool sp;
   int chunks = 1;  // tp overlap: the row chunks of each tp collective (1: none; overlap_chunks_of)
 };
@@ -178,6 +202,7 @@ inline Shape shape_of(const train::TrainerConfig& c) {
   s.b = static_cast<double>(c.batch) / (c.dp * c.microbatches);
   s.T = static_cast<double>(c.seq);
   s.cp = c.cp;
+  s.u = c.cp <= 1 ? 1 : c.cp_mode == nn::CpMode::ulysses ? c.cp : c.cp_mode == nn::CpMode::hybrid ? c.cp_ulysses : 1;
   s.R = s.b * s.T / s.cp;
   s.sp = c.options.sequence_parallel && c.tp > 1;
   s.chunks = overlap_chunks_of(c.options.overlap_chunks, s.tp, s.R, s.sp);
@@ -222,8 +247,10 @@ inline OverlapTimes overlap_section(double whole, double g, double c, int K) {
 }
 
 // One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
+// cp_link: the ring's (the cp / u ring members at stride tp u); a2a_link: Ulysses' all-to-all's
+// (u ranks at stride tp; null: cp_link).
 inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, const Link& cp_link, bool recompute,
-                             double* comm) {
+                             double* comm, const Link* a2a_link = nullptr) {
   const double R = s.R, W = s.W, t = s.tp;
   const double Rn = s.sp ? R / t : R;  // rows of the norm/residual region on this rank
   PassTimes p;
@@ -234,22 +261,41 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
     p.backward_input += r.gemm(R, ins[i], outs[i], GemmForm::nt);
     p.backward_weight += r.gemm(ins[i], outs[i], R, GemmForm::tn);
   }
-  const double heads = s.H / t;
-  // context parallel: a ring member's cp steps each attend its T/cp queries to T/cp keys (the
-  // zig-zag halves of the off-diagonal blocks make each step about a causal block of T/cp: 1/cp of
+  // context parallel: g = cp / u ring members (u: Ulysses' group, 1 for the plain ring), each
+  // attending heads / (tp u) heads. A member's g steps each attend its T/g queries to T/g keys (the
+  // zig-zag halves of the off-diagonal blocks make each step about a causal block of T/g: 1/g of
   // the causal work in all, at the efficiency of blocks that size), merging the partial outputs
-  // after each step (dK, dV accumulated in B). K and V go round the ring (cp - 1 hops) in F, K, V,
+  // after each step (dK, dV accumulated in B). K and V go round the ring (g - 1 hops) in F, K, V,
   // dK and dV in B, each hop during the next step's compute: what that compute does not cover is
-  // exposed; where the device copies them itself, the hops cost memory traffic too.
-  const double Tl = s.T / s.cp;
-  const double attn_f = s.cp * r.attention_forward(s.b, heads, Tl, s.d), attn_b = s.cp * r.attention_backward(s.b, heads, Tl, s.d);
+  // exposed; where the device copies them itself, the hops cost memory traffic too. A hybrid
+  // member holds u R rows of W / (tp u) columns: the same bytes as a plain ring member's.
+  // Ulysses (g = 1): one call over the whole sequence.
+  const double heads = s.H / t / s.u, g_ring = s.cp / s.u;
+  const double Tl = s.T / g_ring;
+  const double attn_f = g_ring * r.attention_forward(s.b, heads, Tl, s.d),
+               attn_b = g_ring * r.attention_backward(s.b, heads, Tl, s.d);
   p.forward += attn_f;
   p.backward_input += attn_b;
-  if (s.cp > 1) {
+  if (g_ring > 1) {
     const double kv = 2 * 4 * R * W / t;  // this member's K and V, bytes
-    const double ring_f = (s.cp - 1) * send_seconds(cp_link, kv), ring_b = (s.cp - 1) * send_seconds(cp_link, 2 * kv);
-    p.forward += std::max(0.0, ring_f - attn_f) + r.memory((s.cp - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
-    p.backward_input += std::max(0.0, ring_b - attn_b) + r.memory((s.cp - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
+    const double ring_f = (g_ring - 1) * send_seconds(cp_link, kv), ring_b = (g_ring - 1) * send_seconds(cp_link, 2 * kv);
+    p.forward += std::max(0.0, ring_f - attn_f) + r.memory((g_ring - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
+    p.backward_input += std::max(0.0, ring_b - attn_b) + r.memory((g_ring - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
+  }
+  if (s.u > 1) {
+    // Ulysses' exchange (nn/ulysses.hpp, nn/attention.hpp): F all-to-alls q, k, v (one call, 3
+    // tensors) before the attention and the output after; B dO before and dQ, dK, dV after. Each
+    // rank sends its whole R x 3W/tp (or R x W/tp) buffer, (u - 1)/u of it over the link; the
+    // calls block (the attention waits for its input, the projection for its rows), so they are
+    // on the critical path. Each of the 4 tensors per pass is copied twice more than without
+    // Ulysses (packed per destination, put in sequence order, besides the head layout).
+    const int u = static_cast<int>(s.u);
+    const Link& link = a2a_link ? *a2a_link : cp_link;
+    const double one = 4 * R * W / t;  // one tensor of this rank's rows and heads, bytes
+    const double a2a = all_to_all_seconds(link, 3 * one, u) + all_to_all_seconds(link, one, u);
+    const double copies = r.memory(4 * 2 * 2 * one + r.collective_copy_bytes * (s.u - 1) / s.u * 4 * one);
+    p.forward += a2a + copies;
+    p.backward_input += a2a + copies;
   }
   // the norms and GELU; other memory passes (fp32 bytes read + written): F, 2 residual adds and
   // the block input's copy over Rn x W, each linear's input saved (R x (2W + 5W/t)), q/k/v/o
@@ -412,25 +458,35 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 }
 
 // Predicts one optimizer step of `c` on `cluster` with `rates` (from cluster_rates or measured).
-// Ranks are laid out as train::Trainer's mesh (pp, dp, tp: tp fastest). Refuses what it does not
-// model (cp, MoE, offload, local learning).
+// Ranks are laid out as train::Trainer's mesh (pp, dp, cp, tp: tp fastest). Refuses what it does not
+// model (MoE, balanced documents, offloaded activations, the disk tier, local learning).
 // stop_above: when the step's lower bound (no pipeline simulation) is already at least this, stop
 // there and return the bound with bound_only set (plan::search's pruning).
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
                              double stop_above = std::numeric_limits<double>::infinity()) {
-  TRELLIS_CHECK((c.cp == 1 || (c.cp_mode == nn::CpMode::ring && !c.cp_balance_documents)) && c.model.moe_every == 0 &&
-                    !c.offload_optimizer && !c.offload_activations && c.offload_dir.empty() && c.shard_degree == 0,
-                "predict_step: Ulysses and hybrid context parallelism, MoE, offloading and hybrid sharding are not in "
+  TRELLIS_CHECK((c.cp == 1 || !c.cp_balance_documents) && c.model.moe_every == 0 && !c.offload_activations &&
+                    c.offload_dir.empty(),
+                "predict_step: MoE, balanced documents, offloaded activations and the optimizer's disk tier are not in "
                 "the cost model yet");
   const auto& m = c.model;
   const detail::Shape s = detail::shape_of(c);
   // the trainer's mesh (pp, dp, cp, tp): tp at stride 1, cp at tp, dp at tp cp; gradients are
-  // reduced over the dp x cp replicas (stride tp)
+  // reduced over the dp x cp replicas (stride tp). Ulysses' groups: u consecutive cp ranks (stride
+  // tp); the ring: the cp / u members at stride tp u (all of cp for the plain ring).
   const int reps = c.dp * c.cp;
+  const int u = static_cast<int>(s.u);
   const Link& tp_link = cluster.link(1, c.tp);
-  const Link& cp_link = cluster.link(c.tp, c.cp);
+  const Link& cp_link = cluster.link(c.tp * u, c.cp / u);
+  const Link& a2a_link = cluster.link(c.tp, u);
   const Link& dp_link = cluster.link(c.tp, reps);
   const Link& pp_link = cluster.link(c.tp * reps, c.pp);
+  // ZeRO's shards: over S replicas -- all of them, or a shard group of S consecutive ones (hybrid
+  // sharding, train/grad_buckets.hpp), whose reduced shards are then all-reduced across the groups
+  // (the same group rank in each: stride tp S)
+  const int S = c.zero >= 1 && c.shard_degree > 0 && c.shard_degree < reps ? c.shard_degree : reps;
+  const int groups = reps / S;
+  const Link& shard_link = cluster.link(c.tp, S);
+  const Link& across_link = cluster.link(c.tp * S, groups);
 
   const bool piped = c.pp > 1;
   const pipe::Schedule sched = piped ? schedule_of(c) : pipe::Schedule{};
@@ -442,7 +498,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
 
   StepCost out;
   double block_comm = 0, emb_comm = 0, head_comm = 0;
-  const PassTimes block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, &block_comm);
+  const PassTimes block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, &block_comm, &a2a_link);
   const PassTimes emb = detail::embedding_times(s, rates, tp_link, &emb_comm);
   const PassTimes head = detail::head_times(s, rates, tp_link, &head_comm);
   std::vector<double> stage_comm;
@@ -475,7 +531,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   };
   const std::vector<double> pace = pipeline_rank_pace(c, cluster);  // compute: rows and speeds of its replicas
   // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
-  const double dp_n = reps;
+  const double shard_n = S;
   auto rank_params = [&](int rank) {
     double p = 0;
     for (int k = 0; k < chunks; ++k) p += chunk_params(stage_of(rank, k));
@@ -491,9 +547,9 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     for (int r = 0; r < ranks; ++r) {
       const double bytes = 4 * rank_params(r);
       const double passes = c.zero == 3 ? 3 : 1;  // gradients reduce-scattered; values gathered for F and B
-      const double traffic = passes * gather_seconds(dp_link, bytes, reps);
+      const double traffic = passes * gather_seconds(shard_link, bytes, S);
       // what moving those bytes costs the compute where the device copies them itself
-      const double copies = rates.memory(rates.collective_copy_bytes * passes * (dp_n - 1) / dp_n * bytes);
+      const double copies = rates.memory(rates.collective_copy_bytes * passes * (shard_n - 1) / shard_n * bytes);
       const double compute = rank_compute(r);
       stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
     }
@@ -504,7 +560,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     if (c.zero == 3 && reps > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
       const int v = stage_of(rank, chunk);
       const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-      x += n * gather_seconds(dp_link, 4 * detail::block_params(s), reps);  // each block waits for its gather
+      x += n * gather_seconds(shard_link, 4 * detail::block_params(s), S);  // each block waits for its gather
     }
     return x * stretch[static_cast<std::size_t>(rank)] / pace[static_cast<std::size_t>(rank)];
   };
@@ -522,23 +578,59 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   out.compute = busy[static_cast<std::size_t>(busiest)];
   for (int k = 0; k < chunks; ++k) out.tp_comm += c.microbatches * stage_comm[static_cast<std::size_t>(stage_of(busiest, k))];
 
+  // The offloaded optimizer's host AdamW and copies (Rates' defaults: the device's own, as on the host).
+  auto host_adamw = [&](double n) { return rates.host_adamw ? rates.host_adamw(n) : rates.adamw(n); };
+  auto host_copy = [&](double bytes) { return rates.host_copy ? rates.host_copy(bytes) : rates.memory(2 * bytes); };
+  // the weight units a rank updates one by one under fused_update: its blocks, wpe, ln_f, and wte
+  auto rank_units = [&](int rank) {
+    int n = 0;
+    bool wte = false;
+    for (int k = 0; k < chunks; ++k) {
+      const int v = stage_of(rank, k);
+      n += bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+      n += (v == 0) + (v == stages - 1);
+      wte = wte || v == 0 || v == stages - 1;
+    }
+    return n + (wte ? 1 : 0);
+  };
+
   // dp: what the backward does not hide, and the optimizer, per rank; the step waits for the slowest.
   double after = 0;
   for (int r = 0; r < ranks; ++r) {
     const double params = rank_params(r), bytes = 4 * params;
     const int buckets = std::max(1, static_cast<int>(std::ceil(params / static_cast<double>(c.bucket_elements))));
+    const double last_b = last_backward[static_cast<std::size_t>(r)];
     double exposed = 0;
     if (reps > 1) {
-      const double window = c.overlap_dp ? last_backward[static_cast<std::size_t>(r)] : 0.0;
+      const double window = c.overlap_dp ? last_b : 0.0;
       if (c.zero <= 1)  // the buckets' copies where the device makes them itself (during the backward)
-        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (dp_n - 1) / dp_n * bytes);
+        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (shard_n - 1) / shard_n * bytes);
       if (c.zero == 0) exposed += exposed_after(window, all_reduce_seconds(dp_link, bytes, reps), buckets);
       if (c.zero == 1)
-        exposed += exposed_after(window, gather_seconds(dp_link, bytes, reps), buckets) + gather_seconds(dp_link, bytes, reps);
-      if (c.zero == 2) exposed += gather_seconds(dp_link, bytes, reps);  // values all-gathered after the update
+        exposed += exposed_after(window, gather_seconds(shard_link, bytes, S), buckets) + gather_seconds(shard_link, bytes, S);
+      if (c.zero == 2) exposed += gather_seconds(shard_link, bytes, S);  // values all-gathered after the update
+      if (c.zero >= 1 && groups > 1) {
+        // hybrid sharding: each bucket's reduced shard (1/S of its gradients) all-reduced across the
+        // groups once per step (grad_buckets.hpp). ZeRO-1: at the end, after every reduce-scatter
+        // (exposed); ZeRO-2/3: started as the bucket's last reduce-scatter retires, overlapping
+        // the rest of the last backward (the reduce-scatters are on the shard group's link).
+        const double sum = all_reduce_seconds(across_link, bytes / S, groups);
+        exposed += c.zero == 1 ? sum : exposed_after(last_b, sum, buckets);
+        exposed += rates.memory(rates.collective_copy_bytes * 2.0 * (groups - 1) / groups * bytes / S);
+      }
     }
-    const double shard = c.zero >= 1 ? params / dp_n : params;
-    const double opt = (rates.adamw(shard) + rates.memory(4 * params)) / speed(r);
+    const double shard = c.zero >= 1 ? params / shard_n : params;
+    double opt = (rates.adamw(shard) + rates.memory(4 * params)) / speed(r);
+    if (c.offload_optimizer) {
+      // the moments on the host (train/optimizer_state.hpp): the update downloads values and
+      // gradients (8 bytes an element) and uploads the values (4) on the training thread, and
+      // runs AdamW on the host. fused_update with the update thread: unit by unit on a worker as
+      // each unit's gradients are final, overlapping the last backward; else after the schedule.
+      const bool overlapped = c.fused_update != train::TrainerConfig::FusedUpdate::off && c.offload_update_thread;
+      // The host's time is not the device's speed's business; the norm's pass stays on the device.
+      opt = rates.memory(4 * params) / speed(r) + host_copy(12 * shard) +
+            (overlapped ? exposed_after(last_b, host_adamw(shard), rank_units(r)) : host_adamw(shard));
+    }
     if (exposed + opt > after) {
       after = exposed + opt;
       out.dp_exposed = exposed;

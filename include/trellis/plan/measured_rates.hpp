@@ -47,6 +47,10 @@ class MeasuredRates {
     r.cross_entropy = [this](double rows, double cols, bool bwd) { return cross_entropy(rows, cols, bwd); };
     r.memory = [this](double bytes) { return bytes * seconds_per_byte(); };
     r.adamw = [this](double n) { return n * adamw_seconds_per_element(); };
+    // the offloaded optimizer: the host is the device here, so its AdamW is the same kernel, and
+    // a copy between "device" and host memory is a memory pass reading and writing the bytes
+    r.host_adamw = r.adamw;
+    r.host_copy = [this](double bytes) { return 2 * bytes * seconds_per_byte(); };
     r.collective_copy_bytes = 2;  // thread ranks' collectives are copies on these cores: read + write
     return r;
   }

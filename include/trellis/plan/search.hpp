@@ -1,6 +1,7 @@
 // plan::search: every layout of a model on a cluster -- dp x tp x pp x cp over all its devices, the
-// pipeline schedule (and virtual chunks), microbatches, recompute, sequence parallelism, ZeRO
-// stage, tp overlap chunks -- checked (train::config_problems), pruned by memory
+// cp mode (ring, Ulysses, hybrid), the pipeline schedule (and virtual chunks), microbatches,
+// recompute, sequence parallelism, ZeRO stage and hybrid shard degree, the offloaded optimizer,
+// tp overlap chunks -- checked (train::config_problems), pruned by memory
 // (plan::predict_peak_memory against the device's memory), timed by the cost model
 // (plan::predict_step), and the fastest returned with the train_gpt flags that run each. On a
 // cluster of mixed speeds dp replicas get shares and a pipeline of one chunk per rank a split
@@ -17,6 +18,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trellis/plan/cluster.hpp"
@@ -38,7 +40,17 @@ struct SearchSpace {
   std::vector<int> overlap_chunks{1, 2, 4};
   int max_microbatches = 64;  // microbatches: every m with batch % (dp m) == 0, up to this
   int max_tp = 0;             // 0: the devices of one node (tp collectives stay on the fast link)
-  int max_cp = 0;             // context parallel (ring) up to this; 0: any that divides the devices and 2 cp the sequence
+  int max_cp = 0;             // context parallel up to this; 0: any that divides the devices and 2 cp the sequence
+  // cp > 1 modes (train_gpt --cp-mode): ring; ulysses where cp divides each tp rank's heads; hybrid
+  // with every Ulysses group u (--cp-ulysses) that divides cp (1 < u < cp) and those heads
+  std::vector<nn::CpMode> cp_modes{nn::CpMode::ring, nn::CpMode::ulysses, nn::CpMode::hybrid};
+  // Hybrid sharding (train_gpt --shard-degree S): with ZeRO >= 1, every S dividing dp x cp with
+  // 2 <= S < dp x cp besides full sharding (S = 1 shards nothing; ZeRO 0 does that with less traffic)
+  bool shard_degrees = true;
+  // The offloaded optimizer (train_gpt --offload optimizer): off, then on. It frees the moments'
+  // device memory and costs host copies and a host AdamW, so it comes first only where memory
+  // forces it or (fused_update with the update thread, from the base config) it hides.
+  std::vector<bool> offload_optimizer{false, true};
   // Bytes of activations per fp32 byte the memory model counts (0.5: bf16 activations, as the
   // CUDA backend keeps them; 1: the host's fp32).
   double activation_scale = 1.0;
@@ -58,17 +70,47 @@ struct Plan {
   long over_memory = 0;         // predicted not to fit the device
   long pruned = 0;              // not simulated: their time bound was no better than the k-th best
   long simulated = 0;
+  long offload_not_needed = 0;  // offloaded-optimizer layouts not tried: the layout fits without (offload_tried)
 };
+
+// The device memory the search compares with the cluster's (activations scaled).
+inline MemoryEstimate scaled_memory(const PeakMemory& peak, double activation_scale) {
+  MemoryEstimate m = peak.memory;
+  m.activations *= activation_scale;
+  return m;
+}
+
+// Whether the search tries layout `c` with the offloaded optimizer: where the same layout keeping
+// the moments on the device does not fit the device (`fits_without`), or where the host's update
+// can hide behind the backward (fused_update with the update thread). Elsewhere the offload adds
+// host copies and a host AdamW to what follows the schedule, and the device's memory is no
+// concern: it is not tried (the layout without it comes first). Layouts without it: always.
+inline bool offload_tried(const train::TrainerConfig& c, bool fits_without) {
+  if (!c.offload_optimizer) return true;
+  const bool may_hide = c.fused_update != train::TrainerConfig::FusedUpdate::off && c.offload_update_thread;
+  return !fits_without || may_hide;
+}
+inline bool offload_tried(const train::TrainerConfig& c, const Cluster& cluster, double activation_scale) {
+  if (!c.offload_optimizer) return true;
+  train::TrainerConfig without = c;
+  without.offload_optimizer = false;
+  return offload_tried(
+      c, scaled_memory(predict_peak_memory(without), activation_scale).device_total() <= cluster.device.memory_bytes);
+}
 
 // The flags that make train_gpt run config `c`'s layout (beside the model and data flags).
 inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   std::ostringstream s;
   s << "--dp " << c.dp << " --tp " << c.tp << " --pp " << c.pp;
   if (c.cp > 1) s << " --cp " << c.cp;
+  if (c.cp > 1 && c.cp_mode != nn::CpMode::ring) s << " --cp-mode " << nn::to_string(c.cp_mode);
+  if (c.cp > 1 && c.cp_mode == nn::CpMode::hybrid) s << " --cp-ulysses " << c.cp_ulysses;
   s << " --microbatches " << c.microbatches;
   if (c.pp > 1) s << " --schedule " << c.schedule;
   if (c.pp > 1 && c.schedule == "interleaved_1f1b") s << " --chunks " << c.virtual_chunks;
   if (c.zero > 0) s << " --zero " << c.zero;
+  if (c.zero > 0 && c.shard_degree > 0) s << " --shard-degree " << c.shard_degree;
+  if (c.offload_optimizer) s << " --offload optimizer";
   if (c.options.sequence_parallel) s << " --sp";
   if (c.options.recompute) s << " --recompute";
   if (c.options.overlap_chunks > 1) s << " --overlap " << c.options.overlap_chunks;
@@ -103,14 +145,26 @@ inline bool overlap_fits(const train::TrainerConfig& c, int K) {
   return rows % K == 0;
 }
 
-// Every layout of the search space for `base` on `devices` ranks, in a fixed order (unchecked).
-inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& base, int devices, int max_tp,
-                                                 const SearchSpace& space) {
-  std::vector<train::TrainerConfig> out;
+// Every layout of the search space for `base` on `devices` ranks, in a fixed order (unchecked),
+// each given to emit(TrainerConfig&&) (the search's spaces hold millions: none is kept).
+template <class Emit>
+void for_each_layout(const train::TrainerConfig& base, int devices, int max_tp, const SearchSpace& space, Emit&& emit) {
   for (int tp = 1; tp <= devices; ++tp) {
     if (devices % tp != 0 || (max_tp > 0 && tp > max_tp)) continue;
     for (int cp = 1; cp <= devices / tp; ++cp) {
       if ((devices / tp) % cp != 0 || (space.max_cp > 0 && cp > space.max_cp) || base.seq % (2 * cp) != 0) continue;
+      // the cp modes (mode, Ulysses group u): ring; ulysses and hybrid where u divides the heads
+      // of every tp rank (train::config_problems' rule; equal shares when tp divides the heads)
+      std::vector<std::pair<nn::CpMode, int>> modes;
+      for (nn::CpMode mode : cp > 1 ? space.cp_modes : std::vector<nn::CpMode>{nn::CpMode::ring}) {
+        const index_t local_heads = base.model.heads / tp;
+        if (mode == nn::CpMode::ring) modes.emplace_back(mode, 2);
+        if (mode == nn::CpMode::ulysses && local_heads % cp == 0) modes.emplace_back(mode, 2);
+        if (mode == nn::CpMode::hybrid)
+          for (int u = 2; u < cp; ++u)
+            if (cp % u == 0 && local_heads % u == 0) modes.emplace_back(mode, u);
+      }
+      for (auto [mode, u] : modes)
       for (int pp = 1; pp <= devices / tp / cp; ++pp) {
         if ((devices / tp / cp) % pp != 0) continue;
         const int dp = devices / tp / cp / pp;
@@ -124,12 +178,21 @@ inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& bas
                 if (sp && tp == 1) continue;
                 for (int z : space.zero) {
                   if (z > 0 && dp * cp == 1) continue;
+                  std::vector<int> degrees{0};  // 0: over every replica
+                  if (z > 0 && space.shard_degrees)
+                    for (int S = 2; S < dp * cp; ++S)
+                      if ((dp * cp) % S == 0) degrees.push_back(S);
+                  for (int S : degrees)
+                  for (bool off : space.offload_optimizer) {
                   train::TrainerConfig c = base;
                   c.dp = dp;
                   c.tp = tp;
                   c.pp = pp;
                   c.cp = cp;
-                  c.cp_mode = nn::CpMode::ring;
+                  c.cp_mode = mode;
+                  c.cp_ulysses = u;
+                  c.shard_degree = S;
+                  c.offload_optimizer = off;
                   c.schedule = sched;
                   c.virtual_chunks = 2;
                   c.microbatches = m;
@@ -140,7 +203,8 @@ inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& bas
                     if (!overlap_fits(c, k)) continue;
                     train::TrainerConfig ck = c;
                     ck.options.overlap_chunks = k;
-                    out.push_back(std::move(ck));
+                    emit(std::move(ck));
+                  }
                   }
                 }
               }
@@ -148,6 +212,13 @@ inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& bas
       }
     }
   }
+}
+
+// The same layouts, in a vector.
+inline std::vector<train::TrainerConfig> layouts(const train::TrainerConfig& base, int devices, int max_tp,
+                                                 const SearchSpace& space) {
+  std::vector<train::TrainerConfig> out;
+  for_each_layout(base, devices, max_tp, space, [&](train::TrainerConfig&& c) { out.push_back(std::move(c)); });
   return out;
 }
 
@@ -164,20 +235,35 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   std::optional<train::TrainerConfig> last;
   PeakMemory last_peak;
   auto same_but_overlap = [](const train::TrainerConfig& a, const train::TrainerConfig& b) {
-    return a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.schedule == b.schedule &&
+    return a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.cp_mode == b.cp_mode &&
+           a.cp_ulysses == b.cp_ulysses && a.shard_degree == b.shard_degree &&
+           a.offload_optimizer == b.offload_optimizer && a.schedule == b.schedule &&
            a.virtual_chunks == b.virtual_chunks && a.microbatches == b.microbatches &&
            a.options.recompute == b.options.recompute && a.options.sequence_parallel == b.options.sequence_parallel &&
            a.zero == b.zero && a.dp_rows == b.dp_rows && a.stage_layers == b.stage_layers;
   };
-  for (train::TrainerConfig& c : layouts(base, cluster.devices(), max_tp, space)) {
+  // The last layout without the offloaded optimizer and whether it fit: layouts() lists each
+  // layout's offload right after it (offload_tried asks for it).
+  std::optional<train::TrainerConfig> plain;
+  bool plain_fits = false;
+  for_each_layout(base, cluster.devices(), max_tp, space, [&](train::TrainerConfig&& c) {
     ++plan.layouts;
     if (!train::config_problems(c).empty()) {
       ++plan.invalid;
-      continue;
+      return;
     }
     if (balance_for_speeds(c, cluster, rates) && !train::config_problems(c).empty()) {  // mixed speeds: uneven shares, stages
       ++plan.invalid;
-      continue;
+      return;
+    }
+    if (c.offload_optimizer) {
+      train::TrainerConfig without = c;
+      without.offload_optimizer = false;
+      const bool known = plain && same_but_overlap(*plain, without);
+      if (!(known ? offload_tried(c, plain_fits) : offload_tried(c, cluster, space.activation_scale))) {
+        ++plan.offload_not_needed;
+        return;
+      }
     }
     const bool reuse = last && same_but_overlap(*last, c);
     const PeakMemory peak = reuse ? last_peak : predict_peak_memory(c);
@@ -185,27 +271,31 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
       last = c;
       last_peak = peak;
     }
-    MemoryEstimate mem = peak.memory;
-    mem.activations *= space.activation_scale;
-    if (mem.device_total() > cluster.device.memory_bytes) {
+    const MemoryEstimate mem = scaled_memory(peak, space.activation_scale);
+    const bool fits = mem.device_total() <= cluster.device.memory_bytes;
+    if (!c.offload_optimizer && !(plain && same_but_overlap(*plain, c))) {
+      plain = c;
+      plain_fits = fits;
+    }
+    if (!fits) {
       ++plan.over_memory;
-      continue;
+      return;
     }
     const double kth = static_cast<int>(plan.best.size()) < top ? std::numeric_limits<double>::infinity()
                                                                  : plan.best.back().cost.step;
     const StepCost cost = predict_step(c, cluster, rates, prune ? kth : std::numeric_limits<double>::infinity());
     if (cost.bound_only) {
       ++plan.pruned;
-      continue;
+      return;
     }
     ++plan.simulated;
-    if (!(cost.step < kth)) continue;
+    if (!(cost.step < kth)) return;
     Candidate cand{std::move(c), cost, mem, peak.pp_rank};
     auto at = std::upper_bound(plan.best.begin(), plan.best.end(), cand.cost.step,
                                [](double t, const Candidate& x) { return t < x.cost.step; });
     plan.best.insert(at, std::move(cand));
     if (static_cast<int>(plan.best.size()) > top) plan.best.pop_back();
-  }
+  });
   return plan;
 }
 

@@ -24,17 +24,18 @@ namespace trellis::plan {
 // the cross-entropy and norms around the head, memory passes, collectives, attention's own rate.
 // The mean microbatch of a dp rank is costed (dp_rows shares all take the same split).
 inline train::LayerCosts stage_costs(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
-  TRELLIS_CHECK(c.model.moe_every == 0 && (c.cp == 1 || c.cp_mode == nn::CpMode::ring),
-                "plan::stage_costs: MoE blocks and Ulysses / hybrid context parallelism are not in the cost model "
-                "yet: give the split (--stage-layers) or weigh FLOPs");
+  TRELLIS_CHECK(c.model.moe_every == 0, "plan::stage_costs: MoE blocks are not in the cost model yet: give the split "
+                                        "(--stage-layers) or weigh FLOPs");
   TRELLIS_CHECK(c.pp >= 1 && c.microbatches >= 1 && c.batch >= static_cast<index_t>(c.dp) * c.microbatches,
                 "plan::stage_costs: pp ", c.pp, ", ", c.microbatches, " microbatches of a batch of ", c.batch,
                 " rows over dp ", c.dp);
   const detail::Shape s = detail::shape_of(c);
   const Link& tp_link = cluster.link(1, c.tp);
-  const Link& cp_link = cluster.link(c.tp, c.cp);
+  const int u = static_cast<int>(s.u);  // Ulysses' group (1: the ring alone), as predict_step links it
+  const Link& cp_link = cluster.link(c.tp * u, c.cp / u);
+  const Link& a2a_link = cluster.link(c.tp, u);
   const bool local = c.pp > 1 && (c.custom_schedule ? c.custom_schedule->local_learning : c.schedule == "local_learning");
-  const double block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, nullptr).total();
+  const double block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, nullptr, &a2a_link).total();
   const double head = detail::head_times(s, rates, tp_link, nullptr).total();
   const double embedding = detail::embedding_times(s, rates, tp_link, nullptr).total();
   train::LayerCosts k;
