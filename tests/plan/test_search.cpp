@@ -376,4 +376,19 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(adopted.overlap == 4);
   CHECK(adopted.tp == 2);
   CHECK(train_gpt::problems(adopted).empty());
+  // and the planned cp mode, shard degree and offloaded optimizer
+  train::TrainerConfig sharded = train_gpt::trainer_config(o);
+  sharded.dp = sharded.cp = 2;
+  sharded.cp_mode = nn::CpMode::hybrid;
+  sharded.cp_ulysses = 3;
+  sharded.zero = 2;
+  sharded.shard_degree = 2;
+  sharded.offload_optimizer = true;
+  train_gpt::Options taken = o;
+  train_gpt::adopt_layout(taken, sharded);
+  const train::TrainerConfig run = train_gpt::trainer_config(taken);
+  CHECK(run.cp_mode == nn::CpMode::hybrid);
+  CHECK(run.cp_ulysses == 3);
+  CHECK(run.shard_degree == 2);
+  CHECK(run.offload_optimizer);
 }
