@@ -47,7 +47,8 @@
 // chunk one tensor's: OptimizerState::set_disk_coalescing, the seam), with the chunks per step.
 // --disk --small: the --link model instead (8 layers, width 256, vocab 8192, T 128, 1 row), whose
 // biases and norms are a larger share of the chunks.
-//   bench_zero [--memory | --link | --activations | --disk [--small]] [--iters N] [--share S]
+//   bench_zero [--memory | --link | --activations | --disk [--small] | --update-thread [--rows N] [--passes N]]
+//              [--iters N] [--share S]
 //              [--disk-gbps G] [--chunk N] [--json FILE]
 #include <malloc.h>
 
@@ -486,11 +487,76 @@ int disk_main(int argc, char** argv) {
   return 0;
 }
 
+// --update-thread: the offloaded optimizer's CPU update (ZeRO-Offload) on a thread of its own
+// while the backward goes on (offload_update_thread, with the fused update: each unit updated as
+// soon as its gradients are final) against the same update on the training thread, with the
+// unoffloaded fused and unfused steps beside them. GPT-2 124M, T 64, --rows rows (4), one thread
+// rank with ONE kernel thread, so the update thread has the second core to itself: it stands in
+// for the CPU beside a GPU (on this host the "device" is the other core, and its copies are
+// memcpy, not PCIe). Round robin: --passes rounds (3) of every case, each built once per round
+// and timed for --iters steps (2) after a warm-up; the fastest step over all rounds.
+int update_thread_main(int argc, char** argv) {
+  kernels::host::set_num_threads(1);
+  const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 2)));
+  const int passes = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--passes", 3)));
+  train::TrainerConfig c;
+  c.model = {.vocab = 50257, .positions = 1024, .layers = 12, .heads = 12, .width = 768};
+  c.seq = 64;
+  c.batch = bench::int_flag(argc, argv, "--rows", 4);
+  c.clip = 0;  // the fused update unclipped: it needs no global norm first
+  c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
+  struct Case {
+    const char* name;
+    bool fused, offload, thread;
+  };
+  const Case cases[] = {{"unfused, on the device", false, false, false},
+                        {"fused, on the device", true, false, false},
+                        {"fused, offloaded, training thread", true, true, false},
+                        {"fused, offloaded, update thread", true, true, true},
+                        {"unfused, offloaded", false, true, false}};
+  constexpr std::size_t n = std::size(cases);
+  std::array<double, n> best{}, loss{};
+  best.fill(1e9);
+  const auto b = make_batch(c.batch, c.seq, c.model.vocab, 0);
+  for (int round = 0; round < passes; ++round)
+    for (std::size_t k = 0; k < n; ++k) {
+      train::TrainerConfig ck = c;
+      ck.fused_update = cases[k].fused ? train::TrainerConfig::FusedUpdate::unclipped : train::TrainerConfig::FusedUpdate::off;
+      ck.offload_optimizer = cases[k].offload;
+      ck.offload_update_thread = cases[k].thread;
+      comm::ThreadWorld(1).run([&](comm::ThreadComm& comm) {
+        train::Trainer<comm::ThreadComm> t(comm, ck);
+        t.step(b);  // warm-up
+        for (int i = 0; i < iters; ++i) {
+          const double t0 = bench::now_seconds();
+          loss[k] = t.step(b).loss;
+          best[k] = std::min(best[k], bench::now_seconds() - t0);
+        }
+      });
+    }
+  std::printf("# GPT-2 124M, T %d, %d rows, 1 thread rank with 1 kernel thread (the update thread has the other "
+              "core: the CPU beside a SIMULATED device); fused: AdamW per unit in the backward, unclipped; "
+              "fastest of %d rounds x %d steps (round robin)\n",
+              static_cast<int>(c.seq), static_cast<int>(c.batch), passes, iters);
+  std::printf("%-36s %10s %14s %12s\n", "case", "step ms", "x unfused", "loss");
+  bench::JsonReport report("bench_zero_update_thread");
+  for (std::size_t k = 0; k < n; ++k) {
+    std::printf("%-36s %10.1f %14.3f %12.6f\n", cases[k].name, best[k] * 1e3, best[k] / best[0], loss[k]);
+    bench::Row row;
+    row.add_text("case", cases[k].name).add("step_ms", best[k] * 1e3).add("over_unfused", best[k] / best[0]).add("loss", loss[k]);
+    report.add(row);
+  }
+  std::printf("# the update thread against the training thread (offloaded, fused): %.3f\n", best[3] / best[2]);
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
     if (bench::has_flag(argc, argv, "--disk")) return disk_main(argc, argv);
     if (bench::has_flag(argc, argv, "--link")) return link_main(argc, argv);
     if (bench::has_flag(argc, argv, "--activations")) return activations_main(argc, argv);
+    if (bench::has_flag(argc, argv, "--update-thread")) return update_thread_main(argc, argv);
     return memory_main(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_zero: %s\n", e.what());
