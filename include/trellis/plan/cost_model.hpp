@@ -21,6 +21,13 @@
 //   - Pipeline. Each (rank, chunk, action) costs its layers' F, B or W divided by the rank's
 //     speed; a send costs latency + bytes / bandwidth on the pp link; pipe::simulate_with runs
 //     the schedule on these costs (bubbles, warm-up and messages as the executor has them).
+//   - Devices that share a machine (Rates::shared_by > 1: thread ranks on one CPU, where a kernel
+//     runs faster while the other ranks' cores are idle -- memory bandwidth, caches, clock). Rates
+//     timed with shared_by devices computing at once, and Rates::alone with one. Outside a
+//     pipeline every rank computes at once, so the shared rates hold. In a pipeline an action is
+//     charged between the two by the mean number of the node's devices computing beside it, taken
+//     from the simulated timeline (simulated again with the blended costs, three passes: a fixed
+//     point, as an action's cost moves its neighbours). Ranks alone on their node are unaffected.
 //   - Data parallelism. ZeRO 0: the gradients all-reduced in buckets that start as their chunk's
 //     last W finishes (each bucket becomes ready uniformly over the last microbatch's backward;
 //     the link serialises them: what is left after the backward is exposed). ZeRO 1: reduce-
@@ -56,7 +63,10 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "trellis/core/error.hpp"
@@ -94,6 +104,12 @@ struct Rates {
   // 0 where a copy engine or NIC moves them (cluster_rates), about 2 (read + write) where the
   // processor copies them itself -- thread ranks, whose collectives are memcpy on the same cores.
   double collective_copy_bytes = 0;
+  // Devices that share one machine and slow each other down (thread ranks on one CPU's cores):
+  // shared_by is how many of a node's devices computed at once when these rates were timed (1:
+  // none, as on GPUs), alone the rates of one device computing by itself on it (null: the same).
+  // predict_step charges a pipeline's actions between the two (see the header).
+  int shared_by = 1;
+  std::shared_ptr<const Rates> alone;
 };
 
 enum class Precision { fp32, bf16 };
@@ -418,6 +434,49 @@ inline PassTimes head_times(const Shape& s, const Rates& r, const Link& tp_link,
 // ln_f 2W; a block's share is what ZeRO-3 gathers.
 inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * s.W / s.tp + 6 * s.W; }
 
+// A pipeline action's identity in a timeline: (rank, chunk, microbatch, kind).
+using ActionKey = std::tuple<int, int, int, int>;
+inline ActionKey action_key(int rank, const pipe::Action& a) {
+  return {rank, a.chunk, a.microbatch, static_cast<int>(a.kind)};
+}
+
+// Devices sharing a node (Rates::shared_by): each compute action of `timeline` costed between
+// alone(rank, action) (one device of the node computing) and shared(rank, action) (shared_by of
+// them), linearly in the mean number of the node's devices computing during the action: its own
+// pipeline rank's `group` devices, and each other pipeline rank on the node for the fraction of
+// the action's time it computes. Pipeline rank r holds devices r group ... r group + group - 1.
+template <class Shared, class Alone>
+std::map<ActionKey, double> shared_node_costs(const pipe::Timeline& timeline, int group, int devices_per_node,
+                                              int shared_by, Shared&& shared, Alone&& alone) {
+  const int ranks = timeline.stages;
+  std::vector<std::vector<std::pair<double, double>>> busy(static_cast<std::size_t>(ranks));
+  for (const auto& e : timeline.events)
+    if (e.action.is_compute() && e.end > e.start) busy[static_cast<std::size_t>(e.rank)].emplace_back(e.start, e.end);
+  for (auto& b : busy) std::sort(b.begin(), b.end());
+  auto node_of = [&](int r) { return static_cast<long long>(r) * group / devices_per_node; };
+  // time rank r computes within [s, e): its intervals are disjoint and sorted
+  auto computing = [&](int r, double s, double e) {
+    const auto& b = busy[static_cast<std::size_t>(r)];
+    double t = 0;
+    auto it = std::lower_bound(b.begin(), b.end(), std::make_pair(s, s),
+                               [](const auto& x, const auto& y) { return x.second <= y.first; });
+    for (; it != b.end() && it->first < e; ++it) t += std::max(0.0, std::min(e, it->second) - std::max(s, it->first));
+    return t;
+  };
+  std::map<ActionKey, double> cost;
+  for (const auto& e : timeline.events) {
+    if (!e.action.is_compute()) continue;
+    const double one = alone(e.rank, e.action), all = shared(e.rank, e.action);
+    double devices = group;
+    if (e.end > e.start)
+      for (int r = 0; r < ranks; ++r)
+        if (r != e.rank && node_of(r) == node_of(e.rank)) devices += group * computing(r, e.start, e.end) / (e.end - e.start);
+    const double share = std::clamp((devices - 1) / (shared_by - 1), 0.0, 1.0);
+    cost[action_key(e.rank, e.action)] = one + (all - one) * share;
+  }
+  return cost;
+}
+
 }  // namespace detail
 
 // The speed of the device group that computes together, the cp x tp ranks of dp replica d of
@@ -497,21 +556,32 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
 
   StepCost out;
-  double block_comm = 0, emb_comm = 0, head_comm = 0;
-  const PassTimes block = detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, &block_comm, &a2a_link);
-  const PassTimes emb = detail::embedding_times(s, rates, tp_link, &emb_comm);
-  const PassTimes head = detail::head_times(s, rates, tp_link, &head_comm);
+  // Each virtual stage's F, B and W at rates r, and (comm) its tp collectives' share.
+  auto stage_times = [&](const Rates& r, std::vector<double>* comm) {
+    double block_comm = 0, emb_comm = 0, head_comm = 0;
+    const PassTimes block = detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &block_comm, &a2a_link);
+    const PassTimes emb = detail::embedding_times(s, r, tp_link, &emb_comm);
+    const PassTimes head = detail::head_times(s, r, tp_link, &head_comm);
+    std::vector<PassTimes> times;
+    for (int v = 0; v < stages; ++v) {
+      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+      PassTimes t;
+      double sc = n * block_comm;
+      for (int i = 0; i < n; ++i) t += block;
+      if (v == 0) t += emb, sc += emb_comm;
+      if (v == stages - 1) t += head, sc += head_comm;
+      times.push_back(t);
+      if (comm) comm->push_back(sc);
+    }
+    return times;
+  };
   std::vector<double> stage_comm;
-  for (int v = 0; v < stages; ++v) {
-    const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-    PassTimes t;
-    double sc = n * block_comm;
-    for (int i = 0; i < n; ++i) t += block;
-    if (v == 0) t += emb, sc += emb_comm;
-    if (v == stages - 1) t += head, sc += head_comm;
-    out.stage.push_back(t);
-    stage_comm.push_back(sc);
-  }
+  out.stage = stage_times(rates, &stage_comm);
+  // Devices sharing a node (Rates::shared_by): the pipeline ranks whose groups of dp x cp x tp
+  // devices share one are charged by how many of its devices compute beside each action.
+  const int group = reps * c.tp;
+  const bool sharing = piped && rates.alone && rates.shared_by > 1 && group < cluster.devices_per_node;
+  const std::vector<PassTimes> stage_alone = sharing ? stage_times(*rates.alone, nullptr) : std::vector<PassTimes>{};
 
   // Parameters this rank holds per chunk (for dp traffic and the optimizer).
   auto chunk_params = [&](int v) {
@@ -553,8 +623,8 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
       const double compute = rank_compute(r);
       stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
     }
-  auto action_cost = [&](int rank, int chunk, pipe::ActionKind kind) {
-    const PassTimes& t = out.stage[static_cast<std::size_t>(stage_of(rank, chunk))];
+  auto action_cost_at = [&](const std::vector<PassTimes>& times, int rank, int chunk, pipe::ActionKind kind) {
+    const PassTimes& t = times[static_cast<std::size_t>(stage_of(rank, chunk))];
     double x = kind == pipe::ActionKind::forward ? t.forward
                : kind == pipe::ActionKind::backward_input ? t.backward_input : t.backward_weight;
     if (c.zero == 3 && reps > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
@@ -564,14 +634,23 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     }
     return x * stretch[static_cast<std::size_t>(rank)] / pace[static_cast<std::size_t>(rank)];
   };
-  // Every rank's busy time (its actions, no waiting) and its last microbatch's backward.
+  auto action_cost = [&](int rank, int chunk, pipe::ActionKind kind) { return action_cost_at(out.stage, rank, chunk, kind); };
+  // the least an action can cost: with the node's other devices idle where they share it
+  auto least_cost = [&](int rank, int chunk, pipe::ActionKind kind) {
+    const double x = action_cost(rank, chunk, kind);
+    return sharing ? std::min(x, action_cost_at(stage_alone, rank, chunk, kind)) : x;
+  };
+  // Every rank's busy time (its actions, no waiting; the least it can be, for the bound) and its
+  // last microbatch's backward.
   std::vector<double> busy(static_cast<std::size_t>(ranks), 0.0), last_backward(static_cast<std::size_t>(ranks), 0.0);
   int busiest = 0;
   for (int r = 0; r < ranks; ++r) {
     for (int k = 0; k < chunks; ++k) {
       const double b = action_cost(r, k, pipe::ActionKind::backward_input) + action_cost(r, k, pipe::ActionKind::backward_weight);
       last_backward[static_cast<std::size_t>(r)] += b;
-      busy[static_cast<std::size_t>(r)] += c.microbatches * (action_cost(r, k, pipe::ActionKind::forward) + b);
+      busy[static_cast<std::size_t>(r)] +=
+          c.microbatches * (least_cost(r, k, pipe::ActionKind::forward) + least_cost(r, k, pipe::ActionKind::backward_input) +
+                            least_cost(r, k, pipe::ActionKind::backward_weight));
     }
     if (busy[static_cast<std::size_t>(r)] > busy[static_cast<std::size_t>(busiest)]) busiest = r;
   }
@@ -649,11 +728,20 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   }
   if (piped) {
     const double msg = 4 * s.R * s.W / (s.sp ? s.tp : 1.0);
+    auto send = [&](int, const pipe::Action&) { return send_seconds(pp_link, msg); };
     auto cost_of = [&](int rank, const pipe::Action& a) { return action_cost(rank, a.chunk, a.kind); };
-    const pipe::Simulation sim =
-        pipe::simulate_with(sched, cost_of, [&](int, const pipe::Action&) { return send_seconds(pp_link, msg); });
+    pipe::Simulation sim = pipe::simulate_with(sched, cost_of, send);
+    for (int pass = 0; sharing && pass < 2; ++pass) {
+      const auto cost = detail::shared_node_costs(
+          sim.timeline, group, cluster.devices_per_node, rates.shared_by,
+          [&](int rank, const pipe::Action& a) { return action_cost(rank, a.chunk, a.kind); },
+          [&](int rank, const pipe::Action& a) { return action_cost_at(stage_alone, rank, a.chunk, a.kind); });
+      sim = pipe::simulate_with(sched, [&](int rank, const pipe::Action& a) { return cost.at(detail::action_key(rank, a)); },
+                                send);
+    }
     out.pipeline = sim.step_time;
     out.bubble_fraction = sim.bubble_fraction;
+    if (sharing) out.compute = *std::max_element(sim.busy.begin(), sim.busy.end());
   }
   out.step = out.pipeline + after;
   return out;

@@ -33,11 +33,27 @@ class MeasuredRates {
   // kernel run at once, one per thread -- the ranks of a layout that share this machine (thread
   // ranks on its cores), so the rate includes what they take from each other (memory bandwidth,
   // caches, clock).
+  // With concurrent > 1 every shape is also timed alone (one copy: the other ranks' cores idle, as
+  // a pipeline leaves them), for Rates::alone.
   explicit MeasuredRates(int repeats = 3, int concurrent = 1)
-      : repeats_(std::max(1, repeats)), concurrent_(std::max(1, concurrent)) {}
+      : repeats_(std::max(1, repeats)), concurrent_(std::max(1, concurrent)) {
+    if (concurrent_ > 1) alone_ = std::make_unique<MeasuredRates>(repeats_, 1);
+  }
 
   // The Rates view; it refers to this object, which must outlive it.
   Rates rates() {
+    Rates r = own_rates();
+    if (alone_) {
+      r.shared_by = concurrent_;
+      r.alone = std::make_shared<const Rates>(alone_->rates());
+    }
+    return r;
+  }
+  // The rates of one copy alone (null with concurrent = 1).
+  MeasuredRates* alone() { return alone_.get(); }
+
+ private:
+  Rates own_rates() {
     Rates r;
     r.gemm = [this](double m, double n, double k, GemmForm form) { return gemm(m, n, k, form); };
     r.attention_forward = [this](double b, double h, double t, double d) { return attention(b, h, t, d, false); };
@@ -54,6 +70,8 @@ class MeasuredRates {
     r.collective_copy_bytes = 2;  // thread ranks' collectives are copies on these cores: read + write
     return r;
   }
+
+ public:
 
   // Seconds of one m x n x k GEMM in the layers' form (plan::GemmForm; nn with a bias epilogue,
   // tn accumulating into C).
@@ -238,6 +256,7 @@ class MeasuredRates {
 
   backend::Host<float> be_;
   int repeats_, concurrent_;
+  std::unique_ptr<MeasuredRates> alone_;  // concurrent > 1: the same shapes timed one copy at a time
   std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>, double> gemm_;
   std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>, double> attention_;
   std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, double> layernorm_, xent_;
