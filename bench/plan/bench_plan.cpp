@@ -132,6 +132,11 @@ int main(int argc, char** argv) try {
   space.recompute = bench::has_flag(argc, argv, "--recompute") ? std::vector<bool>{false, true} : std::vector<bool>{false};
   plan::MeasuredRates measured(3, ranks);  // every kernel timed with `ranks` copies running at once
   const plan::Rates rates = measured.rates();
+  // the same rates without the alone ones (every action at the shared rates, as before they were
+  // modelled): printed beside, from the same measurement
+  plan::Rates shared_only = rates;
+  shared_only.shared_by = 1;
+  shared_only.alone = nullptr;
 
   std::printf("# GPT 4 layers, width 256, 4 heads, vocab 2048, T 128, global batch 16, fp32; %d thread ranks, one "
               "kernel thread each, on a SIMULATED link of %.2f GB/s bus bandwidth, 20 us latency; measured: the "
@@ -181,8 +186,9 @@ int main(int argc, char** argv) try {
     }
     std::fprintf(stderr, "# round %d of %d measured\n", round + 1, passes);
   }
-  std::printf("%-72s %10s %10s %8s %6s\n", "layout (train_gpt flags)", "pred ms", "meas ms", "pred/meas", "noise");
-  std::vector<double> noise;
+  std::printf("%-72s %10s %10s %8s %6s %9s\n", "layout (train_gpt flags)", "pred ms", "meas ms", "pred/meas", "noise",
+              "shared/m");
+  std::vector<double> noise, pred_shared;
   for (std::size_t i = 0; i < list.size(); ++i) {
     const train::TrainerConfig& c = list[i];
     const double p = plan::predict_step(c, host, rates).step;
@@ -191,9 +197,12 @@ int main(int argc, char** argv) try {
     meas.push_back(m);
     noise.push_back(round_best_max[i] / m);
     names.push_back(plan::train_gpt_flags(c));
-    std::printf("%-72s %10.1f %10.1f %8.3f %6.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m, noise.back());
+    pred_shared.push_back(plan::predict_step(c, host, shared_only).step);
+    std::printf("%-72s %10.1f %10.1f %8.3f %6.3f %9.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m, noise.back(),
+                pred_shared.back() / m);
     bench::Row row;
-    row.add_text("layout", names.back()).add("predicted_ms", p * 1e3).add("measured_ms", m * 1e3).add("noise", noise.back());
+    row.add_text("layout", names.back()).add("predicted_ms", p * 1e3).add("measured_ms", m * 1e3).add("noise", noise.back())
+        .add("predicted_shared_only_ms", pred_shared.back() * 1e3);
     report.add(row);
   }
   std::vector<double> err;
@@ -208,6 +217,14 @@ int main(int argc, char** argv) try {
   const auto fastest = static_cast<std::size_t>(std::min_element(meas.begin(), meas.end()) - meas.begin());
   std::printf("# %zu layouts: Spearman rank correlation %.3f (goal >= 0.9), median |pred/meas - 1| %.1f %% (goal <= 10 %%)\n",
               pred.size(), rho, 100 * median);
+  {
+    std::vector<double> err_shared;
+    for (std::size_t i = 0; i < pred.size(); ++i) err_shared.push_back(std::abs(pred_shared[i] / meas[i] - 1));
+    const auto pick = static_cast<std::size_t>(std::min_element(pred_shared.begin(), pred_shared.end()) - pred_shared.begin());
+    std::printf("# every action at the shared rates (Rates::alone not used): Spearman %.3f, median error %.1f %%, choice / "
+                "best %.3f\n",
+                pearson(ranks_of(pred_shared), ranks_of(meas)), 100 * median_of(err_shared), meas[pick] / *std::min_element(meas.begin(), meas.end()));
+  }
   std::printf("# noise: median slowest / fastest round %.3f, largest %.3f\n", median_of(noise),
               *std::max_element(noise.begin(), noise.end()));
   double rho_halves = 0;
