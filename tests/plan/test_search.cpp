@@ -392,3 +392,40 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(run.shard_degree == 2);
   CHECK(run.offload_optimizer);
 }
+
+TEST_CASE("ScheduleCache: the same step and memory as making each schedule; the generator's refusals; made once",
+          "[search][cache]") {
+  const plan::Cluster cl = small_cluster();
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  plan::ScheduleCache cache;
+  int piped = 0, refused = 0;
+  for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) {
+    const bool bad = !train::config_problems(c).empty();
+    // config_problems without the generator, plus the cache's refusal, is config_problems
+    REQUIRE(bad == (!train::config_problems(c, false).empty() || cache.refuses(c)));
+    if (bad) {
+      refused += c.pp > 1 && train::config_problems(c, false).empty();
+      continue;
+    }
+    piped += c.pp > 1;
+    const plan::StepCost made = plan::predict_step(c, cl, r), cached = plan::predict_step(c, cl, r, 1e300, &cache);
+    REQUIRE(cached.step == made.step);
+    REQUIRE(cached.bubble_fraction == made.bubble_fraction);
+    const plan::PeakMemory m0 = plan::predict_peak_memory(c), m1 = plan::predict_peak_memory(c, &cache);
+    REQUIRE(m1.pp_rank == m0.pp_rank);
+    REQUIRE(m1.memory.device_total() == m0.memory.device_total());
+  }
+  CHECK(piped > 100);
+  CHECK(refused > 0);  // interleaved with microbatches not a multiple of pp
+  // one entry per (schedule, pp, microbatches, chunks): 4 schedules x pp 2, 4 x microbatches 1..8 at most
+  CHECK(cache.size() <= 4 * 2 * 8);
+  CHECK(cache.size() >= 4 * 2);
+  train::TrainerConfig c = small_model();
+  c.pp = 2;
+  c.schedule = "interleaved_1f1b";
+  c.microbatches = 3;
+  REQUIRE(cache.refuses(c));
+  CHECK_THROWS_WITH(cache.usable(c), Catch::Contains("interleaved_1f1b") && Catch::Contains("3 microbatches"));
+}

@@ -16,6 +16,7 @@
 #include <map>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "trellis/core/error.hpp"
@@ -48,18 +49,33 @@ struct Simulation {
   Timeline timeline;
 };
 
+// `schedule` ready to simulate: verified, with send/recv (insert_communication() where it has
+// none). What simulate_with does first; a caller simulating one schedule many times (the planner's
+// search) prepares it once and calls simulate_prepared.
+inline Schedule prepare_for_simulation(const Schedule& schedule) {
+  bool has_comm = false;
+  for (const auto& list : schedule.ranks)
+    for (const auto& a : list) has_comm = has_comm || a.is_comm();
+  Schedule s = (!has_comm && schedule.stages > 1) ? insert_communication(schedule) : schedule;
+  verify(s);
+  return s;
+}
+
+// simulate_with on a schedule prepare_for_simulation() returned (not checked again).
+template <class CostOf, class CommOf>
+Simulation simulate_prepared(const Schedule& s, CostOf&& cost_of, CommOf&& comm_of);
+
 // Simulates `s` with any cost per action: cost_of(rank, action) -> duration of a compute action
 // (e.g. durations measured in a run, to replay it); comm_of(rank, send action) -> how long that
 // message takes to arrive (or a number: the same for every message). The schedule is verified
 // first; one without send/recv gets insert_communication().
 template <class CostOf, class CommOf>
 Simulation simulate_with(const Schedule& schedule, CostOf&& cost_of, CommOf&& comm_of) {
-  bool has_comm = false;
-  for (const auto& list : schedule.ranks)
-    for (const auto& a : list) has_comm = has_comm || a.is_comm();
-  bool needs_comm = schedule.stages > 1;
-  const Schedule s = (!has_comm && needs_comm) ? insert_communication(schedule) : schedule;
-  verify(s);
+  return simulate_prepared(prepare_for_simulation(schedule), std::forward<CostOf>(cost_of), std::forward<CommOf>(comm_of));
+}
+
+template <class CostOf, class CommOf>
+Simulation simulate_prepared(const Schedule& s, CostOf&& cost_of, CommOf&& comm_of) {
   const int p = s.stages;
   const double v = s.chunks;
   Simulation out;

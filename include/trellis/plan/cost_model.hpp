@@ -74,6 +74,7 @@
 #include "trellis/pipe/schedule.hpp"
 #include "trellis/pipe/simulate.hpp"
 #include "trellis/plan/cluster.hpp"
+#include "trellis/plan/schedule_cache.hpp"
 #include "trellis/train/trainer_config.hpp"
 
 namespace trellis::plan {
@@ -521,8 +522,10 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 // model (MoE, balanced documents, offloaded activations, the disk tier, local learning).
 // stop_above: when the step's lower bound (no pipeline simulation) is already at least this, stop
 // there and return the bound with bound_only set (plan::search's pruning).
+// schedules: where the schedule is made once for many calls (the search); null: made here.
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
-                             double stop_above = std::numeric_limits<double>::infinity()) {
+                             double stop_above = std::numeric_limits<double>::infinity(),
+                             ScheduleCache* schedules = nullptr) {
   TRELLIS_CHECK((c.cp == 1 || !c.cp_balance_documents) && c.model.moe_every == 0 && !c.offload_activations &&
                     c.offload_dir.empty(),
                 "predict_step: MoE, balanced documents, offloaded activations and the optimizer's disk tier are not in "
@@ -548,7 +551,10 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   const Link& across_link = cluster.link(c.tp * S, groups);
 
   const bool piped = c.pp > 1;
-  const pipe::Schedule sched = piped ? schedule_of(c) : pipe::Schedule{};
+  const ScheduleCache::Prepared* prepared = piped && schedules ? schedules->usable(c) : nullptr;
+  pipe::Schedule made;
+  if (piped && !prepared) made = pipe::prepare_for_simulation(schedule_of(c));
+  const pipe::Schedule& sched = prepared ? prepared->schedule : made;
   TRELLIS_CHECK(!piped || !sched.local_learning, "predict_step: local learning trains another model; not planned");
   const int stages = piped ? sched.virtual_stages() : 1;
   // the trainer's split: uneven stages where the config gives them (train::pipeline_split), else even
@@ -730,13 +736,13 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     const double msg = 4 * s.R * s.W / (s.sp ? s.tp : 1.0);
     auto send = [&](int, const pipe::Action&) { return send_seconds(pp_link, msg); };
     auto cost_of = [&](int rank, const pipe::Action& a) { return action_cost(rank, a.chunk, a.kind); };
-    pipe::Simulation sim = pipe::simulate_with(sched, cost_of, send);
+    pipe::Simulation sim = pipe::simulate_prepared(sched, cost_of, send);
     for (int pass = 0; sharing && pass < 2; ++pass) {
       const auto cost = detail::shared_node_costs(
           sim.timeline, group, cluster.devices_per_node, rates.shared_by,
           [&](int rank, const pipe::Action& a) { return action_cost(rank, a.chunk, a.kind); },
           [&](int rank, const pipe::Action& a) { return action_cost_at(stage_alone, rank, a.chunk, a.kind); });
-      sim = pipe::simulate_with(sched, [&](int rank, const pipe::Action& a) { return cost.at(detail::action_key(rank, a)); },
+      sim = pipe::simulate_prepared(sched, [&](int rank, const pipe::Action& a) { return cost.at(detail::action_key(rank, a)); },
                                 send);
     }
     out.pipeline = sim.step_time;

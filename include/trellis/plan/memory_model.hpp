@@ -49,6 +49,7 @@
 #include "trellis/pipe/generators.hpp"
 #include "trellis/pipe/schedule.hpp"
 #include "trellis/pipe/simulate.hpp"
+#include "trellis/plan/schedule_cache.hpp"
 #include "trellis/shard/layout.hpp"
 #include "trellis/train/trainer_config.hpp"
 
@@ -134,8 +135,9 @@ inline const pipe::Schedule* schedule_of(const train::TrainerConfig& c, pipe::Sc
   return &made;
 }
 
-inline void check_supported(const train::TrainerConfig& c) {
-  train::check_config(c);
+// make_schedule = false: the caller made the schedule already (plan::ScheduleCache).
+inline void check_supported(const train::TrainerConfig& c, bool make_schedule = true) {
+  train::check_config(c, std::nullopt, make_schedule);
   TRELLIS_CHECK(c.model.moe_every == 0, "plan::predict_memory: Mixture-of-Experts models (model.moe_every ",
                 c.model.moe_every, ") are not modelled");
   const bool local = c.pp > 1 && (c.custom_schedule ? c.custom_schedule->local_learning : c.schedule == "local_learning");
@@ -327,16 +329,19 @@ struct PeakMemory {
   int pp_rank = 0;
   MemoryEstimate memory;
 };
-inline PeakMemory predict_peak_memory(const train::TrainerConfig& c) {
-  memory_detail::check_supported(c);
+// schedules: where the schedule and its simulation are made once for many calls (the search).
+inline PeakMemory predict_peak_memory(const train::TrainerConfig& c, ScheduleCache* schedules = nullptr) {
+  const ScheduleCache::Prepared* prepared = schedules ? schedules->usable(c) : nullptr;
+  memory_detail::check_supported(c, !prepared);
   pipe::Schedule made;
-  const pipe::Schedule* s = memory_detail::schedule_of(c, made);
   pipe::Simulation sim;
-  if (s) sim = pipe::simulate(*s);  // once for every pipeline rank
+  const pipe::Schedule* s = prepared ? &prepared->schedule : memory_detail::schedule_of(c, made);
+  if (s && !prepared) sim = pipe::simulate(*s);  // once for every pipeline rank
+  const pipe::Simulation* unit = prepared ? &prepared->unit : s ? &sim : nullptr;
   PeakMemory best;
   const int replicas = c.dp_rows.empty() ? 1 : c.dp;  // unequal dp shares: every dp rank's rows differ
   for (int r = 0; r < std::max(1, c.pp) * replicas; ++r) {
-    const MemoryEstimate e = memory_detail::predict(c, RankCoords{r / replicas, 0, r % replicas * c.cp}, s, s ? &sim : nullptr);
+    const MemoryEstimate e = memory_detail::predict(c, RankCoords{r / replicas, 0, r % replicas * c.cp}, s, unit);
     if (r == 0 || e.device_total() > best.memory.device_total()) best = {r / replicas, e};
   }
   return best;

@@ -246,9 +246,10 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   // layout's offload right after it (offload_tried asks for it).
   std::optional<train::TrainerConfig> plain;
   bool plain_fits = false;
+  ScheduleCache schedules;  // each schedule made, given its communication and verified once
   for_each_layout(base, cluster.devices(), max_tp, space, [&](train::TrainerConfig&& c) {
     ++plan.layouts;
-    if (!train::config_problems(c).empty()) {
+    if (!train::config_problems(c, false).empty() || schedules.refuses(c)) {  // the generator asked once
       ++plan.invalid;
       return;
     }
@@ -266,7 +267,7 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
       }
     }
     const bool reuse = last && same_but_overlap(*last, c);
-    const PeakMemory peak = reuse ? last_peak : predict_peak_memory(c);
+    const PeakMemory peak = reuse ? last_peak : predict_peak_memory(c, &schedules);
     if (!reuse) {
       last = c;
       last_peak = peak;
@@ -283,7 +284,8 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
     }
     const double kth = static_cast<int>(plan.best.size()) < top ? std::numeric_limits<double>::infinity()
                                                                  : plan.best.back().cost.step;
-    const StepCost cost = predict_step(c, cluster, rates, prune ? kth : std::numeric_limits<double>::infinity());
+    const StepCost cost =
+        predict_step(c, cluster, rates, prune ? kth : std::numeric_limits<double>::infinity(), &schedules);
     if (cost.bound_only) {
       ++plan.pruned;
       return;

@@ -227,7 +227,9 @@ inline std::vector<index_t> balanced_dp_rows(index_t batch, int microbatches, st
 }
 
 // Every problem with a layout, each saying what to change; empty when the config is usable.
-inline std::vector<std::string> config_problems(const TrainerConfig& c) {
+// make_schedule = false leaves out asking the schedule's generator whether it accepts pp and the
+// microbatches (a caller that makes the schedule anyway, e.g. plan::ScheduleCache, asks once).
+inline std::vector<std::string> config_problems(const TrainerConfig& c, bool make_schedule = true) {
   std::vector<std::string> out;
   auto add = [&](auto&&... parts) {
     std::ostringstream s;
@@ -317,7 +319,7 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c) {
       else if (m.layers < static_cast<index_t>(c.pp) * v)
         add("--layers ", m.layers, " is fewer than the ", static_cast<index_t>(c.pp) * v, " virtual pipeline stages of '",
             c.schedule, "' with pp ", c.pp, ": use more layers or a smaller --pp");
-      else if (c.microbatches >= 1) {
+      else if (c.microbatches >= 1 && make_schedule) {
         try {  // what the generator itself refuses (e.g. interleaved: microbatches a multiple of pp)
           (void)pipe::make_schedule(c.schedule, c.pp, c.microbatches, c.schedule == "interleaved_1f1b" ? v : 1);
         } catch (const Error& e) {
@@ -444,8 +446,9 @@ inline PipelinePrediction predict_pipeline(const TrainerConfig& c) {
 }
 
 // Throws trellis::Error listing every problem (with `world_size` also checking dp x tp x pp).
-inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt) {
-  auto problems = config_problems(c);
+// make_schedule: as config_problems'.
+inline void check_config(const TrainerConfig& c, std::optional<int> world_size = std::nullopt, bool make_schedule = true) {
+  auto problems = config_problems(c, make_schedule);
   const std::int64_t ranks = layout_ranks(c.pp, c.dp, c.tp, c.cp);
   if (world_size && ranks > 0 && *world_size != ranks) {
     std::ostringstream s;
