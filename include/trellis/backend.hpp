@@ -4,5 +4,6 @@
 #pragma once
 
 #include "trellis/backend/backend.hpp"  // defines: Backend, CompatibleWith, space_of
+#include "trellis/backend/copy_queue.hpp"  // defines: backend::HostCopyQueue, copy_queue_t, SimulatedCopyLink
 #include "trellis/backend/device_checked.hpp"  // defines: backend::DeviceChecked<Inner>, CheckedBuffer, DeviceRegistry
 #include "trellis/backend/host.hpp"     // defines: backend::Host<Act>

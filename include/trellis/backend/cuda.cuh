@@ -9,7 +9,8 @@
 //
 // Each kernel here is tested against its host twin in tests/gpu (the host twins are what
 // backend::Host<bfloat16> runs). A Cuda backend is cheap to copy: copies share the cuBLASLt
-// handle and the workspace.
+// handle and the workspace. Copies beside the compute (offloaded activations) go through
+// copy_queue_t<Cuda> = CudaCopyQueue (backend/cuda_copy_queue.hpp): a copy stream, pinned memory.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "trellis/backend/backend.hpp"
+#include "trellis/backend/cuda_copy_queue.hpp"  // defines: CudaCopyQueue, copy_queue_t<Cuda>
 #include "trellis/core/buffer.hpp"
 #include "trellis/core/check_cuda.hpp"
 #include "trellis/core/cuda_buffer.hpp"
