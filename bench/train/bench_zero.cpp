@@ -35,6 +35,13 @@
 // host memory it offloads to and its measured peak, the bytes copied each way in a step, and the
 // fastest step of --iters (both tiers are RAM here, so the copies are memcpy, not PCIe).
 //
+// --activation-copies: the copies of offloaded activations synchronous against overlapped on the
+// copy queue (TrainerConfig::offload_activation_copy_queue; backend::HostCopyQueue, a worker
+// thread), on a SIMULATED host link of --act-gbps (0.5) GB/s: the queue holds each copy for
+// bytes / bandwidth (both tiers are RAM here). The --link model (8 layers, width 256, vocab 8192,
+// T 128) on one thread rank with one kernel thread, --rows (4) rows, 2 device frames: no offload,
+// offload synchronous, offload on the copy queue, side by side; fastest of --iters steps after a
+// warm-up, the bytes copied each way and the simulated link's time for them per step, the loss.
 // --disk: the optimizer state's disk tier (TrainerConfig::offload_dir) with its reads and writes
 // synchronous against prefetched (offload_disk_prefetch: the next chunk read and the last one
 // written on the tier's I/O thread while a chunk updates), on a SIMULATED slow disk: the tier's
@@ -47,8 +54,8 @@
 // chunk one tensor's: OptimizerState::set_disk_coalescing, the seam), with the chunks per step.
 // --disk --small: the --link model instead (8 layers, width 256, vocab 8192, T 128, 1 row), whose
 // biases and norms are a larger share of the chunks.
-//   bench_zero [--memory | --link | --activations | --disk [--small] | --update-thread [--rows N] [--passes N]]
-//              [--iters N] [--share S]
+//   bench_zero [--memory | --link | --activations | --activation-copies [--act-gbps G] [--rows N] | --disk [--small]
+//              | --update-thread [--rows N] [--passes N]] [--iters N] [--share S]
 //              [--disk-gbps G] [--chunk N] [--json FILE]
 #include <malloc.h>
 
@@ -407,6 +414,67 @@ int activations_main(int argc, char** argv) {
   return 0;
 }
 
+// ---- offloaded activations: copies synchronous or on the copy queue (simulated host link) ----------
+
+int activation_copies_main(int argc, char** argv) {
+  kernels::host::set_num_threads(1);
+  const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 3)));
+  const double gbps = bench::double_flag(argc, argv, "--act-gbps", 0.5);
+  train::TrainerConfig c = link_config(0, true);
+  c.dp = 1;
+  c.batch = bench::int_flag(argc, argv, "--rows", 4);
+  std::printf("# GPT 8 layers, width 256, vocab 8192, T %d, %d rows, 1 thread rank (1 kernel thread): saved "
+              "activations offloaded (2 device frames), copies on a SIMULATED host link of %.2f GB/s (each copy held "
+              "for bytes / bandwidth; both tiers are RAM); fastest of %d steps after a warm-up\n",
+              static_cast<int>(c.seq), static_cast<int>(c.batch), gbps, iters);
+  std::printf("%-26s %10s %10s %10s %10s %16s %12s\n", "case", "step ms", "x none", "out MB", "in MB",
+              "sim. link ms", "loss");
+  bench::JsonReport report("bench_zero_activation_copies");
+  struct Case {
+    const char* name;
+    bool offload, queue;
+  };
+  double base = 0;
+  for (const Case& k : {Case{"no offload", false, false}, Case{"offload, synchronous", true, false},
+                        Case{"offload, copy queue", true, true}}) {
+    train::TrainerConfig ck = c;
+    ck.offload_activations = k.offload;
+    ck.offload_activation_copy_queue = k.queue;
+    ck.offload_activation_simulated_gbps = k.offload ? gbps : 0.0;
+    double best = 1e9, loss = 0, out = 0, in = 0;
+    comm::ThreadWorld(1).run([&](comm::ThreadComm& comm) {
+      train::Trainer<comm::ThreadComm> t(comm, ck);
+      const auto b = make_batch(static_cast<int>(c.batch), c.seq, c.model.vocab, 0);
+      t.step(b);  // warm-up
+      const auto& a = t.activation_arena();
+      const std::size_t out0 = a.offloaded_bytes(), in0 = a.fetched_bytes();
+      for (int i = 0; i < iters; ++i) {
+        const double t0 = bench::now_seconds();
+        loss = t.step(b).loss;
+        best = std::min(best, bench::now_seconds() - t0);
+      }
+      out = static_cast<double>(a.offloaded_bytes() - out0) / iters;
+      in = static_cast<double>(a.fetched_bytes() - in0) / iters;
+    });
+    if (!k.offload) base = best;
+    const double link_ms = k.offload ? (out + in) / (gbps * 1e9) * 1e3 : 0.0;
+    std::printf("%-26s %10.1f %10.3f %10.2f %10.2f %16.1f %12.6f\n", k.name, best * 1e3, best / base, out / 1e6, in / 1e6,
+                link_ms, loss);
+    bench::Row row;
+    row.add_text("case", k.name)
+        .add("step_ms", best * 1e3)
+        .add("over_no_offload", best / base)
+        .add("offloaded_mb_per_step", out / 1e6)
+        .add("fetched_mb_per_step", in / 1e6)
+        .add("simulated_link_ms_per_step", link_ms)
+        .add("simulated_link_gb_s", gbps)
+        .add("loss", loss);
+    report.add(row);
+  }
+  report.write(bench::json_path(argc, argv));
+  return 0;
+}
+
 // ---- the optimizer state on a (simulated slow) disk, prefetched or not -----------------------------
 
 int disk_main(int argc, char** argv) {
@@ -555,6 +623,7 @@ int main(int argc, char** argv) {
   try {
     if (bench::has_flag(argc, argv, "--disk")) return disk_main(argc, argv);
     if (bench::has_flag(argc, argv, "--link")) return link_main(argc, argv);
+    if (bench::has_flag(argc, argv, "--activation-copies")) return activation_copies_main(argc, argv);
     if (bench::has_flag(argc, argv, "--activations")) return activations_main(argc, argv);
     if (bench::has_flag(argc, argv, "--update-thread")) return update_thread_main(argc, argv);
     return memory_main(argc, argv);

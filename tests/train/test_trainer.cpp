@@ -830,7 +830,10 @@ TEST_CASE("the offloaded CPU update of a unit runs while the backward goes on", 
 // Every layout gives the bits of the same run without offloading (the arena poisons each frame it
 // hands out, and a read of a unit that is not computing throws, so a wrong fetch cannot pass);
 // the device keeps frames x the largest unit, the host holds what the device held before, and
-// every byte offloaded in a step is fetched back.
+// every byte offloaded in a step is fetched back (copies synchronous). The copies run on the
+// backend's copy queue by default (offload_activation_copy_queue): the rows above use it; a few
+// layouts also run synchronous and on the queue over a simulated slow link, bitwise; the queue's
+// write-backs after each forward are bounded and counted (see the bytes below).
 TEST_CASE("offloaded activations give the same bits, and their bytes leave the device",
           "[train][trainer][offload][activations]") {
   using Fused = TrainerConfig::FusedUpdate;
@@ -840,6 +843,10 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
     c.offload_activation_frames = frames;
     return c;
   };
+  TrainerConfig bad_link = offloaded(tiny);
+  bad_link.offload_activation_simulated_gbps = -1;
+  REQUIRE(trellis::train::config_problems(bad_link).size() == 1);
+  CHECK_THAT(trellis::train::config_problems(bad_link)[0], Catch::Contains("bandwidth >= 0 GB/s"));
   TrainerConfig fused = with_layout(tiny, {.dp = 2, .zero = 3, .microbatches = 2});
   fused.clip = 0;
   fused.fused_update = Fused::unclipped;
@@ -865,16 +872,52 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
     train(offloaded(c, row.frames), kSteps, orr, ow);
     check_bitwise(orr, ow, r, w);
   }
+  // The copies synchronous (the old policy), and on the queue over a SIMULATED slow host link (so
+  // every copy is still running when the compute goes on): the same bits.
+  for (const TrainerConfig& c : {with_layout(tiny, {}), with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 4}),
+                                 with_layout(tiny, {.pp = 2, .schedule = "zb_h1", .microbatches = 4})}) {
+    INFO("pp " << c.pp << " " << c.schedule);
+    nn_test::Collector w, sw, lw;
+    RunResult r, sr, lr;
+    TrainerConfig sync = offloaded(c), slow = offloaded(c);
+    sync.offload_activation_copy_queue = false;
+    slow.offload_activation_simulated_gbps = 0.05;
+    train(c, kSteps, r, w);
+    train(sync, kSteps, sr, sw);
+    train(slow, kSteps, lr, lw);
+    check_bitwise(sr, sw, r, w);
+    check_bitwise(lr, lw, r, w);
+  }
   check_resumes_bitwise(offloaded(with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2})),
                         with_layout(tiny, {.pp = 2, .schedule = "1f1b", .microbatches = 2}), "activations-resume");
-  // Bytes, on the first pipeline rank of gpipe m4 (all four microbatches alive at once)
+  // Bytes, on the first pipeline rank of gpipe m4 (all four microbatches alive at once), copies
+  // synchronous (the old policy: a region written back only when evicted) and on the queue
   nn_test::run_ranks(2, [&](ThreadComm& comm) {
     const TrainerConfig c = with_layout(tiny, {.pp = 2, .schedule = "gpipe", .microbatches = 4});
-    Trainer<ThreadComm> plain(comm, c), off(comm, offloaded(c));
+    TrainerConfig sync_c = offloaded(c);
+    sync_c.offload_activation_copy_queue = false;
+    Trainer<ThreadComm> plain(comm, c), off(comm, sync_c), queued(comm, offloaded(c));
     trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
     const auto batch = loader.next();
     plain.step(batch);
     off.step(batch);
+    queued.step(batch);
+    const auto& q = queued.activation_arena();
+    RANK_CHECK(queued.memory().activations == off.memory().activations);
+    RANK_CHECK(queued.memory().host_activations == off.memory().host_activations);
+    RANK_CHECK(q.peak_held_bytes() <= queued.memory().activations);
+    // The queue changes when copies run, not which regions are in frames (eviction and prefetch
+    // choices do not look at the host copies): the same fetches as the synchronous mode. Its
+    // write-backs are the synchronous mode's (a region the unit wrote since its last copy is
+    // copied before its frame is reused) made earlier, plus those of regions written back after
+    // their forward and never evicted: at least as many bytes. Every fetched byte was written
+    // back first.
+    RANK_CHECK(q.fetched_bytes() == off.activation_arena().fetched_bytes());
+    RANK_CHECK(q.offloaded_bytes() >= off.activation_arena().offloaded_bytes());
+    RANK_CHECK(q.fetched_bytes() > 0);
+    RANK_CHECK(q.fetched_bytes() <= q.offloaded_bytes());
+    RANK_CHECK(q.host_held_bytes() == 0);
+    RANK_CHECK(q.held_bytes() == 0);
     const auto& arena = off.activation_arena();
     RANK_CHECK(off.memory().activations == 2 * arena.slot_bytes(0));  // two frames (of the largest unit)
     RANK_CHECK(arena.slot_bytes(0) < plain.activation_arena().slot_bytes(0));

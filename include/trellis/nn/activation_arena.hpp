@@ -27,7 +27,24 @@
 // fetches the next unit's region while the current one computes. Saved tensors of these pools
 // are handles (region, offset), resolved at each read, so a region may come back to another frame;
 // a read of a region that is not pinned is an error (it would read whatever the frame holds).
-// Copies are synchronous on the backend's stream (no copy stream yet).
+// Copies run on the backend's copy queue (backend/copy_queue.hpp: a worker thread and a FIFO on
+// the host; a copy stream, events and pinned host rooms on CUDA), in one of two modes
+// (OffloadCopies::queue):
+//   - overlapped (queue = true; what the Trainer uses by default): a region's write-back to its
+//     host room starts right after the compute that wrote it, when the pool's next unit begins
+//     after the region's forward ended (end_forward), unless that next unit is the region itself
+//     (its backward follows at once: nothing to copy); the copy runs while the next units
+//     compute. A frame is reused, and a unit computes in its frame, only once the copies reading
+//     or writing that frame are done (a wait on their ticket, normally long done). Eviction then
+//     costs nothing for a region already written back, and a region still resident when its
+//     backward or W comes needs no fetch. prefetch() starts the next unit's fetch and returns;
+//     its begin_unit waits for it.
+//   - synchronous (queue = false; the baseline benches compare with): each copy is waited for at
+//     once, a region is written back only when its frame is wanted (evicted), fetched only when
+//     its unit begins or is prefetched, as the arena did before the queue.
+// offloaded_bytes() counts the write-backs made, fetched_bytes() the fetches; a region counts in
+// held_bytes() while it is in a frame and in host_held_bytes() while its host room has a valid
+// copy (both, between an overlapped write-back and the eviction or the unit's next compute).
 //
 // Figures: capacity_bytes() (what was reserved), peak_held_bytes() (the most bytes of saved
 // tensors alive at once, measured) and peak_held_slots() (microbatch-chunks alive at once,
@@ -37,11 +54,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "trellis/backend/backend.hpp"
+#include "trellis/backend/copy_queue.hpp"  // defines: copy_queue_t, HostCopyQueue, SimulatedCopyLink
 #include "trellis/core/error.hpp"
 #include "trellis/core/tensor.hpp"
 
@@ -59,10 +78,17 @@ constexpr std::size_t saved_size(index_t n) {
   return saved_round(static_cast<std::size_t>(n) * sizeof(T));
 }
 
+// How an offloaded pool copies between its frames and its host rooms (see above).
+struct OffloadCopies {
+  bool queue = false;                      // overlapped on the copy queue; false: synchronous
+  backend::SimulatedCopyLink simulated{};  // host backends: a SIMULATED link (tests, benches)
+};
+
 template <backend::Backend B>
 class ActivationArena {
  public:
-  explicit ActivationArena(B be = {}) : be_(std::move(be)) {}
+  using CopyQueue = backend::copy_queue_t<B>;
+  explicit ActivationArena(B be = {}, OffloadCopies copies = {}) : be_(std::move(be)), copies_(copies) {}
   ActivationArena(const ActivationArena&) = delete;
   ActivationArena& operator=(const ActivationArena&) = delete;
 
@@ -110,6 +136,7 @@ class ActivationArena {
     p.frame_pins.assign(static_cast<std::size_t>(frames), 0);
     p.frame_prefetched.assign(static_cast<std::size_t>(frames), 0);
     p.frame_used_at.assign(static_cast<std::size_t>(frames), 0);
+    p.frame_ticket.assign(static_cast<std::size_t>(frames), 0);
     const std::size_t regions = static_cast<std::size_t>(slots) * p.unit_bytes.size();
     p.region_frame.assign(regions, -1);
     p.region_used.assign(regions, 0);
@@ -125,7 +152,10 @@ class ActivationArena {
     TRELLIS_CHECK(memory_.size() == 0, "ActivationArena: allocate() twice");
     TRELLIS_CHECK(capacity_ > 0, "ActivationArena: allocate() without pools");
     memory_ = be_.template allocate<std::uint8_t>(capacity_);
-    host_.assign(host_capacity_, 0);  // offloaded pools' rooms: host memory, apart from B's
+    if (host_capacity_ > 0) {  // offloaded pools: their rooms in host memory (pinned on CUDA), the queue
+      host_ = CopyQueue::allocate_host(host_capacity_);
+      queue_ = std::make_unique<CopyQueue>(copies_.simulated);
+    }
     poison_ = poison;
   }
   bool allocated() const { return memory_.size() != 0; }
@@ -176,13 +206,21 @@ class ActivationArena {
   void begin_unit(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
     if (!p.offloaded) return;
+    TRELLIS_CHECK(allocated(), "ActivationArena: begin_unit before allocate()");
     const int r = region_of(p, mb, unit, "begin_unit");
     if (!p.region_alive[r]) {
       p.region_alive[r] = 1;
       p.region_used[r] = 0;
       p.region_on_host[r] = 0;
     }
+    if (p.pending_writeback != r) start_pending_writeback(p);  // the compute that wrote it is done
+    p.pending_writeback = -1;  // or the region computes again at once: no copy
     const int f = make_resident(p, r, "begin_unit");
+    queue_->wait(be_, p.frame_ticket[f]);  // its fetch, or a write-back still reading the frame
+    if (p.region_on_host[r]) {  // the unit may write its region: the host copy is stale from here
+      p.region_on_host[r] = 0;
+      host_held_ -= p.region_used[r];
+    }
     ++p.frame_pins[f];
     p.frame_prefetched[f] = 0;
     p.current = r;
@@ -198,6 +236,17 @@ class ActivationArena {
     --p.frame_pins[f];
     if (p.current == r && p.frame_pins[f] == 0) p.current = -1;
   }
+  // end_unit after the unit's forward: overlapped, the region's write-back starts when the pool's
+  // next unit begins (if that is not the region itself).
+  void end_forward(int pool, int mb, int unit) {
+    end_unit(pool, mb, unit);
+    Pool& p = pool_at(pool);
+    if (!p.offloaded || !copies_.queue) return;
+    const int r = find_region(p, mb, unit);
+    if (r < 0 || !p.region_alive[r] || p.region_frame[r] < 0 || p.frame_pins[p.region_frame[r]] > 0) return;
+    if (p.pending_writeback != r) start_pending_writeback(p);
+    p.pending_writeback = r;
+  }
   // Unit `unit` of microbatch mb is done (after its W): its region is freed on both tiers.
   void release_unit(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
@@ -207,7 +256,7 @@ class ActivationArena {
   }
   // Fetches unit `unit` of microbatch mb back into a frame ahead of its begin_unit, if it is
   // offloaded and a frame is free or holds a region neither pinned nor itself prefetched.
-  // Returns whether it copied.
+  // Returns whether it copied (overlapped: whether it started the copy).
   bool prefetch(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
     if (!p.offloaded || unit < 0 || unit >= p.units()) return false;
@@ -256,6 +305,10 @@ class ActivationArena {
   std::size_t offloaded_bytes() const { return offloaded_bytes_; }
   std::size_t fetched_bytes() const { return fetched_bytes_; }
   std::size_t prefetches() const { return prefetched_; }
+  // The offloaded pools' copy queue (null before allocate() or without offloaded pools): tests
+  // and benches read its records (HostCopyQueue::set_recording) and set its simulated link.
+  CopyQueue* copy_queue() const { return queue_.get(); }
+  const OffloadCopies& copies() const { return copies_; }
 
   // ---- figures -----------------------------------------------------------------------------------
   std::size_t capacity_bytes() const { return capacity_; }
@@ -297,11 +350,13 @@ class ActivationArena {
     std::vector<int> frame_region, frame_pins;  // per frame: region held (-1 none), pins
     std::vector<char> frame_prefetched;         // per frame: fetched ahead, not begun yet
     std::vector<std::uint64_t> frame_used_at;   // per frame: last use (LRU)
+    std::vector<std::uint64_t> frame_ticket;    // per frame: the last copy reading or writing it
     // per region (slot * units + unit): frame (-1: not on the device), bytes cut, alive, on host
     std::vector<int> region_frame;
     std::vector<std::size_t> region_used;
     std::vector<char> region_alive, region_on_host;
     int current = -1;  // the region takes cut from (the last begin_unit)
+    int pending_writeback = -1;  // overlapped: forward done, written back when the next unit begins
     int units() const { return static_cast<int>(unit_bytes.size()); }
   };
 
@@ -370,21 +425,20 @@ class ActivationArena {
       TRELLIS_CHECK(f >= 0, "ActivationArena: pool \"", p.name, "\": all ", p.frame_region.size(),
                     " frames hold units that are computing (", what, "): the pool needs more frames");
       if (const int old = p.frame_region[f]; old >= 0) {  // evict: the old region's bytes to its host room
-        const std::size_t n = p.region_used[old];
-        be_.download(host_room(p, old), frame_at(p, f), n);
-        p.region_on_host[old] = 1;
+        if (!p.region_on_host[old]) write_back(p, old);  // (overlapped: usually written back already)
+        if (p.pending_writeback == old) p.pending_writeback = -1;
         p.region_frame[old] = -1;
-        held_bytes_ -= n;
-        host_held_ += n;
-        offloaded_bytes_ += n;
+        held_bytes_ -= p.region_used[old];
       }
       if (poison_) {
+        queue_->wait(be_, p.frame_ticket[f]);  // the frame's last write-back has read it
         const std::vector<std::uint8_t> nan_bytes(p.slot_bytes, 0xFF);
         be_.upload(frame_at(p, f), nan_bytes.data(), nan_bytes.size());
       }
-      if (p.region_on_host[r]) {  // fetch
+      if (p.region_on_host[r]) {  // fetch (after the frame's write-back: the queue is FIFO)
         const std::size_t n = p.region_used[r];
-        be_.upload(frame_at(p, f), host_room(p, r), n);
+        p.frame_ticket[f] = queue_->to_device(be_, frame_at(p, f), host_room(p, r), n);
+        if (!copies_.queue) queue_->wait(be_, p.frame_ticket[f]);
         p.region_on_host[r] = 0;
         host_held_ -= n;
         held_bytes_ += n;
@@ -400,18 +454,37 @@ class ActivationArena {
     p.frame_used_at[f] = ++clock_;
     return f;
   }
+  // Region r's bytes (in its frame) to its host room, after the compute issued so far.
+  void write_back(Pool& p, int r) {
+    const int f = p.region_frame[r];
+    const std::size_t n = p.region_used[r];
+    p.frame_ticket[static_cast<std::size_t>(f)] = queue_->to_host(be_, host_room(p, r), frame_at(p, f), n);
+    if (!copies_.queue) queue_->wait(be_, p.frame_ticket[static_cast<std::size_t>(f)]);
+    p.region_on_host[r] = 1;
+    host_held_ += n;
+    offloaded_bytes_ += n;
+    peak_host_held_ = std::max(peak_host_held_, host_held_);
+  }
+  // Overlapped: the write-back of the region whose forward ended last, if it is still in an
+  // unpinned frame and the host lacks it.
+  void start_pending_writeback(Pool& p) {
+    const int r = std::exchange(p.pending_writeback, -1);
+    if (r < 0 || !p.region_alive[r] || p.region_on_host[r]) return;
+    const int f = p.region_frame[r];
+    if (f >= 0 && p.frame_pins[f] == 0) write_back(p, r);
+  }
   // Frees region r on both tiers, and its microbatch's slot once no region of it is alive.
   void drop_region(Pool& p, int r) {
     if (!p.region_alive[r]) return;
     const std::size_t n = p.region_used[r];
-    if (const int f = p.region_frame[r]; f >= 0) {
+    if (const int f = p.region_frame[r]; f >= 0) {  // the frame is reused after its last copy's ticket
       p.frame_region[f] = -1;
       p.frame_pins[f] = 0;
       p.frame_prefetched[f] = 0;
       held_bytes_ -= n;
-    } else if (p.region_on_host[r]) {
-      host_held_ -= n;
     }
+    if (p.region_on_host[r]) host_held_ -= n;
+    if (p.pending_writeback == r) p.pending_writeback = -1;
     p.region_frame[r] = -1;
     p.region_alive[r] = 0;
     p.region_on_host[r] = 0;
@@ -427,8 +500,9 @@ class ActivationArena {
   }
 
   B be_;
+  OffloadCopies copies_;
   typename B::template buffer<std::uint8_t> memory_;
-  std::vector<std::uint8_t> host_;  // offloaded pools' host rooms
+  typename CopyQueue::host_memory host_;  // offloaded pools' host rooms (pinned on CUDA)
   std::size_t host_capacity_ = 0, host_held_ = 0, peak_host_held_ = 0;
   std::size_t offloaded_bytes_ = 0, fetched_bytes_ = 0, prefetched_ = 0;
   std::uint64_t clock_ = 0;
@@ -436,6 +510,7 @@ class ActivationArena {
   std::size_t capacity_ = 0, held_bytes_ = 0, peak_held_bytes_ = 0;
   int held_slots_ = 0, peak_held_slots_ = 0;
   bool poison_ = false;
+  std::unique_ptr<CopyQueue> queue_;  // last: drained and destroyed before the memory its copies use
 };
 
 // A saved tensor: a view into an arena slot, a handle into an offloaded pool's region (resolved at

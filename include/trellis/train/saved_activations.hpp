@@ -7,6 +7,9 @@
 //     host memory and `frames` device frames of the largest unit per chunk. A unit's region is
 //     pinned while the unit computes (its forward, backward_input, W), freed after its W, and a
 //     backward or W fetches the next unit's region while the current one computes.
+//   - offload_activation_copy_queue (default): the copies overlap the compute on the backend's
+//     copy queue (a unit's write-back starts once its forward is done, the next unit's fetch while
+//     the current one computes); false: synchronous, each copy waited for at once.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +23,7 @@
 #include "trellis/nn/gpt.hpp"
 #include "trellis/pipe/schedule.hpp"
 #include "trellis/pipe/simulate.hpp"
+#include "trellis/train/trainer_config.hpp"
 
 namespace trellis::train {
 
@@ -30,11 +34,17 @@ class SavedActivations {
     bool offload = false;
     int frames = 2;       // offload: device frames per chunk
     bool poison = false;  // tests: NaN in every slot or frame handed out
+    nn::OffloadCopies copies{};
   };
+  static Options options(const TrainerConfig& c) {
+    return {c.offload_activations, c.offload_activation_frames, c.poison_activations,
+            nn::OffloadCopies{c.offload_activation_copy_queue,
+                              backend::SimulatedCopyLink{c.offload_activation_simulated_gbps * 1e9, 0.0}}};
+  }
   // schedule: null with pp = 1. Binds every chunk to its pool.
   SavedActivations(std::vector<std::unique_ptr<nn::GptModel<C, B>>>& models, const pipe::Schedule* schedule,
                    int pp_rank, const nn::TokenShape& shape, const Options& o, B be)
-      : arena_(std::make_unique<nn::ActivationArena<B>>(std::move(be))), offload_(o.offload) {
+      : arena_(std::make_unique<nn::ActivationArena<B>>(std::move(be), o.copies)), offload_(o.offload) {
     std::vector<int> slots(models.size(), 1);
     if (schedule) slots = pipe::simulate(*schedule).peak_activations_by_chunk.at(static_cast<std::size_t>(pp_rank));
     for (std::size_t c = 0; c < models.size(); ++c) {
@@ -63,7 +73,7 @@ class SavedActivations {
         arena_->begin_unit(pool, mb, u);
         arena_->prefetch(pool, mb, u + 1);  // the unit this pass meets next
         return;
-      case P::forward_end:
+      case P::forward_end: arena_->end_forward(pool, mb, u); return;
       case P::backward_end: arena_->end_unit(pool, mb, u); return;
       case P::weight_end: arena_->release_unit(pool, mb, u); return;
     }

@@ -273,9 +273,7 @@ class Trainer {
           (params_[i]->expert() ? expert_norm_spans_ : norm_spans_).emplace_back(params_[i]->grad.elements());
     }
     saved_.emplace(models_, cfg_.pp > 1 ? &*schedule_ : nullptr, pp_rank, shape_,
-                   typename SavedActivations<C, B>::Options{cfg_.offload_activations, cfg_.offload_activation_frames,
-                                                            cfg_.poison_activations},
-                   be_);
+                   SavedActivations<C, B>::options(cfg_), be_);
     // Scratch reserved once, before the first step (CUB style; backend::Cuda refuses growth later).
     for (auto& m : models_) m->reserve_workspace(shape_);
     be_.reserve_workspace(std::max(be_.sum_of_squares_workspace(norm_spans_), be_.sum_of_squares_workspace(expert_norm_spans_)));

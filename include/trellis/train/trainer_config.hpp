@@ -128,8 +128,15 @@ struct TrainerConfig {
   // nn/activation_arena.hpp's offloaded pools): each chunk keeps offload_activation_frames units'
   // worth in device memory, a cache that evicts the least recently used unit to host memory and
   // fetches the next unit of a backward while the current one computes. The same bits.
+  // offload_activation_copy_queue: the copies run on the backend's copy queue (a worker thread on
+  // the host, a copy stream into pinned memory on CUDA), overlapped with the compute: a unit's
+  // write-back starts once its forward is done (false: synchronous, each copy waited for at
+  // once). offload_activation_simulated_gbps: tests and benches on host backends, a SIMULATED
+  // host link of that many GB/s holding each copy for bytes / bandwidth (0: memcpy speed).
   bool offload_activations = false;
   int offload_activation_frames = 2;
+  bool offload_activation_copy_queue = true;
+  double offload_activation_simulated_gbps = 0;
   std::size_t bucket_elements = std::size_t{1} << 18;
   // dp buckets start as soon as their chunk's gradients are final (overlapping the rest of the
   // backward); false: all start after the schedule -- the synchronous baseline (same buckets,
@@ -380,6 +387,8 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c, bool mak
     add("the optimizer disk tier's chunk (offload_buffer_elements) must be >= 1 element");
   if (c.offload_activations && c.offload_activation_frames < 1)
     add("offloaded activations need at least 1 device frame per chunk (got ", c.offload_activation_frames, ")");
+  if (c.offload_activation_simulated_gbps < 0)
+    add("a simulated activation copy link needs a bandwidth >= 0 GB/s (got ", c.offload_activation_simulated_gbps, ")");
   if (c.shard_degree < 0) add("--shard-degree must be >= 0 (0: shard over every replica), got ", c.shard_degree);
   if (c.shard_degree > 0 && c.zero == 0)
     add("--shard-degree ", c.shard_degree, " shards the ZeRO state: give --zero 1, 2 or 3");
