@@ -171,6 +171,14 @@ int main(int argc, char** argv) try {
           list.back().cp_mode = nn::CpMode::ulysses;
           break;
         }
+  // local learning (PPLL, heads tied to wte): pp2 at 1, 2, 4 and 8 microbatches (another model:
+  // the search plans it only when asked, so it is listed here by hand)
+  {
+    train::TrainerConfig local = base;
+    local.schedule = "local_learning";
+    for (const train::TrainerConfig& c : plan::layouts(local, host.devices(), ranks, space))
+      if (c.pp == ranks && !c.options.recompute) list.push_back(c);
+  }
   std::erase_if(list, [](const train::TrainerConfig& c) { return !train::config_problems(c).empty(); });
   std::vector<double> round_best_min(list.size(), 1e30), round_best_max(list.size(), 0);
   // the fastest over the even rounds and over the odd ones: two independent measurements, whose

@@ -110,6 +110,7 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
            --plan auto --ranks N: the planner picks dp x tp x pp x cp = N, the schedule, microbatches,
            --sp, --recompute and --zero (include/trellis/plan: rates timed on this machine,
            memory: this machine's / N), prints its table and runs the fastest (threads, host);
+           with --schedule local_learning it plans local-learning pipelines (pp >= 2) only;
            with --mpi (no --ranks): for mpirun's ranks, rank 0 plans (the link measured over
            the world, rates timed on its node) and every rank runs its choice
            --cp N: context parallelism, every sequence split over N ranks (2N zig-zag chunks,
@@ -526,11 +527,10 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
       out.push_back("--plan auto plans ranks of the host backend in fp32 (no --backend cuda, --dtype bf16)");
     if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
-        !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops" ||
-        o.schedule == "local_learning")
+        !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops")
       out.push_back("--plan auto chooses --cp (and its mode), --shard-degree and --offload optimizer itself, and does "
                     "not model --experts, --offload activations, --offload-dir, --fused-update, --schedule-file, "
-                    "--stage-layers, --rank-speed, --dp-rows, --dp-speed, --stage-costs or local learning yet: drop "
+                    "--stage-layers, --rank-speed, --dp-rows, --dp-speed or --stage-costs yet: drop "
                     "them or give the layout yourself (--cluster FILE gives the ranks' speeds)");
     if (o.overlap > 1) out.push_back("--plan auto chooses --overlap (tp overlap chunks) itself: drop --overlap");
     if (o.mpi && !o.cluster.empty()) out.push_back("--plan auto --mpi plans with speeds measured, not from --cluster");

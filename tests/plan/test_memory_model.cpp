@@ -124,6 +124,18 @@ std::vector<Case> grid() {
                layout({.pp = 2, .dp = 2, .tp = 2, .sp = true, .zero = 3, .schedule = "zb_v", .microbatches = 2}, 32, 97)});
   g.push_back({"dp2.cp2 ring ZeRO-2", layout({.dp = 2, .zero = 2, .cp = 2})});
   g.push_back({"tp2+sp.cp2 ulysses", layout({.tp = 2, .sp = true, .cp = 2, .cp_mode = trellis::nn::CpMode::ulysses})});
+  g.push_back({"pp2 local learning m4 (heads tied to wte)", layout({.pp = 2, .schedule = "local_learning", .microbatches = 4})});
+  {
+    Case k{"dp2.pp2 local learning m2, heads of their own, ZeRO-2",
+           layout({.pp = 2, .dp = 2, .zero = 2, .schedule = "local_learning", .microbatches = 2})};
+    k.cfg.local_head = TrainerConfig::LocalHead::own;
+    g.push_back(k);
+  }
+  {
+    Case k{"pp4 local learning m4, heads of their own, tp2", layout({.pp = 4, .tp = 2, .schedule = "local_learning", .microbatches = 4})};
+    k.cfg.local_head = TrainerConfig::LocalHead::own;
+    g.push_back(k);
+  }
   {
     Case k{"pp2 1f1b m4 offload_activations", layout({.pp = 2, .schedule = "1f1b", .microbatches = 4})};
     k.cfg.offload_activations = true;
@@ -180,8 +192,6 @@ TEST_CASE("memory model: the disk tier's file and host buffers", "[plan][memory]
 TEST_CASE("memory model: refuses what it does not model, naming it", "[plan][memory]") {
   TrainerConfig moe = layout({.moe = true});
   CHECK_THROWS_WITH(trellis::plan::predict_memory(moe, 0), Catch::Contains("Mixture-of-Experts"));
-  TrainerConfig local = layout({.pp = 2, .schedule = "local_learning", .microbatches = 2});
-  CHECK_THROWS_WITH(trellis::plan::predict_memory(local, 0), Catch::Contains("local-learning"));
   TrainerConfig bad = layout({.dp = 3});  // batch 8 does not split over 3 dp ranks
   CHECK_THROWS_WITH(trellis::plan::predict_memory(bad, 0), Catch::Contains("--batch"));
 }

@@ -429,3 +429,74 @@ TEST_CASE("ScheduleCache: the same step and memory as making each schedule; the 
   REQUIRE(cache.refuses(c));
   CHECK_THROWS_WITH(cache.usable(c), Catch::Contains("interleaved_1f1b") && Catch::Contains("3 microbatches"));
 }
+
+TEST_CASE("local learning: a head per stage, no gradient between stages; searched only when asked for", "[cost][search][local]") {
+  const plan::Cluster cl = small_cluster();
+  const plan::Rates r = plan::cluster_rates(cl, plan::Precision::fp32);
+  plan::Cluster node = cl;  // one node of 2 for the pipeline of 2 by hand
+  node.nodes = 1;
+  train::TrainerConfig plain = small_model();
+  plain.pp = 2;
+  plain.schedule = "1f1b";
+  plain.microbatches = 1;
+  train::TrainerConfig local = plain;
+  local.schedule = "local_learning";
+  const plan::StepCost p = plan::predict_step(plain, node, r), l = plan::predict_step(local, node, r);
+  REQUIRE(l.stage.size() == 2);
+  // stage 0 also runs the head (its local one, the same layers), stage 1 is unchanged
+  const plan::detail::Shape s = plan::detail::shape_of(local);
+  const plan::PassTimes head = plan::detail::head_times(s, r, cl.link(1, 1), nullptr);
+  CHECK(l.stage[0].forward == Approx(p.stage[0].forward + head.forward));
+  CHECK(l.stage[0].backward_input == Approx(p.stage[0].backward_input + head.backward_input));
+  CHECK(l.stage[0].backward_weight == Approx(p.stage[0].backward_weight + head.backward_weight));
+  CHECK(l.stage[1].total() == Approx(p.stage[1].total()));
+  // one microbatch: stage 1 waits for stage 0's forward only (no gradient comes back to stage 0),
+  // so the pipeline is that forward, the activation's send and stage 1's F, B and W
+  const double send = plan::send_seconds(cl.link(1, 2), 4.0 * 16 * 128 * 256);
+  CHECK(l.pipeline == Approx(l.stage[0].forward + send + l.stage[1].total()));
+  CHECK(p.pipeline == Approx(p.stage[0].forward + send + p.stage[1].total() + send + p.stage[0].backward_input +
+                             p.stage[0].backward_weight));
+  // tied heads: the wte gradient summed over every pipeline rank; heads of their own: first and last
+  train::TrainerConfig own = local;
+  own.local_head = train::TrainerConfig::LocalHead::own;
+  CHECK(plan::predict_step(own, node, r).pipeline == Approx(l.pipeline));
+
+  // the search: with a local-learning base, every layout is a local-learning pipeline, and the
+  // search equals its exhaustive evaluation; with any other base, none is
+  plan::SearchSpace space;
+  space.max_microbatches = 8;
+  train::TrainerConfig base = small_model();
+  base.schedule = "local_learning";
+  base.local_head = train::TrainerConfig::LocalHead::own;
+  int n = 0;
+  for (const auto& c : plan::layouts(base, cl.devices(), 4, space)) {
+    REQUIRE(c.pp > 1);
+    REQUIRE(c.schedule == "local_learning");
+    ++n;
+  }
+  CHECK(n > 50);
+  for (const auto& c : plan::layouts(small_model(), cl.devices(), 4, space)) REQUIRE(c.schedule != "local_learning");
+  const plan::Plan plan = plan::search(base, cl, r, space, 5);
+  check_against_exhaustive(base, cl, r, space, plan, 5);
+  for (const auto& cand : plan.best) {
+    INFO(plan::train_gpt_flags(cand.config));
+    CHECK(train_gpt_problems(cand.config).empty());
+    CHECK_THAT(plan::train_gpt_flags(cand.config), Catch::Contains("--schedule local_learning --local-head own"));
+  }
+  // train_gpt --plan auto takes a local-learning base and runs the planned local-learning layout
+  const std::vector<std::string> args = {"--plan", "auto", "--ranks", "2", "--schedule", "local_learning", "--local-head",
+                                         "own", "--layers", "4", "--width", "64", "--heads", "4", "--vocab", "128",
+                                         "--context", "32", "--batch", "8"};
+  const train_gpt::Options o = train_gpt::parse_flags(args);
+  CHECK(train_gpt::problems(o).empty());
+  train_gpt::Options taken = o;
+  train::TrainerConfig chosen = train_gpt::trainer_config(o);
+  chosen.pp = 2;
+  chosen.microbatches = 4;
+  train_gpt::adopt_layout(taken, chosen);
+  const train::TrainerConfig run = train_gpt::trainer_config(taken);
+  CHECK(run.pp == 2);
+  CHECK(run.schedule == "local_learning");
+  CHECK(run.local_head == train::TrainerConfig::LocalHead::own);
+  CHECK(train_gpt::problems(taken).empty());
+}

@@ -519,7 +519,7 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 
 // Predicts one optimizer step of `c` on `cluster` with `rates` (from cluster_rates or measured).
 // Ranks are laid out as train::Trainer's mesh (pp, dp, cp, tp: tp fastest). Refuses what it does not
-// model (MoE, balanced documents, offloaded activations, the disk tier, local learning).
+// model (MoE, balanced documents, offloaded activations, the disk tier).
 // stop_above: when the step's lower bound (no pipeline simulation) is already at least this, stop
 // there and return the bound with bound_only set (plan::search's pruning).
 // schedules: where the schedule is made once for many calls (the search); null: made here.
@@ -555,10 +555,12 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   pipe::Schedule made;
   if (piped && !prepared) made = pipe::prepare_for_simulation(schedule_of(c));
   const pipe::Schedule& sched = prepared ? prepared->schedule : made;
-  TRELLIS_CHECK(!piped || !sched.local_learning, "predict_step: local learning trains another model; not planned");
+  // local learning (PPLL): every stage but the last also trains a head of its own
+  const bool local = piped && sched.local_learning;
+  const bool own_heads = local && c.local_head == train::TrainerConfig::LocalHead::own;
   const int stages = piped ? sched.virtual_stages() : 1;
   // the trainer's split: uneven stages where the config gives them (train::pipeline_split), else even
-  std::vector<int> bounds = piped && sched.chunks == 1 ? train::pipeline_split(c) : std::vector<int>{};
+  std::vector<int> bounds = piped && sched.chunks == 1 ? train::pipeline_split(c, local) : std::vector<int>{};
   if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
 
   StepCost out;
@@ -575,7 +577,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
       double sc = n * block_comm;
       for (int i = 0; i < n; ++i) t += block;
       if (v == 0) t += emb, sc += emb_comm;
-      if (v == stages - 1) t += head, sc += head_comm;
+      if (v == stages - 1 || local) t += head, sc += head_comm;  // the model's head, or a local one
       times.push_back(t);
       if (comm) comm->push_back(sc);
     }
@@ -595,6 +597,7 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     double p = n * detail::block_params(s);
     if (v == 0) p += (s.V / s.tp + s.P) * s.W;
     if (v == stages - 1) p += 2 * s.W + (stages > 1 ? s.V / s.tp * s.W : 0.0);  // ln_f; the tied wte's copy
+    else if (local) p += 2 * s.W + (own_heads || v > 0 ? s.V / s.tp * s.W : 0.0);  // its ln_f; its LM matrix or wte copy
     return p;
   };
   const int chunks = piped ? sched.chunks : 1;
@@ -673,8 +676,8 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     for (int k = 0; k < chunks; ++k) {
       const int v = stage_of(rank, k);
       n += bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-      n += (v == 0) + (v == stages - 1);
-      wte = wte || v == 0 || v == stages - 1;
+      n += (v == 0) + (v == stages - 1 || local);
+      wte = wte || v == 0 || v == stages - 1 || (local && !own_heads);
     }
     return n + (wte ? 1 : 0);
   };
@@ -722,8 +725,9 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
       out.optimizer = opt;
     }
   }
-  // the tied wte: its gradient summed between the first and last pipeline ranks
-  if (c.pp > 1) after += all_reduce_seconds(pp_link, 4 * s.V / s.tp * s.W, 2);
+  // the tied wte: its gradient summed between the first and last pipeline ranks (local heads tied
+  // to it: over every pipeline rank, each holding a copy)
+  if (c.pp > 1) after += all_reduce_seconds(pp_link, 4 * s.V / s.tp * s.W, local && !own_heads ? c.pp : 2);
 
   // The pipeline's makespan is at least the busiest rank's busy time: a bound without simulating.
   out.pipeline = out.compute;

@@ -10,7 +10,10 @@
 //    a block is 12 W^2 + 13 W, its attention and MLP matrices and column biases split over tp
 //    (heads in whole heads), the embedding wte V/tp rows (shard::chunk: earlier ranks get the
 //    extra row), wpe and the LayerNorms whole. A head chunk on a rank without the embedding holds
-//    its own wte copy (vee schedules put both on rank 0: one wte).
+//    its own wte copy (vee schedules put both on rank 0: one wte). Local learning (PPLL): every
+//    stage but the last has a local head unit, its LayerNorm (and, with local_head own, a V/tp
+//    x W matrix of its own) saving what the head saves; tied to wte, a stage without the
+//    embedding holds a wte copy as a head stage does.
 //  - ZeRO (train/grad_buckets.hpp, param_shards.hpp): every bucket splits into S equal parts (S:
 //    shard_degree, or dp x cp); 1: the packed gradients + the reduced shards T/S; 2: no packed
 //    gradients, shards T/S + 2 unit slots (U + U/S, U the largest weight unit) + wte's whole
@@ -33,8 +36,7 @@
 // the host backends reserve none (0); the CUDA backend's scratch is not modelled. Exact after a
 // step (the offloaded update's staging grows at the first update), except fused_update with
 // offload_optimizer: its staging is an upper bound (units alternate between two buffers).
-// Refused (TRELLIS_CHECK): Mixture-of-Experts models, local-learning schedules, configs that
-// train::config_problems refuses.
+// Refused (TRELLIS_CHECK): Mixture-of-Experts models, configs that train::config_problems refuses.
 #pragma once
 
 #include <algorithm>
@@ -140,8 +142,6 @@ inline void check_supported(const train::TrainerConfig& c, bool make_schedule = 
   train::check_config(c, std::nullopt, make_schedule);
   TRELLIS_CHECK(c.model.moe_every == 0, "plan::predict_memory: Mixture-of-Experts models (model.moe_every ",
                 c.model.moe_every, ") are not modelled");
-  const bool local = c.pp > 1 && (c.custom_schedule ? c.custom_schedule->local_learning : c.schedule == "local_learning");
-  TRELLIS_CHECK(!local, "plan::predict_memory: local-learning schedules (local heads) are not modelled");
 }
 
 // The chunks a rank at `at` holds, with their units and slots (the trainer's construction).
@@ -166,7 +166,9 @@ inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoo
 
   const int chunks = s ? s->chunks : 1, stages = s ? s->virtual_stages() : 1;
   auto virtual_stage = [&](int k) { return s ? s->virtual_stage(at.pp, k) : k; };
-  std::vector<int> bounds = s ? train::pipeline_split(c) : std::vector<int>{};
+  // local learning: every stage but the last trains a head of its own (nn::GptStage::local_head)
+  const bool local = s && s->local_learning;
+  std::vector<int> bounds = s ? train::pipeline_split(c, local) : std::vector<int>{};
   if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
   bool has_embedding = false;
   for (int k = 0; k < chunks; ++k) has_embedding = has_embedding || virtual_stage(k) == 0;
@@ -174,13 +176,17 @@ inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoo
   std::vector<Chunk> out(static_cast<std::size_t>(chunks));
   for (int k = 0; k < chunks; ++k) {
     const int vs = virtual_stage(k);
-    const bool embedding = vs == 0, head = vs == stages - 1;
+    const bool embedding = vs == 0, head = vs == stages - 1, local_head = local && !head;
+    const bool own_lm = local_head && c.local_head == train::TrainerConfig::LocalHead::own;
     Chunk& ch = out[static_cast<std::size_t>(k)];
     if (head) ch.units.push_back({{W, W}, head_saved(sh)});  // ln_f (b, w); wte is in no unit
+    if (local_head)  // its ln_f, after its own LM matrix where it has one (packing order)
+      ch.units.push_back({own_lm ? std::vector<index_t>{sh.vocab_local * W, W, W} : std::vector<index_t>{W, W}, head_saved(sh)});
     for (int l = bounds[vs]; l < bounds[vs + 1]; ++l) ch.units.push_back(block);
     if (embedding) ch.units.push_back({{m.positions * W}, embedding_saved(sh)});  // wpe
-    // wte: the embedding's, or a head's own copy when the rank holds no embedding (else it is shared)
-    if (embedding || (head && !has_embedding)) ch.wte = sh.vocab_local * W;
+    // wte: the embedding's, or a head's own copy when the rank holds no embedding (else it is
+    // shared); a local head tied to wte counts as a head
+    if (embedding || ((head || (local_head && !own_lm)) && !has_embedding)) ch.wte = sh.vocab_local * W;
     if (sim) ch.slots = std::max(1, sim->peak_activations_by_chunk.at(static_cast<std::size_t>(at.pp)).at(static_cast<std::size_t>(k)));
   }
   return out;

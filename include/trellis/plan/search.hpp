@@ -108,6 +108,8 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   s << " --microbatches " << c.microbatches;
   if (c.pp > 1) s << " --schedule " << c.schedule;
   if (c.pp > 1 && c.schedule == "interleaved_1f1b") s << " --chunks " << c.virtual_chunks;
+  if (c.pp > 1 && c.schedule == "local_learning" && c.local_head == train::TrainerConfig::LocalHead::own)
+    s << " --local-head own";
   if (c.zero > 0) s << " --zero " << c.zero;
   if (c.zero > 0 && c.shard_degree > 0) s << " --shard-degree " << c.shard_degree;
   if (c.offload_optimizer) s << " --offload optimizer";
@@ -149,6 +151,7 @@ inline bool overlap_fits(const train::TrainerConfig& c, int K) {
 // each given to emit(TrainerConfig&&) (the search's spaces hold millions: none is kept).
 template <class Emit>
 void for_each_layout(const train::TrainerConfig& base, int devices, int max_tp, const SearchSpace& space, Emit&& emit) {
+  const bool local = base.schedule == "local_learning" && !base.custom_schedule;
   for (int tp = 1; tp <= devices; ++tp) {
     if (devices % tp != 0 || (max_tp > 0 && tp > max_tp)) continue;
     for (int cp = 1; cp <= devices / tp; ++cp) {
@@ -169,7 +172,11 @@ void for_each_layout(const train::TrainerConfig& base, int devices, int max_tp, 
         if ((devices / tp / cp) % pp != 0) continue;
         const int dp = devices / tp / cp / pp;
         if (base.batch % dp != 0) continue;
-        const std::vector<std::string> schedules = pp > 1 ? space.schedules : std::vector<std::string>{"1f1b"};
+        // local learning trains another model (a head per stage): planned only where the base
+        // config asks for it, then as the only pipeline schedule and with pipelines only
+        if (local && pp == 1) continue;
+        const std::vector<std::string> schedules =
+            local ? std::vector<std::string>{"local_learning"} : pp > 1 ? space.schedules : std::vector<std::string>{"1f1b"};
         for (const auto& sched : schedules)
           for (int m = 1; m <= space.max_microbatches && m <= base.batch / dp; ++m) {
             if ((base.batch / dp) % m != 0) continue;
