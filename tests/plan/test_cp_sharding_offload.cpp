@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "train_gpt/flags.hpp"
+#include "train_gpt_problems.hpp"
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
 #include "trellis/plan/search.hpp"
@@ -69,15 +70,7 @@ double gemms_f(double R, double W, double t, double F) {
   return 2 * R * (3 * W / t * W + W * W / t + 4 * W / t * W + W * 4 * W / t) / F;
 }
 
-std::vector<std::string> train_gpt_problems(const train::TrainerConfig& c) {
-  const auto& m = c.model;
-  std::vector<std::string> args = {"--layers", std::to_string(m.layers), "--heads", std::to_string(m.heads),
-                                   "--width", std::to_string(m.width), "--vocab", std::to_string(m.vocab),
-                                   "--context", std::to_string(c.seq), "--batch", std::to_string(c.batch)};
-  std::istringstream words(plan::train_gpt_flags(c));
-  for (std::string w; words >> w;) args.push_back(w);
-  return train_gpt::problems(train_gpt::parse_flags(args));
-}
+using plan_test::train_gpt_problems;
 
 // The search's first `top` against every layout of `space` checked, tried (offload_tried), fitted
 // and simulated here, then sorted; each proposed layout runs (train::config_problems, train_gpt's

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "train_gpt/flags.hpp"
+#include "train_gpt_problems.hpp"
 #include "train_gpt/plan_auto.hpp"
 #include "trellis/comm/simulated_link.hpp"
 #include "trellis/comm/threads.hpp"
@@ -40,17 +41,7 @@ train::TrainerConfig small_model() {
   return c;
 }
 
-// What train_gpt says of a layout: its flag checks (e.g. --overlap needs --tp > 1) and
-// train::config_problems, on the model's flags (seq = context) followed by the layout's.
-std::vector<std::string> train_gpt_problems(const train::TrainerConfig& c) {
-  const auto& m = c.model;
-  std::vector<std::string> args = {"--layers", std::to_string(m.layers), "--heads", std::to_string(m.heads),
-                                   "--width", std::to_string(m.width), "--vocab", std::to_string(m.vocab),
-                                   "--context", std::to_string(c.seq), "--batch", std::to_string(c.batch)};
-  std::istringstream words(plan::train_gpt_flags(c));
-  for (std::string w; words >> w;) args.push_back(w);
-  return train_gpt::problems(train_gpt::parse_flags(args));
-}
+using plan_test::train_gpt_problems;
 
 // The search's first `top` against every layout of `space` checked, fitted and simulated here,
 // then sorted (steps equal to 1e-12; ties may come in another order, so the steps are compared).

@@ -1,0 +1,25 @@
+// What train_gpt says of a planned layout, for the planner's tests: its flag checks (e.g. --overlap
+// needs --tp > 1) and train::config_problems, on the model's flags (seq = context) followed by the
+// layout's (plan::train_gpt_flags).
+#pragma once
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "train_gpt/flags.hpp"
+#include "trellis/plan/search.hpp"
+
+namespace plan_test {
+
+inline std::vector<std::string> train_gpt_problems(const trellis::train::TrainerConfig& c) {
+  const auto& m = c.model;
+  std::vector<std::string> args = {"--layers", std::to_string(m.layers), "--heads", std::to_string(m.heads),
+                                   "--width", std::to_string(m.width), "--vocab", std::to_string(m.vocab),
+                                   "--context", std::to_string(c.seq), "--batch", std::to_string(c.batch)};
+  std::istringstream words(trellis::plan::train_gpt_flags(c));
+  for (std::string w; words >> w;) args.push_back(w);
+  return train_gpt::problems(train_gpt::parse_flags(args));
+}
+
+}  // namespace plan_test
