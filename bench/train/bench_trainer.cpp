@@ -6,9 +6,10 @@
 //      cblas_sgemm calls of the same shapes; attention's T x T products (0.3 % of the FLOPs at
 //      T = 64) and every non-GEMM pass (AdamW, norms, GELU, softmax) are not in the floor;
 //  (b) PyTorch CPU training the same model for the same step (torch_gpt2_step.py, run with
-//      $TRELLIS_PYTHON or python3) when `import torch` works there; otherwise the row says so;
+//      $TRELLIS_PYTHON or python3) when `import torch` works there, in fp32 and under bf16 autocast
+//      (fp32 weights, gradients and AdamW, as (c)); otherwise the row says so;
 //  (c) Trainer<ThreadComm, backend::Host<bfloat16>>: bf16 compute, fp32 master weights, gradients
-//      and AdamW (OpenBLAS has no bf16 GEMM: the host bf16 path converts operands to fp32);
+//      and AdamW (bf16 GEMMs on oneDNN where the CPU has AMX or AVX512-BF16, kernels/gemm_dnnl.hpp);
 //  (d) the optimizer's memory floor: the 36 bytes per parameter an fp32 AdamW step moves (zero the
 //      gradients, read them for the norm, AdamW's reads and writes) as plain parallel memcpy. At
 //      256 tokens a step's GEMMs are only ~1.5 kFLOP per parameter, so this traffic is a large
@@ -60,7 +61,7 @@ struct TorchResult {
 };
 
 
-TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
+TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters, const char* autocast) {
   const char* env = std::getenv("TRELLIS_PYTHON");
   const std::string python = env ? env : "python3";
   TorchResult r;
@@ -72,7 +73,7 @@ TorchResult run_torch(const nn::GptConfig& cfg, int seq, int batch, int iters) {
                           std::to_string(cfg.layers) + " --heads " + std::to_string(cfg.heads) + " --width " +
                           std::to_string(cfg.width) + " --vocab " + std::to_string(cfg.vocab) + " --seq " +
                           std::to_string(seq) + " --batch " + std::to_string(batch) + " --iters " +
-                          std::to_string(iters) + " 2>/dev/null";
+                          std::to_string(iters) + " --autocast " + autocast + " 2>/dev/null";
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
   std::string out;
   char buf[512];
@@ -356,7 +357,8 @@ int main(int argc, char** argv) {
     std::tie(h_min, h_med) = t[2];
     std::tie(mem_s, mem_med) = t[3];
   });
-  const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters);
+  const TorchResult torch = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters, "none");
+  const TorchResult torch_bf16 = run_torch(c.model, static_cast<int>(c.seq), static_cast<int>(c.batch), iters, "bf16");
 
   const double gf = bench::gpt_gemm_flops(c.model, tokens);
   std::printf(
@@ -390,21 +392,26 @@ int main(int argc, char** argv) {
   line("sgemm + memory floor", floor_s + mem_s, floor_med + mem_med, false);
   line("trellis Trainer fp32", t_min, t_med);
   line("trellis Trainer bf16 compute", h_min, h_med);
-  if (torch.ok)
-    std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f %9.2f%% %9.2f%%   (%s)\n", "PyTorch CPU", torch.ms_min,
-                torch.ms_median, tokens / (torch.ms_min / 1e3), torch.ms_min / 1e3 / floor_s,
-                torch.ms_median / 1e3 / floor_med, mfu(torch.ms_min / 1e3, false), mfu(torch.ms_min / 1e3, true),
-                torch.note.c_str());
-  else
-    std::printf("%-30s %s\n", "PyTorch CPU", torch.note.c_str());
+  auto torch_line = [&](const char* name, const TorchResult& r) {
+    if (r.ok)
+      std::printf("%-30s %12.1f %12.1f %12.0f %10.2f %12.2f %9.2f%% %9.2f%%   (%s)\n", name, r.ms_min, r.ms_median,
+                  tokens / (r.ms_min / 1e3), r.ms_min / 1e3 / floor_s, r.ms_median / 1e3 / floor_med,
+                  mfu(r.ms_min / 1e3, false), mfu(r.ms_min / 1e3, true), r.note.c_str());
+    else
+      std::printf("%-30s %s\n", name, r.note.c_str());
+  };
+  torch_line("PyTorch CPU fp32", torch);
+  torch_line("PyTorch CPU bf16 autocast", torch_bf16);
   std::printf("# optimizer memory floor: 36 bytes per parameter (%.1f M parameters) as parallel memcpy: %.1f GB/s\n",
               parameters / 1e6, 36.0 * parameters / mem_s / 1e9);
   std::printf("# Trainer bf16 / fp32: %.2f (min), %.2f (median)\n", h_min / t_min, h_med / t_med);
   std::printf("# Trainer fp32 / (sgemm + memory floor): %.2f (min), %.2f (median)\n", t_min / (floor_s + mem_s),
               t_med / (floor_med + mem_med));
   if (torch.ok)
-    std::printf("# trellis / PyTorch: Trainer fp32 %.2f, Trainer bf16 %.2f\n", t_min * 1e3 / torch.ms_min,
-                h_min * 1e3 / torch.ms_min);
+    std::printf("# trellis / PyTorch fp32: Trainer fp32 %.2f\n", t_min * 1e3 / torch.ms_min);
+  if (torch_bf16.ok)
+    std::printf("# trellis / PyTorch bf16 autocast: Trainer bf16 %.2f; PyTorch bf16 / fp32 %.2f\n",
+                h_min * 1e3 / torch_bf16.ms_min, torch.ok ? torch_bf16.ms_min / torch.ms_min : 0.0);
 
   bench::JsonReport report("bench_trainer");
   bench::Row row;
@@ -426,6 +433,8 @@ int main(int argc, char** argv) {
       .add("trellis_mfu_fp32_peak", mfu(t_min, false) / 100, "%.4f")
       .add("bf16_mfu_bf16_peak", mfu(h_min, true) / 100, "%.4f");
   if (torch.ok) row.add("torch_ms_min", torch.ms_min).add("trellis_over_torch", t_min * 1e3 / torch.ms_min);
+  if (torch_bf16.ok)
+    row.add("torch_bf16_ms_min", torch_bf16.ms_min).add("bf16_over_torch_bf16", h_min * 1e3 / torch_bf16.ms_min);
   report.add(row);
   report.write(bench::json_path(argc, argv));
   return 0;

@@ -1,5 +1,7 @@
 """PyTorch CPU peer of bench_trainer: one training step (forward, backward, clip, AdamW) of a
 GPT-2 of the same shape in fp32, written with torch.nn only (tanh GELU, tied LM head, pre-norm).
+--autocast bf16 runs the forward and backward under torch.autocast("cpu", torch.bfloat16): bf16
+matmuls with fp32 weights, gradients and AdamW, as trellis' bf16 Trainer does.
 Prints one JSON line: {"ms_min": ..., "ms_median": ..., "threads": ...}.
   python3 torch_gpt2_step.py --layers 12 --heads 12 --width 768 --vocab 50257 --seq 64 --batch 4
 """
@@ -55,6 +57,7 @@ def main():
     for name, default in [("layers", 12), ("heads", 12), ("width", 768), ("vocab", 50257), ("seq", 64),
                           ("batch", 4), ("warmup", 1), ("iters", 3)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none")
     a = p.parse_args()
     torch.manual_seed(0)
     model = GPT(a.layers, a.heads, a.width, a.vocab, max(a.seq, 1024))
@@ -64,7 +67,8 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=False)
-        loss = model(idx, tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16"):
+            loss = model(idx, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -78,7 +82,8 @@ def main():
         times.append(time.perf_counter() - t0)
     times.sort()
     print(json.dumps({"ms_min": times[0] * 1e3, "ms_median": times[len(times) // 2] * 1e3,
-                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "autocast": a.autocast}))
 
 
 if __name__ == "__main__":

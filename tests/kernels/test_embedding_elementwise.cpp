@@ -1,9 +1,12 @@
 // Embedding forward/backward against plain loops (and against the sum over vocab shards), GELU
-// against the double tanh formula and finite differences, add and column sums against loops.
+// against the double tanh formula and finite differences, add and column sums against loops, the
+// fp32 -> bf16 conversion against rounding to nearest even worked out in double.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kernels/reference.hpp"
@@ -111,6 +114,56 @@ TEST_CASE("add and column sums vs loops", "[kernels][elementwise]") {
   for (std::int64_t i = 0; i < rows; ++i)
     for (std::int64_t j = 0; j < cols; ++j) want[j] += a[i * ld + j];
   require_close(sums, want, 1e-5, 1e-5, "column sums");
+}
+
+namespace {
+// The exact value of a float's bits, in double, by integer arithmetic (no float operation, so a
+// flush-to-zero mode of the thread cannot touch subnormals); bf16 bits as the float bits << 16.
+// The all-ones exponent maps to +-2^128: the next step above the largest finite value.
+double exact_value(std::uint32_t bits) {
+  const std::uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  const double magnitude = exponent == 0 ? std::ldexp(static_cast<double>(mantissa), -149)
+                                         : std::ldexp(static_cast<double>(mantissa | 0x800000u), static_cast<int>(exponent) - 150);
+  return (bits >> 31) ? -magnitude : magnitude;
+}
+// Round to nearest even by comparing the two bf16 neighbours' distances in double.
+std::uint16_t bf16_reference(std::uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fff;        // NaN: canonical
+  if ((bits & 0x7fffffffu) == 0x7f800000u) return static_cast<std::uint16_t>(bits >> 16);  // +-inf
+  const auto lo = static_cast<std::uint16_t>(bits >> 16), hi = static_cast<std::uint16_t>(lo + 1);
+  const double x = exact_value(bits), dlo = std::fabs(x - exact_value(std::uint32_t{lo} << 16)),
+               dhi = std::fabs(exact_value(std::uint32_t{hi} << 16) - x);
+  if (dlo != dhi) return dlo < dhi ? lo : hi;
+  return (lo & 1u) ? hi : lo;  // a tie: the even one
+}
+}  // namespace
+
+TEST_CASE("convert fp32 -> bf16: round to nearest even in double, NaN canonical, any length and offset",
+          "[kernels][elementwise]") {
+  // Bit patterns from every exponent (subnormals, the top of the range, inf, NaN), exact ties
+  // (low half 0x8000) with odd and even upper halves, and the half-ulp below the overflow to inf.
+  std::vector<std::uint32_t> bits = {0x00000000u, 0x80000000u, 0x00000001u, 0x00008000u, 0x00018000u, 0x3f808000u,
+                                     0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x7f7f7fffu, 0x7f7f8000u, 0x7f7fffffu,
+                                     0xff7f8000u, 0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u, 0x7fffffffu};
+  std::uint64_t state = 12345;
+  while (bits.size() < 20011) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    auto b = static_cast<std::uint32_t>(state >> 32);
+    if (bits.size() % 3 == 0) b = (b & 0xffff0000u) | 0x8000u;  // a tie
+    bits.push_back(b);
+  }
+  std::vector<float> src(bits.size());
+  std::memcpy(src.data(), bits.data(), bits.size() * sizeof(float));
+  for (std::int64_t offset : {0, 1, 7}) {  // starts off the vector width, lengths with tails
+    const std::int64_t n = static_cast<std::int64_t>(src.size()) - offset;
+    std::vector<bfloat16> dst(static_cast<std::size_t>(n), bfloat16(from_bits, 0xabcd));
+    host::convert(n, src.data() + offset, dst.data());
+    std::int64_t wrong = 0, first = -1;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (dst[i].bits != bf16_reference(bits[i + offset]) && wrong++ == 0) first = i + offset;
+    INFO("offset " << offset << ", first wrong input bits 0x" << std::hex << (first >= 0 ? bits[first] : 0u));
+    REQUIRE(wrong == 0);
+  }
 }
 
 TEST_CASE("fast_exp against std::exp, including the saturating ends", "[kernels][elementwise]") {

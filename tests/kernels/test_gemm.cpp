@@ -432,6 +432,29 @@ TEST_CASE("bf16 gemm on oneDNN, default tiles of a GPT-2 sized product, vs refer
   compare_bf16_paths<float>(cs, epilogue::None{});
 }
 
+#if defined(TRELLIS_HAS_DNNL)
+TEST_CASE("pack_rows: op(A)'s rows made contiguous, 8 x 8 register blocks and scalar edges", "[kernels][gemm][dnnl]") {
+  // Every (rows, k) pair around the 8-blocks' edges, from a transposed (si = 1, the SIMD path) and
+  // a general strided source, against dst[i k + p] = src[i si + p sp] element by element.
+  for (std::int64_t rows : {1, 7, 8, 9, 16, 37, 64}) {
+    for (std::int64_t k : {1, 5, 8, 15, 16, 33}) {
+      for (std::int64_t si : {1, 3}) {
+        const std::int64_t sp = si == 1 ? rows + 5 : 1 + 3 * rows;  // padded ld
+        std::vector<std::uint16_t> src(static_cast<std::size_t>(rows * si + k * sp + 8));
+        for (std::size_t e = 0; e < src.size(); ++e) src[e] = static_cast<std::uint16_t>(e * 2654435761u >> 7);
+        std::vector<std::uint16_t> dst(static_cast<std::size_t>(rows * k), 0xdead);
+        host::detail::pack_rows(src.data(), si, sp, rows, k, dst.data());
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < rows; ++i)
+          for (std::int64_t p = 0; p < k; ++p) wrong += dst[i * k + p] != src[i * si + p * sp];
+        INFO("rows " << rows << " k " << k << " si " << si);
+        REQUIRE(wrong == 0);
+      }
+    }
+  }
+}
+#endif
+
 TEST_CASE("bf16 gemm from several threads at once gives each thread's serial bits", "[kernels][gemm][dnnl]") {
   // Thread ranks call gemm concurrently: the primitive cache, streams and scratchpads must hold.
   constexpr int threads = 4;

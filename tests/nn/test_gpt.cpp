@@ -573,6 +573,35 @@ TEST_CASE("make_gpt_stage builds this rank's stage from a <pp, dp, tp> mesh", "[
   }
 }
 
+TEST_CASE("init_normal: each element is stddev x counter_normal at its global index, on any shard", "[nn][params]") {
+  // The reference is the per-element formula through global_index(); the shards cover a plain
+  // matrix split over columns and rows, the q/k/v view (C, 3, C) split over heads, a vector, and
+  // sizes past the init's chunk of 2^15 elements, so chunk starts land inside rows.
+  struct Shape {
+    std::vector<index_t> global, sharded;
+    ParamSharding sharding;
+    int tp;
+  };
+  const std::vector<Shape> shapes = {
+      {{37, 29}, {}, ParamSharding::replicated(), 1},
+      {{37, 290}, {}, ParamSharding::tp_sharded(1), 3},
+      {{301, 260}, {}, ParamSharding::tp_sharded(0), 2},
+      {{96, 288}, {96, 3, 96}, ParamSharding::tp_sharded(2, 8), 4},
+      {{70001}, {}, ParamSharding::tp_sharded(0), 2},
+  };
+  for (const Shape& sh : shapes)
+    for (int r = 0; r < sh.tp; ++r) {
+      Parameter p = make_parameter("h.3.attn.c_attn.weight", sh.global, sh.sharded, sh.sharding, sh.tp, r);
+      init_normal(p, 1234, 0.02f);
+      std::int64_t wrong = 0;
+      for (index_t i = 0; i < p.numel(); ++i)
+        wrong += p.value[i] != 0.02f * counter_normal(1234, p.name, p.global_index(i));
+      INFO("global shape " << sh.global.size() << "-d, " << p.numel() << " elements, tp rank " << r << " of " << sh.tp);
+      REQUIRE(p.numel() > 0);
+      REQUIRE(wrong == 0);
+    }
+}
+
 TEST_CASE("ParameterBuffer packs parameters into flat buffers they then view", "[nn][params]") {
   std::vector<Parameter> ps;
   ps.push_back(make_parameter("a", {3, 5}));

@@ -72,7 +72,7 @@ class Host {
 
   // ---- kernels --------------------------------------------------------------------------------
   void convert(std::size_t n, const float* src, Act* dst) const {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<Act>(src[i]);
+    kernels::host::convert(static_cast<index_t>(n), src, dst);
   }
   template <class TC, class E = kernels::epilogue::None>
   void gemm(const kernels::GemmArgs& args, const Act* a, const Act* b, TC* c, E ep = {}) const {

@@ -1,9 +1,12 @@
-// Host elementwise kernels: GELU (tanh form, as GPT-2) forward and backward, residual add, and the
-// column sums of a matrix (the bias gradient of a linear layer whose output gradient is given).
+// Host elementwise kernels: GELU (tanh form, as GPT-2) forward and backward, residual add, the
+// column sums of a matrix (the bias gradient of a linear layer whose output gradient is given), and
+// the fp32 -> activation-type conversion of a parameter's GEMM operand.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "trellis/core/dtype.hpp"
@@ -23,6 +26,37 @@ void for_chunks(std::int64_t n, Fn&& fn) {
   });
 }
 }  // namespace detail
+
+// dst[i] = bfloat16(src[i]) for i < n: round to nearest even, every NaN to the canonical 0x7fff
+// (the bits of the scalar conversion, core/dtype.hpp), with GCC/clang vector extensions. A bf16
+// backend converts every weight from its fp32 master values at each use (nn/operand.hpp): the
+// scalar loop on the calling thread took ~5 % of a GPT-2 124M bf16 step.
+inline void float_to_bf16_row(std::int64_t n, const float* TRELLIS_RESTRICT src, bfloat16* TRELLIS_RESTRICT dst) {
+  std::int64_t i = 0;
+#if TRELLIS_HOST_SIMD
+  typedef std::uint16_t vbits16 __attribute__((vector_size(simd::width * sizeof(std::uint16_t))));
+  for (; i + simd::width <= n; i += simd::width) {
+    simd::vuint u;
+    std::memcpy(&u, src + i, sizeof u);
+    const simd::vuint rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+    const simd::vuint nan = simd::vuint{} + static_cast<std::uint32_t>(trellis::detail::canonical_nan16);
+    const vbits16 bits = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, vbits16);
+    std::memcpy(static_cast<void*>(dst + i), &bits, sizeof bits);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bfloat16(src[i]);
+}
+
+// dst = src converted to T (float: a copy), in chunks on the pool.
+template <class T>
+void convert(std::int64_t n, const float* src, T* dst) {
+  TRELLIS_CHECK(n >= 0, "convert: negative size ", n);
+  detail::for_chunks(n, [&](std::int64_t i0, std::int64_t i1) {
+    if constexpr (std::is_same_v<T, bfloat16>) float_to_bf16_row(i1 - i0, src + i0, dst + i0);
+    else if constexpr (std::is_same_v<T, float>) std::copy(src + i0, src + i1, dst + i0);
+    else for (std::int64_t i = i0; i < i1; ++i) dst[i] = from_float<T>(src[i]);
+  });
+}
 
 // out = gelu_tanh(x); out may alias x.
 template <class T>
