@@ -43,8 +43,8 @@
 // offload synchronous, offload on the copy queue, side by side; fastest of --iters steps after a
 // warm-up, the bytes copied each way and the simulated link's time for them per step, the loss.
 // --disk: the optimizer state's disk tier (TrainerConfig::offload_dir) with its reads and writes
-// synchronous against prefetched (offload_disk_prefetch: the next chunk read and the last one
-// written on the tier's I/O thread while a chunk updates), on a SIMULATED slow disk: the tier's
+// synchronous against prefetched (offload_disk_prefetch: the next --disk-readahead (2) chunks read
+// and the last one written on the tier's I/O thread while a chunk updates), on a SIMULATED slow disk: the tier's
 // probe (DiskMoments::set_probe, its test and bench seam) sleeps bytes / --disk-gbps (1 GB/s) before
 // each chunk's pread / pwrite, one at a time as on one queue (the file itself is in the page
 // cache). GPT-2 124M on one thread rank (one kernel thread), T 64, 1 row (so the update, AdamW
@@ -56,7 +56,7 @@
 // biases and norms are a larger share of the chunks.
 //   bench_zero [--memory | --link | --activations | --activation-copies [--act-gbps G] [--rows N] | --disk [--small]
 //              | --update-thread [--rows N] [--passes N]] [--iters N] [--share S]
-//              [--disk-gbps G] [--chunk N] [--json FILE]
+//              [--disk-gbps G] [--disk-readahead N] [--chunk N] [--json FILE]
 #include <malloc.h>
 
 #include <algorithm>
@@ -482,6 +482,7 @@ int disk_main(int argc, char** argv) {
   const int iters = std::max(1, static_cast<int>(bench::int_flag(argc, argv, "--iters", 3)));
   const double gbps = bench::double_flag(argc, argv, "--disk-gbps", 1.0);
   const auto chunk = static_cast<std::size_t>(bench::int_flag(argc, argv, "--chunk", 1 << 20));
+  const int readahead = static_cast<int>(bench::int_flag(argc, argv, "--disk-readahead", 2));
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "trellis-bench-zero-disk";
   const bool small = bench::has_flag(argc, argv, "--small");
   train::TrainerConfig c = small ? link_config(0, true) : train::TrainerConfig{};
@@ -495,10 +496,13 @@ int disk_main(int argc, char** argv) {
   c.lr = {.max_lr = 3e-4, .min_lr = 3e-5, .warmup_steps = 0, .total_steps = 100};
   c.offload_dir = dir;
   c.offload_buffer_elements = chunk;
+  c.offload_disk_readahead = readahead;
   std::printf("# %s, T %d, 1 row, 1 thread rank (1 kernel thread): AdamW moments "
               "on disk in chunks of %zu elements, on a SIMULATED disk of %.2f GB/s (a sleep of bytes / bandwidth "
-              "before each chunk's pread / pwrite; the file is in the page cache); fastest of %d steps\n",
-              small ? "GPT 8 layers, width 256, vocab 8192" : "GPT-2 124M", static_cast<int>(c.seq), chunk, gbps, iters);
+              "before each chunk's pread / pwrite; the file is in the page cache); prefetched: %d chunks read ahead; "
+              "fastest of %d steps\n",
+              small ? "GPT 8 layers, width 256, vocab 8192" : "GPT-2 124M", static_cast<int>(c.seq), chunk, gbps, readahead,
+              iters);
   std::printf("%-34s %10s %12s %14s %12s %12s %14s\n", "case", "step ms", "x sync", "disk ms/step", "chunks/step", "host MB",
               "loss");
   bench::JsonReport report("bench_zero_disk");

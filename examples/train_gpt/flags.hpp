@@ -47,6 +47,7 @@ struct Options {
   std::string fused_update;  // empty: off; unclipped | previous-clip
   std::string offload;       // comma list of what to offload to host memory: optimizer, activations
   std::string offload_dir;   // the optimizer state's disk tier
+  int offload_disk_readahead = 2;  // ... chunks read ahead of the update
   std::string schedule = "1f1b";
   bool schedule_given = false;  // --schedule on the command line (conflicts with --schedule-file)
   std::string schedule_file;    // a text schedule (pipe/text.hpp) instead of a generator
@@ -108,8 +109,9 @@ moe:       --experts E (0: dense) --topk K (1 or 2) --moe-every N (2 with --expe
 batch:     --batch B (16, global rows of T tokens) --microbatches M (2)
 layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x cp]
            --plan auto --ranks N: the planner picks dp x tp x pp x cp = N, the schedule, microbatches,
-           --sp, --recompute and --zero (include/trellis/plan: rates timed on this machine,
-           memory: this machine's / N), prints its table and runs the fastest (threads, host);
+           --sp, --recompute, --zero and, with --experts, --ep (include/trellis/plan: rates
+           timed on this machine, memory: this machine's / N), prints its table and runs the
+           fastest (threads, host);
            with --schedule local_learning it plans local-learning pipelines (pp >= 2) only;
            with --mpi (no --ranks): for mpirun's ranks, rank 0 plans (the link measured over
            the world, rates timed on its node) and every rank runs its choice
@@ -135,6 +137,8 @@ layout:    --dp N (1) --tp N (1) --pp N (1) --cp N (1)  [ranks = dp x tp x pp x 
              before its backward, the next one while it computes)
            --offload-dir DIR (AdamW moments in a scratch file under DIR, streamed through
            bounded host buffers for each update: state larger than host memory)
+           --offload-disk-readahead N (2; with --offload-dir: chunks read ahead while one
+             updates, in N + 1 host buffers of a chunk's moments)
            --schedule NAME (1f1b; gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v,
              local_learning: PPLL, every stage but the last trains on a loss of its own and no
              gradient crosses a stage boundary)
@@ -294,6 +298,8 @@ inline Options parse_flags(const std::vector<std::string>& args) {
       o.offload = value();
     else if (f == "--offload-dir")
       o.offload_dir = value();
+    else if (f == "--offload-disk-readahead")
+      int_flag(o.offload_disk_readahead);
     else if (f == "--schedule") {
       o.schedule = value();
       o.schedule_given = true;
@@ -455,6 +461,7 @@ inline trellis::train::TrainerConfig trainer_config(const Options& o) {
     c.offload_activations = c.offload_activations || what == "activations";
   }
   c.offload_dir = o.offload_dir;
+  c.offload_disk_readahead = o.offload_disk_readahead;
   using Fused = trellis::train::TrainerConfig::FusedUpdate;
   c.fused_update = o.fused_update == "unclipped"       ? Fused::unclipped
                    : o.fused_update == "previous-clip" ? Fused::previous_clip
@@ -525,14 +532,15 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     if (o.mpi && o.ranks != 0) out.push_back("--plan auto --mpi plans for mpirun's ranks: drop --ranks");
     if (o.backend != "host" || o.dtype == "bf16")
       out.push_back("--plan auto plans ranks of the host backend in fp32 (no --backend cuda, --dtype bf16)");
-    if (o.cp > 1 || o.experts > 0 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
+    if (o.cp > 1 || !o.offload.empty() || !o.offload_dir.empty() || o.shard_degree > 0 ||
         !o.fused_update.empty() || !o.schedule_file.empty() || !o.stage_layers.empty() || !o.rank_speed.empty() ||
         !o.dp_rows.empty() || !o.dp_speed.empty() || o.stage_costs != "flops")
       out.push_back("--plan auto chooses --cp (and its mode), --shard-degree and --offload optimizer itself, and does "
-                    "not model --experts, --offload activations, --offload-dir, --fused-update, --schedule-file, "
+                    "not model --offload activations, --offload-dir, --fused-update, --schedule-file, "
                     "--stage-layers, --rank-speed, --dp-rows, --dp-speed or --stage-costs yet: drop "
                     "them or give the layout yourself (--cluster FILE gives the ranks' speeds)");
     if (o.overlap > 1) out.push_back("--plan auto chooses --overlap (tp overlap chunks) itself: drop --overlap");
+    if (o.ep > 1) out.push_back("--plan auto chooses --ep (expert parallelism) itself: drop --ep");
     if (o.mpi && !o.cluster.empty()) out.push_back("--plan auto --mpi plans with speeds measured, not from --cluster");
   }
   if (!o.cluster.empty() && (!o.rank_speed.empty() || !o.dp_speed.empty()))

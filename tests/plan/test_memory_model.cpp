@@ -183,10 +183,14 @@ TEST_CASE("memory model: predict_memory equals Trainer::memory() on every rank o
 
 TEST_CASE("memory model: the disk tier's file and host buffers", "[plan][memory]") {
   TempDir dir("memory-model");
-  Case k{"dp2 ZeRO-1 moments on disk, buffers of 1000", layout({.dp = 2, .zero = 1})};
-  k.cfg.offload_dir = dir.path;
-  k.cfg.offload_buffer_elements = 1000;
-  check_case(k, run(k.cfg));
+  for (int readahead : {1, 2, 4}) {  // the ring of read-ahead chunks grows the host buffers
+    Case k{"dp2 ZeRO-1 moments on disk, buffers of 1000, read-ahead " + std::to_string(readahead),
+           layout({.dp = 2, .zero = 1})};
+    k.cfg.offload_dir = dir.path;
+    k.cfg.offload_buffer_elements = 1000;
+    k.cfg.offload_disk_readahead = readahead;
+    check_case(k, run(k.cfg));
+  }
 }
 
 TEST_CASE("memory model: refuses what it does not model, naming it", "[plan][memory]") {

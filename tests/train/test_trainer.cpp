@@ -909,11 +909,10 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
     // The queue changes when copies run, not which regions are in frames (eviction and prefetch
     // choices do not look at the host copies): the same fetches as the synchronous mode. Its
     // write-backs are the synchronous mode's (a region the unit wrote since its last copy is
-    // copied before its frame is reused) made earlier, plus those of regions written back after
-    // their forward and never evicted: at least as many bytes. Every fetched byte was written
-    // back first.
+    // copied before its frame is reused) made earlier: knowing the step's calls, it writes back
+    // no region that stays in its frame until its backward, so the same bytes.
     RANK_CHECK(q.fetched_bytes() == off.activation_arena().fetched_bytes());
-    RANK_CHECK(q.offloaded_bytes() >= off.activation_arena().offloaded_bytes());
+    RANK_CHECK(q.offloaded_bytes() == off.activation_arena().offloaded_bytes());
     RANK_CHECK(q.fetched_bytes() > 0);
     RANK_CHECK(q.fetched_bytes() <= q.offloaded_bytes());
     RANK_CHECK(q.host_held_bytes() == 0);
@@ -934,12 +933,131 @@ TEST_CASE("offloaded activations give the same bits, and their bytes leave the d
   });
 }
 
+// Which regions the copy queue writes back (train/saved_activations.hpp gives each pool its step's
+// calls; ActivationArena::set_unit_calls): only those whose frame is taken before their backward.
+// By hand, 1 rank, the tiny GPT's 4 layers, 2 frames: units head (0), blocks 3..0 (1..4),
+// embedding (5); the forward runs 5..0, so after it the two frames hold unit 1 (the last block)
+// and the head, and units 2..5 (the embedding and blocks 0..2) were evicted and written back
+// with what their forward saved. With recompute that is, per microbatch of `rows` token rows,
+// the embedding's token ids (rows int32) and 3 block inputs (rows x width floats), each rounded
+// to the arena's 256 bytes; with 1 and 2 microbatches, 2 steps with an evaluation between them
+// (the pool finds its calls again). Writing back every region after its forward adds the last
+// block's input. On more layouts the queue writes back exactly what the synchronous mode does
+// (at eviction only), and the same bits.
+TEST_CASE("offloaded activations: the copy queue writes back only the regions that leave their frames",
+          "[train][trainer][offload][activations]") {
+  const auto tiny = tiny_config();
+  for (int m : {1, 2}) {
+    INFO("m" << m);
+    TrainerConfig c = with_layout(tiny, {.microbatches = m, .recompute = true});
+    c.offload_activations = true;
+    c.offload_activation_frames = 2;
+    nn_test::run_ranks(1, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> t(comm, c);
+      const std::size_t rows = static_cast<std::size_t>(c.batch / m * c.seq);
+      auto round = [](std::size_t b) { return (b + 255) / 256 * 256; };
+      const std::size_t block = round(rows * static_cast<std::size_t>(c.model.width) * sizeof(float)),
+                        embedding = round(rows * sizeof(std::int32_t));
+      RANK_CHECK(t.chunks()[0]->unit_saved_bytes(t.microbatch_shape()).size() == 6);
+      const std::size_t must_leave = static_cast<std::size_t>(m) * (embedding + 3 * block);
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      const auto batch = loader.next();
+      t.step(batch);
+      const auto& a = t.activation_arena();
+      RANK_CHECK(a.offloaded_bytes() == must_leave);
+      RANK_CHECK(a.fetched_bytes() == must_leave);
+      t.evaluate(batch);
+      t.step(batch);
+      RANK_CHECK(a.offloaded_bytes() == 2 * must_leave);
+      RANK_CHECK(a.fetched_bytes() == 2 * must_leave);
+    });
+  }
+  struct Row {
+    Layout layout;
+    int frames;
+  };
+  for (const Row& row : {Row{{.microbatches = 2}, 2}, Row{{.microbatches = 2, .recompute = true}, 1},
+                         Row{{.pp = 2, .schedule = "1f1b", .microbatches = 4}, 2},
+                         Row{{.pp = 2, .schedule = "zb_h1", .microbatches = 4}, 2},
+                         Row{{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}, 2},
+                         Row{{.pp = 2, .schedule = "zb_v", .microbatches = 4}, 3}}) {
+    TrainerConfig c = with_layout(tiny, row.layout);
+    c.offload_activations = true;
+    c.offload_activation_frames = row.frames;
+    TrainerConfig sync_c = c;
+    sync_c.offload_activation_copy_queue = false;
+    INFO("pp " << c.pp << " " << c.schedule << " m" << c.microbatches << " frames " << row.frames);
+    nn_test::run_ranks(c.pp, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> queued(comm, c), sync(comm, sync_c);
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      for (int s = 0; s < 2; ++s) {
+        const auto batch = loader.next();
+        const double lq = queued.step(batch).loss, ls = sync.step(batch).loss;
+        RANK_CHECK(lq == ls);
+      }
+      RANK_CHECK(queued.activation_arena().offloaded_bytes() == sync.activation_arena().offloaded_bytes());
+      RANK_CHECK(queued.activation_arena().fetched_bytes() == sync.activation_arena().fetched_bytes());
+    });
+  }
+}
+
+// Evaluation with offloaded activations (Trainer::evaluate; SavedActivations::forward_only): no
+// backward follows, so each unit's region is freed as its forward ends. Against the same trainer
+// without offloading: the evaluation losses are the same bits, the arena copies 0 bytes each way
+// during an evaluation (its counters do not move), holds nothing after it, and before any step
+// (peaks not yet raised by training) it held at most one frame at a time (a forward's unit);
+// a step after the evaluation still gives the plain run's bits.
+TEST_CASE("evaluation with offloaded activations copies nothing and gives the same loss bits",
+          "[train][trainer][offload][activations][eval]") {
+  const auto tiny = tiny_config();
+  struct Row {
+    Layout layout;
+    int frames;
+  };
+  for (const Row& row : {Row{{.microbatches = 2}, 2}, Row{{}, 1}, Row{{.pp = 2, .schedule = "1f1b", .microbatches = 4}, 2},
+                         Row{{.pp = 2, .schedule = "interleaved_1f1b", .microbatches = 4}, 2}}) {
+    const TrainerConfig c = with_layout(tiny, row.layout);
+    TrainerConfig off_c = c;
+    off_c.offload_activations = true;
+    off_c.offload_activation_frames = row.frames;
+    INFO("pp " << c.pp << " " << c.schedule << " m" << c.microbatches << " frames " << row.frames);
+    nn_test::run_ranks(c.pp, [&](ThreadComm& comm) {
+      Trainer<ThreadComm> plain(comm, c), off(comm, off_c);
+      trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, 0, 1});
+      const auto batch = loader.next();
+      const auto& arena = off.activation_arena();
+      const double e0_plain = plain.evaluate(batch), e0_off = off.evaluate(batch);  // collectives: outside RANK_CHECK
+      RANK_CHECK(e0_off == e0_plain);
+      RANK_CHECK(arena.offloaded_bytes() == 0);
+      RANK_CHECK(arena.fetched_bytes() == 0);
+      RANK_CHECK(arena.peak_host_held_bytes() == 0);
+      std::size_t frame = 0;  // the largest frame of this rank's pools
+      for (int p = 0; p < arena.pools(); ++p) frame = std::max(frame, arena.slot_bytes(p));
+      RANK_CHECK(arena.peak_held_bytes() > 0);
+      RANK_CHECK(arena.peak_held_bytes() <= frame);  // one unit's region at a time
+      const double s1_plain = plain.step(batch).loss, s1_off = off.step(batch).loss;
+      RANK_CHECK(s1_off == s1_plain);
+      const std::size_t wrote = arena.offloaded_bytes(), read = arena.fetched_bytes();
+      const double e1_plain = plain.evaluate(batch), e1_off = off.evaluate(batch);
+      RANK_CHECK(e1_off == e1_plain);
+      RANK_CHECK(arena.offloaded_bytes() == wrote);  // 0 bytes copied by the evaluation
+      RANK_CHECK(arena.fetched_bytes() == read);
+      RANK_CHECK(arena.held_bytes() == 0);
+      RANK_CHECK(arena.host_held_bytes() == 0);
+      const double s2_plain = plain.step(batch).loss, s2_off = off.step(batch).loss;
+      RANK_CHECK(s2_off == s2_plain);
+    });
+  }
+}
+
 // The disk tier (TrainerConfig::offload_dir): the moments in a scratch file, each update streamed
 // through host buffers of offload_buffer_elements (300 here: large tensors cut into several
 // chunks, small ones coalesced into one). The same host kernel on each chunk: the bits of the run
-// without offloading, in every layout, with the reads and writes prefetched on the tier's I/O thread (the default) and
-// synchronous (offload_disk_prefetch false); checkpoints move between the two; the bytes are the
-// file's, the host buffers stay bounded (one chunk x 4, x 6 prefetched: the moments twice).
+// without offloading, in every layout, with the reads and writes prefetched on the tier's I/O
+// thread reading 1, 2 (the default) and 5 chunks ahead (offload_disk_readahead) and synchronous
+// (offload_disk_prefetch false); checkpoints move between the two; the bytes are the file's, the
+// host buffers stay bounded (one chunk x 4; read D chunks ahead, x 2 (D + 1) + 2: the moments
+// D + 1 times); a read-ahead of 0 is refused.
 // Faults: a directory that cannot be made, or a cap below the moments' size (a full disk), is an
 // error naming it before the first step; a read or a write that fails on the I/O thread (the
 // probe's injected EIO / ENOSPC, one in a chunk of one tensor and one in a coalesced chunk) is
@@ -951,10 +1069,11 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
   using trellis::train::DiskEvent;
   const auto tiny = tiny_config();
   TempDir dir("disk-tier");
-  auto on_disk = [&](TrainerConfig c, bool prefetch = true, std::size_t chunk = 300) {
+  auto on_disk = [&](TrainerConfig c, bool prefetch = true, std::size_t chunk = 300, int readahead = 2) {
     c.offload_dir = dir.path / "moments";
     c.offload_buffer_elements = chunk;
     c.offload_disk_prefetch = prefetch;
+    c.offload_disk_readahead = readahead;
     return c;
   };
   TrainerConfig fused = with_layout(tiny, {.dp = 2, .zero = 2, .microbatches = 2});
@@ -965,33 +1084,42 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
     nn_test::Collector w;
     RunResult r;
     train(c, kSteps, r, w);
-    for (bool prefetch : {true, false}) {
-      INFO("dp " << c.dp << " zero " << c.zero << " fused " << (c.fused_update != Fused::off) << " prefetch " << prefetch);
+    for (int readahead : {0, 1, 2, 5}) {  // 0: prefetch off (synchronous)
+      INFO("dp " << c.dp << " zero " << c.zero << " fused " << (c.fused_update != Fused::off) << " read-ahead " << readahead);
       nn_test::Collector dw;
       RunResult dr;
-      train(on_disk(c, prefetch), kSteps, dr, dw);
+      train(on_disk(c, readahead > 0, 300, std::max(readahead, 1)), kSteps, dr, dw);
       check_bitwise(dr, dw, r, w);
     }
   }
   TrainerConfig no_chunk = on_disk(tiny, true, 0);
   REQUIRE(trellis::train::config_problems(no_chunk).size() == 1);
   CHECK_THAT(trellis::train::config_problems(no_chunk)[0], Catch::Contains("offload_buffer_elements) must be >= 1"));
+  TrainerConfig no_readahead = on_disk(tiny, true, 300, 0);
+  REQUIRE(trellis::train::config_problems(no_readahead).size() == 1);
+  CHECK_THAT(trellis::train::config_problems(no_readahead)[0], Catch::Contains("reads ahead at least 1 chunk"));
   check_resumes_bitwise(on_disk(with_layout(tiny, {.dp = 2, .zero = 1})), with_layout(tiny, {.dp = 2, .zero = 1}),
                         "disk-resume");
   check_resumes_bitwise(with_layout(tiny, {.dp = 2, .zero = 1}), on_disk(with_layout(tiny, {.dp = 2, .zero = 1}), false),
                         "disk-resume-back");
   nn_test::run_ranks(2, [&](ThreadComm& comm) {
     const TrainerConfig c = with_layout(tiny, {.dp = 2, .zero = 1});
-    Trainer<ThreadComm> plain(comm, c), disk(comm, on_disk(c, true, 1000)), sync(comm, on_disk(c, false, 1000));
+    Trainer<ThreadComm> plain(comm, c), disk(comm, on_disk(c, true, 1000)), sync(comm, on_disk(c, false, 1000)),
+        ahead1(comm, on_disk(c, true, 1000, 1)), ahead5(comm, on_disk(c, true, 1000, 5));
     trellis::train::DataLoader loader(tokens(), {c.batch, c.seq, 99, true, comm.rank(), 2});
     const auto batch = loader.next();
-    disk.step(batch);
-    sync.step(batch);
-    const auto moments = plain.memory().optimizer;
-    RANK_CHECK(disk.memory().optimizer == 0);
-    RANK_CHECK(disk.memory().disk_optimizer == moments);
-    RANK_CHECK(disk.memory().host_optimizer == 6 * 1000 * sizeof(float));  // m and v twice, values, gradients
-    RANK_CHECK(sync.memory().host_optimizer == 4 * 1000 * sizeof(float));  // m, v, values, gradients: one chunk
+    for (int stepped = 0; stepped < 2; ++stepped) {  // the buffers are held from the start: counted before a step
+      INFO("after a step: " << stepped);
+      const auto moments = plain.memory().optimizer;
+      RANK_CHECK(disk.memory().optimizer == 0);
+      RANK_CHECK(disk.memory().disk_optimizer == moments);
+      // read ahead D chunks: m and v (D + 1) times, values, gradients, of 1000 elements
+      RANK_CHECK(disk.memory().host_optimizer == (2 * (2 + 1) + 2) * 1000 * sizeof(float));  // D = 2, the default
+      RANK_CHECK(ahead1.memory().host_optimizer == (2 * (1 + 1) + 2) * 1000 * sizeof(float));
+      RANK_CHECK(ahead5.memory().host_optimizer == (2 * (5 + 1) + 2) * 1000 * sizeof(float));
+      RANK_CHECK(sync.memory().host_optimizer == 4 * 1000 * sizeof(float));  // m, v, values, gradients: one chunk
+      for (auto* t : {&disk, &sync, &ahead1, &ahead5}) t->step(batch);
+    }
     RANK_CHECK(std::filesystem::is_empty(dir.path / "moments"));  // the files are unlinked: nothing left behind
   });
   // Faults, with a checkpoint saved before them
@@ -1098,8 +1226,8 @@ TEST_CASE("the optimizer state's disk tier gives the same bits, bounded buffers,
 // visits them in the file's), 1 rank: the bits of the run without offloading; the chunks
 // streamed equal the count from the parameters' sizes (cap = min(chunk, largest); per update,
 // ceil(total / cap) coalesced, the sum of ceil(n / cap) not; unfused one update of every
-// tensor, fused one per unit: a block's, the head's ln_f, wpe, wte); the host buffers are 6 (4)
-// chunks of cap.
+// tensor, fused one per unit: a block's, the head's ln_f, wpe, wte); the host buffers are 8 (4)
+// chunks of cap (reading 2 chunks ahead, the default).
 TEST_CASE("the disk tier coalesces consecutive tensors into one chunk, with the same bits",
           "[train][trainer][offload][disk]") {
   using Fused = TrainerConfig::FusedUpdate;
@@ -1178,7 +1306,7 @@ TEST_CASE("the disk tier coalesces consecutive tensors into one chunk, with the 
       }
       CHECK(got.chunks == expected_chunks(ref, k.chunk, k.coalesce, is_fused));
       const std::size_t cap = std::min(k.chunk, *std::max_element(ref.sizes.begin(), ref.sizes.end()));
-      CHECK(got.host == (k.prefetch ? 6 : 4) * cap * sizeof(float));
+      CHECK(got.host == (k.prefetch ? 8 : 4) * cap * sizeof(float));  // read ahead 2: m, v 3 times, values, gradients
     }
     // The cases exercise coalescing: fewer chunks than the tensors' pieces (a step: 179 against 215 unfused).
     CHECK(expected_chunks(ref, 300, true, is_fused) < expected_chunks(ref, 300, false, is_fused));

@@ -117,6 +117,9 @@ TEST_CASE("inconsistent layouts are refused saying what to change", "[train][fla
     CHECK((acts.offload_activations && !acts.offload_optimizer));
   }
   CHECK(error_of({"--offload", "activations"}).empty());
+  CHECK(train_gpt::trainer_config(parse_flags({})).offload_disk_readahead == 2);
+  CHECK(train_gpt::trainer_config(parse_flags({"--offload-disk-readahead", "4"})).offload_disk_readahead == 4);
+  CHECK(contains(error_of({"--offload-disk-readahead", "0"}), "reads ahead at least 1 chunk (--offload-disk-readahead, got 0"));
   CHECK(contains(error_of({"--offload", "optimizer,weights"}),
                  "'weights' is not something to offload (a comma list of optimizer, activations"));
   CHECK(train_gpt::trainer_config(parse_flags({"--fused-update", "previous-clip"})).fused_update ==

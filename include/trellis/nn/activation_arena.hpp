@@ -39,6 +39,14 @@
 //     costs nothing for a region already written back, and a region still resident when its
 //     backward or W comes needs no fetch. prefetch() starts the next unit's fetch and returns;
 //     its begin_unit waits for it.
+//     With the pool's calls known (set_unit_calls: the calls of one step, in order, repeated each
+//     step; the Trainer lists them from its schedule), a region is written back after its forward
+//     only if it must leave: the arena replays the calls that follow on a copy of its bookkeeping
+//     (no copies) and writes the region back only if its frame is taken before its unit computes
+//     again, so the regions that stay resident until their backward are never copied. A call off
+//     the list (an evaluation between steps, a schedule the list does not describe) makes the pool
+//     write every region back again until a step's first call comes round; a wrong guess costs a
+//     copy at eviction, never a wrong byte (eviction writes back what the host lacks).
 //   - synchronous (queue = false; the baseline benches compare with): each copy is waited for at
 //     once, a region is written back only when its frame is wanted (evicted), fetched only when
 //     its unit begins or is prefetched, as the arena did before the queue.
@@ -56,6 +64,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -82,6 +91,14 @@ constexpr std::size_t saved_size(index_t n) {
 struct OffloadCopies {
   bool queue = false;                      // overlapped on the copy queue; false: synchronous
   backend::SimulatedCopyLink simulated{};  // host backends: a SIMULATED link (tests, benches)
+};
+
+// One call a Trainer makes to an offloaded pool (set_unit_calls: a step's calls, in order).
+struct UnitCall {
+  enum class Op : std::uint8_t { begin, end, end_forward, prefetch, release };
+  Op op = Op::begin;
+  int mb = 0, unit = 0;
+  friend bool operator==(const UnitCall&, const UnitCall&) = default;
 };
 
 template <backend::Backend B>
@@ -207,6 +224,7 @@ class ActivationArena {
     Pool& p = pool_at(pool);
     if (!p.offloaded) return;
     TRELLIS_CHECK(allocated(), "ActivationArena: begin_unit before allocate()");
+    follow(p, {UnitCall::Op::begin, mb, unit});
     const int r = region_of(p, mb, unit, "begin_unit");
     if (!p.region_alive[r]) {
       p.region_alive[r] = 1;
@@ -216,7 +234,7 @@ class ActivationArena {
     if (p.pending_writeback != r) start_pending_writeback(p);  // the compute that wrote it is done
     p.pending_writeback = -1;  // or the region computes again at once: no copy
     const int f = make_resident(p, r, "begin_unit");
-    queue_->wait(be_, p.frame_ticket[f]);  // its fetch, or a write-back still reading the frame
+    if (!dry_) queue_->wait(be_, p.frame_ticket[f]);  // its fetch, or a write-back still reading the frame
     if (p.region_on_host[r]) {  // the unit may write its region: the host copy is stale from here
       p.region_on_host[r] = 0;
       host_held_ -= p.region_used[r];
@@ -228,38 +246,58 @@ class ActivationArena {
   void end_unit(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
     if (!p.offloaded) return;
-    const int r = find_region(p, mb, unit);
-    if (r < 0 || !p.region_alive[r]) return;  // released inside its unit (a fused W)
-    const int f = p.region_frame[r];
-    TRELLIS_CHECK(f >= 0 && p.frame_pins[f] > 0, "ActivationArena: pool \"", p.name, "\": end_unit of microbatch ", mb,
-                  " unit ", unit, " without begin_unit");
-    --p.frame_pins[f];
-    if (p.current == r && p.frame_pins[f] == 0) p.current = -1;
+    follow(p, {UnitCall::Op::end, mb, unit});
+    unpin(p, mb, unit);
   }
   // end_unit after the unit's forward: overlapped, the region's write-back starts when the pool's
-  // next unit begins (if that is not the region itself).
+  // next unit begins (if that is not the region itself), and only if it must leave its frame
+  // before its unit computes again (when the pool's calls are known: set_unit_calls).
   void end_forward(int pool, int mb, int unit) {
-    end_unit(pool, mb, unit);
     Pool& p = pool_at(pool);
-    if (!p.offloaded || !copies_.queue) return;
+    if (!p.offloaded) return;
+    follow(p, {UnitCall::Op::end_forward, mb, unit});
+    unpin(p, mb, unit);
+    if (!copies_.queue) return;
     const int r = find_region(p, mb, unit);
     if (r < 0 || !p.region_alive[r] || p.region_frame[r] < 0 || p.frame_pins[p.region_frame[r]] > 0) return;
     if (p.pending_writeback != r) start_pending_writeback(p);
-    p.pending_writeback = r;
+    p.pending_writeback = dry_ || leaves_before_next_use(pool, r) ? r : -1;
   }
   // Unit `unit` of microbatch mb is done (after its W): its region is freed on both tiers.
   void release_unit(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
     if (!p.offloaded) return;
+    follow(p, {UnitCall::Op::release, mb, unit});
     const int r = find_region(p, mb, unit);
     if (r >= 0) drop_region(p, r);
+  }
+  // The calls `pool` sees in one step, in order (set-up; see the file's header): begin_unit,
+  // end_unit, end_forward, prefetch and release_unit as UnitCalls.
+  void set_unit_calls(int pool, std::vector<UnitCall> calls) {
+    Pool& p = pool_at(pool);
+    TRELLIS_CHECK(p.offloaded, "ActivationArena: set_unit_calls on pool \"", p.name, "\", which is not offloaded");
+    p.calls = std::move(calls);
+    p.next_call = 0;
+    p.on_track = true;
+  }
+  // One UnitCall made (what the Trainer's unit hook does with the calls it lists).
+  void call(int pool, const UnitCall& c) {
+    switch (c.op) {
+      case UnitCall::Op::begin: begin_unit(pool, c.mb, c.unit); return;
+      case UnitCall::Op::end: end_unit(pool, c.mb, c.unit); return;
+      case UnitCall::Op::end_forward: end_forward(pool, c.mb, c.unit); return;
+      case UnitCall::Op::prefetch: prefetch(pool, c.mb, c.unit); return;
+      case UnitCall::Op::release: release_unit(pool, c.mb, c.unit); return;
+    }
   }
   // Fetches unit `unit` of microbatch mb back into a frame ahead of its begin_unit, if it is
   // offloaded and a frame is free or holds a region neither pinned nor itself prefetched.
   // Returns whether it copied (overlapped: whether it started the copy).
   bool prefetch(int pool, int mb, int unit) {
     Pool& p = pool_at(pool);
-    if (!p.offloaded || unit < 0 || unit >= p.units()) return false;
+    if (!p.offloaded) return false;
+    follow(p, {UnitCall::Op::prefetch, mb, unit});
+    if (unit < 0 || unit >= p.units()) return false;
     const int r = find_region(p, mb, unit);
     if (r < 0 || !p.region_alive[r] || p.region_frame[r] >= 0) return false;
     if (free_or_evictable(p, /*for_prefetch=*/true) < 0) return false;
@@ -267,6 +305,12 @@ class ActivationArena {
     ++prefetched_;
     return true;
   }
+  // Whether the pool's calls so far follow its set_unit_calls list (tests).
+  bool following_calls(int pool) const {
+    const Pool& p = pools_.at(static_cast<std::size_t>(pool));
+    return !p.calls.empty() && p.on_track;
+  }
+
   // Where take<T> put a saved tensor of an offloaded pool: (region, byte offset in it).
   template <class T>
   std::pair<int, std::size_t> take_in_region(int pool, int mb, index_t n, const char* what) {
@@ -357,6 +401,9 @@ class ActivationArena {
     std::vector<char> region_alive, region_on_host;
     int current = -1;  // the region takes cut from (the last begin_unit)
     int pending_writeback = -1;  // overlapped: forward done, written back when the next unit begins
+    std::vector<UnitCall> calls;  // a step's calls (set_unit_calls), and the next one expected
+    std::size_t next_call = 0;
+    bool on_track = true;  // the calls so far followed the list
     int units() const { return static_cast<int>(unit_bytes.size()); }
   };
 
@@ -399,6 +446,65 @@ class ActivationArena {
                   " of ", p.units());
     return static_cast<int>(slot_of(p, mb, what)) * p.units() + unit;
   }
+  void unpin(Pool& p, int mb, int unit) {
+    const int r = find_region(p, mb, unit);
+    if (r < 0 || !p.region_alive[r]) return;  // released inside its unit (a fused W)
+    const int f = p.region_frame[r];
+    TRELLIS_CHECK(f >= 0 && p.frame_pins[f] > 0, "ActivationArena: pool \"", p.name, "\": end_unit of microbatch ", mb,
+                  " unit ", unit, " without begin_unit");
+    --p.frame_pins[f];
+    if (p.current == r && p.frame_pins[f] == 0) p.current = -1;
+  }
+  // Moves the pool's place in its call list on; a call off the list loses it until a step's
+  // first call comes round (the list wraps: every step repeats it).
+  void follow(Pool& p, const UnitCall& c) {
+    if (dry_ || p.calls.empty()) return;
+    if (p.next_call == p.calls.size()) p.next_call = 0;
+    if (p.on_track && p.calls[p.next_call] == c) {
+      ++p.next_call;
+      return;
+    }
+    p.on_track = p.calls.front() == c;
+    p.next_call = p.on_track ? 1 : 0;
+  }
+  // Whether region r (its forward just ended) leaves its frame before its unit begins again: the
+  // calls that follow replayed on a copy of the pool's bookkeeping, without copies (dry_), until
+  // r is evicted (true), begun or freed (false). Without a list to follow: true (write it back).
+  bool leaves_before_next_use(int pool, int r) {
+    Pool& p = pools_[static_cast<std::size_t>(pool)];
+    if (p.calls.empty() || !p.on_track) return true;
+    std::vector<UnitCall> calls = std::move(p.calls);  // not copied into the snapshot
+    const std::size_t from = p.next_call;
+    const Pool snapshot = p;
+    const auto figures = std::tuple(held_bytes_, peak_held_bytes_, held_slots_, peak_held_slots_, host_held_,
+                                    peak_host_held_, offloaded_bytes_, fetched_bytes_, prefetched_, clock_);
+    dry_ = true;
+    watched_ = r;
+    watched_evicted_ = false;
+    bool leaves = true;  // the list ran out (or a call failed) first: write it back
+    try {
+      for (std::size_t k = 0; k < calls.size(); ++k) {
+        const UnitCall& c = calls[(from + k) % calls.size()];
+        if (c.op == UnitCall::Op::begin && find_region(p, c.mb, c.unit) == r) {
+          leaves = false;
+          break;
+        }
+        call(pool, c);
+        if (watched_evicted_ || !p.region_alive[r]) {
+          leaves = watched_evicted_;
+          break;
+        }
+      }
+    } catch (...) {
+    }
+    dry_ = false;
+    watched_ = -1;
+    p = snapshot;
+    p.calls = std::move(calls);
+    std::tie(held_bytes_, peak_held_bytes_, held_slots_, peak_held_slots_, host_held_, peak_host_held_, offloaded_bytes_,
+             fetched_bytes_, prefetched_, clock_) = figures;
+    return leaves;
+  }
   std::uint8_t* frame_at(const Pool& p, int f) {
     return memory_.data() + p.first_byte + static_cast<std::size_t>(f) * p.slot_bytes;
   }
@@ -425,20 +531,21 @@ class ActivationArena {
       TRELLIS_CHECK(f >= 0, "ActivationArena: pool \"", p.name, "\": all ", p.frame_region.size(),
                     " frames hold units that are computing (", what, "): the pool needs more frames");
       if (const int old = p.frame_region[f]; old >= 0) {  // evict: the old region's bytes to its host room
+        watched_evicted_ = watched_evicted_ || old == watched_;
         if (!p.region_on_host[old]) write_back(p, old);  // (overlapped: usually written back already)
         if (p.pending_writeback == old) p.pending_writeback = -1;
         p.region_frame[old] = -1;
         held_bytes_ -= p.region_used[old];
       }
-      if (poison_) {
+      if (poison_ && !dry_) {
         queue_->wait(be_, p.frame_ticket[f]);  // the frame's last write-back has read it
         const std::vector<std::uint8_t> nan_bytes(p.slot_bytes, 0xFF);
         be_.upload(frame_at(p, f), nan_bytes.data(), nan_bytes.size());
       }
       if (p.region_on_host[r]) {  // fetch (after the frame's write-back: the queue is FIFO)
         const std::size_t n = p.region_used[r];
-        p.frame_ticket[f] = queue_->to_device(be_, frame_at(p, f), host_room(p, r), n);
-        if (!copies_.queue) queue_->wait(be_, p.frame_ticket[f]);
+        if (!dry_) p.frame_ticket[f] = queue_->to_device(be_, frame_at(p, f), host_room(p, r), n);
+        if (!copies_.queue && !dry_) queue_->wait(be_, p.frame_ticket[f]);
         p.region_on_host[r] = 0;
         host_held_ -= n;
         held_bytes_ += n;
@@ -458,8 +565,10 @@ class ActivationArena {
   void write_back(Pool& p, int r) {
     const int f = p.region_frame[r];
     const std::size_t n = p.region_used[r];
-    p.frame_ticket[static_cast<std::size_t>(f)] = queue_->to_host(be_, host_room(p, r), frame_at(p, f), n);
-    if (!copies_.queue) queue_->wait(be_, p.frame_ticket[static_cast<std::size_t>(f)]);
+    if (!dry_) {
+      p.frame_ticket[static_cast<std::size_t>(f)] = queue_->to_host(be_, host_room(p, r), frame_at(p, f), n);
+      if (!copies_.queue) queue_->wait(be_, p.frame_ticket[static_cast<std::size_t>(f)]);
+    }
     p.region_on_host[r] = 1;
     host_held_ += n;
     offloaded_bytes_ += n;
@@ -510,6 +619,9 @@ class ActivationArena {
   std::size_t capacity_ = 0, held_bytes_ = 0, peak_held_bytes_ = 0;
   int held_slots_ = 0, peak_held_slots_ = 0;
   bool poison_ = false;
+  // leaves_before_next_use: calls replayed without copies, watching one region's eviction
+  bool dry_ = false, watched_evicted_ = false;
+  int watched_ = -1;
   std::unique_ptr<CopyQueue> queue_;  // last: drained and destroyed before the memory its copies use
 };
 

@@ -293,9 +293,10 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
   }
   const double moments = 2 * f * static_cast<double>(state);
   if (!c.offload_dir.empty()) {  // the disk tier: the moments in a file, streamed through bounded host
-    // buffers: values, gradients and m, v (twice when the next chunk is read during an update)
+    // buffers: values and gradients, and m, v in a ring of readahead + 1 chunks when chunks are read
+    // ahead during an update (train/disk_moments.hpp), else one
     e.disk_optimizer = moments;
-    e.host_optimizer = (c.offload_disk_prefetch ? 6 : 4) * f * static_cast<double>(std::min<std::size_t>(c.offload_buffer_elements, static_cast<std::size_t>(largest_tensor)));
+    e.host_optimizer = (c.offload_disk_prefetch ? 2.0 * (c.offload_disk_readahead + 1) + 2 : 4.0) * f * static_cast<double>(std::min<std::size_t>(c.offload_buffer_elements, static_cast<std::size_t>(largest_tensor)));
   } else if (c.offload_optimizer) {
     // host: the moments, and one update's staged values and gradients: every tensor at once
     // (unfused); fused, a unit at a time in two alternating buffers (overlapped), so an upper bound

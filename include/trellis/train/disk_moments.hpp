@@ -12,14 +12,17 @@
 // norms in one read and one write of m and v each, not one tiny transfer and thread hand-off
 // apiece; OptimizerState builds them).
 // An update streams chunks (stream()): each chunk's moments read into host buffers, the caller's
-// function run on them, the moments written back. Prefetched (the default), an I/O thread of this
-// object (a train::UpdateWorker: jobs in order) reads chunk j+1 and writes chunk j-1 back while
-// the caller's thread updates chunk j, in two buffers of moments (double buffering: the write of
-// j-1 is queued before the read of j+1 into the same buffer, and one thread runs them in order).
+// function run on them, the moments written back. Read ahead by `readahead` = D chunks (>= 1;
+// TrainerConfig::offload_disk_readahead, default 2), an I/O thread of this object (a
+// train::UpdateWorker: jobs in order) reads chunks j+1 .. j+D and writes chunk j-1 back while
+// the caller's thread updates chunk j, in a ring of D + 1 buffers of moments (the read of j+D
+// goes into chunk j-1's buffer, whose write was queued before it, and one thread runs them in
+// order). The reads run one after another on that thread; D bounds how far ahead of the updates
+// they may run, so a slow read (or a long update) is absorbed by the chunks already read.
 // An I/O error on that thread is rethrown on the caller's at its next wait (the read it waits
 // for, or the end of the stream), the same Error, with the caller's rank; the stream then waits
 // for every job it queued before it throws, so nothing runs behind the caller's back, and the
-// thread is joined on destruction. Synchronous (prefetch off): the same calls, in turn, on the
+// thread is joined on destruction. Synchronous (readahead 0): the same calls, in turn, on the
 // caller's thread, in one buffer of moments.
 // Test and bench seam (set_probe): a function called before each streamed read and write (on the
 // thread doing it) and before each chunk's update (on the caller's), which may block or sleep
@@ -31,7 +34,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -120,11 +122,19 @@ class DiskMoments {
   std::size_t offset(std::size_t i) const { return offsets_.at(i); }
   std::uint64_t bytes() const { return 2ull * total_ * sizeof(float); }
   const std::filesystem::path& dir() const { return dir_; }
-  // The host buffers of moments streams use: one chunk's m and v, twice when prefetched.
+  // The host buffers of moments streams used: one chunk's m and v, (readahead + 1) times when
+  // read ahead (the most chunks and the largest chunk streamed so far).
   std::size_t buffer_bytes() const {
     std::size_t n = 0;
-    for (std::size_t s = 0; s < 2; ++s) n += m_[s].size() + v_[s].size();
+    for (std::size_t s = 0; s < m_.size(); ++s) n += m_[s].size() + v_[s].size();
     return n * sizeof(float);
+  }
+  // Sizes the buffers ahead of the first stream: `buffers` of m and v of `elements` each (an
+  // owner that knows its largest chunk and read-ahead, so a memory report counts them at start).
+  void reserve_buffers(std::size_t buffers, std::size_t elements) {
+    if (m_.size() < buffers) m_.resize(buffers), v_.resize(buffers);
+    for (std::size_t s = 0; s < buffers; ++s)
+      for (auto* b : {&m_[s], &v_[s]}) b->resize(std::max(b->size(), elements));
   }
   // The test and bench seam (see the file's header); set it while no stream runs. Called on the
   // I/O thread and the caller's at once when prefetched: it must be thread-safe.
@@ -148,18 +158,20 @@ class DiskMoments {
 
   // Streams `chunks` in order: each chunk's moments read into a host buffer, fn(j, m, v) run on the
   // calling thread (m and v: chunk j's n elements, updated in place), the moments written back.
-  // prefetch: chunk j + 1 read and chunk j - 1 written on the I/O thread while fn runs on chunk j;
-  // an error on either thread is thrown here once every job queued has finished.
+  // readahead D > 0: chunks j + 1 .. j + D read and chunk j - 1 written on the I/O thread while fn
+  // runs on chunk j; an error on either thread is thrown here once every job queued has finished.
+  // 0: synchronous, on the calling thread.
   template <class Fn>
-  void stream(std::span<const DiskChunk> chunks, bool prefetch, Fn&& fn) {
+  void stream(std::span<const DiskChunk> chunks, std::size_t readahead, Fn&& fn) {
     if (chunks.empty()) return;
     std::size_t c = 0;
     for (const DiskChunk& ch : chunks) {
       (void)element(ch, true);  // checks the range
       c = std::max(c, ch.n);
     }
-    for (std::size_t s = 0; s < (prefetch ? 2u : 1u); ++s)
-      for (auto* b : {&m_[s], &v_[s]}) b->resize(std::max(b->size(), c));
+    const std::size_t ring = readahead + 1;  // buffers: the chunk updating and the D read ahead
+    reserve_buffers(ring, c);
+    const bool prefetch = readahead > 0;
     const std::uint64_t base = std::exchange(streamed_, streamed_ + chunks.size());
     auto event = [&](DiskEvent::Kind k, std::size_t j) {
       return DiskEvent{k, base + j, j == 0, j + 1 == chunks.size(), chunks[j]};
@@ -178,23 +190,24 @@ class DiskMoments {
     UpdateWorker& io = *io_;
     const int rank = current_rank();  // the I/O thread's errors name the caller's rank
     auto submit = [&](K k, std::size_t j) {
-      return io.submit([this, rank, e = event(k, j), m = m_[j % 2].data(), v = v_[j % 2].data()] {
+      return io.submit([this, rank, e = event(k, j), m = m_[j % ring].data(), v = v_[j % ring].data()] {
         RankScope scope(rank);
         e.kind == K::read ? read_chunk(e, m, v) : write_chunk(e, m, v);
       });
     };
     try {
-      std::size_t next = submit(K::read, 0);
+      std::vector<std::size_t> read_job(chunks.size());  // each chunk's read, to wait for
+      for (std::size_t j = 0; j < std::min(readahead, chunks.size()); ++j) read_job[j] = submit(K::read, j);
+      std::size_t last = 0;
       for (std::size_t j = 0; j < chunks.size(); ++j) {
-        io.wait(next);  // chunk j's moments are in (a job's error before it: rethrown here)
+        io.wait(read_job[j]);  // chunk j's moments are in (a job's error before it: rethrown here)
         // Into the buffers of chunk j - 1, whose write was queued before: the thread runs it first.
-        if (j + 1 < chunks.size()) next = submit(K::read, j + 1);
+        if (j + readahead < chunks.size()) read_job[j + readahead] = submit(K::read, j + readahead);
         if (probe_) probe_(event(K::update, j));
-        fn(j, m_[j % 2].data(), v_[j % 2].data());
-        const std::size_t wrote = submit(K::write, j);
-        if (j + 1 == chunks.size()) next = wrote;
+        fn(j, m_[j % ring].data(), v_[j % ring].data());
+        last = submit(K::write, j);
       }
-      io.wait(next);  // the last write: in the file before the update returns
+      io.wait(last);  // the last write: in the file before the update returns
     } catch (...) {
       // Nothing left running behind the caller (the buffers are this object's; the next stream,
       // a checkpoint read or the destructor follows), then the first error goes on.
@@ -302,7 +315,7 @@ class DiskMoments {
   std::vector<std::size_t> offsets_, sizes_;
   std::size_t total_ = 0;
   int fd_ = -1;
-  std::array<std::vector<float>, 2> m_, v_;  // a chunk's moments; the second buffers: prefetched streams
+  std::vector<std::vector<float>> m_, v_;  // a chunk's moments, in a ring of readahead + 1 buffers
   DiskProbe probe_;
   std::uint64_t streamed_ = 0;
   std::unique_ptr<UpdateWorker> io_;  // the I/O thread (prefetched streams), started by the first

@@ -17,9 +17,11 @@
 // its tensors in the file's order (any order gives the same bits: tensors are independent), so a
 // unit's parameters, listed in backward order, are adjacent there. AdamW is elementwise, so
 // chunks give the bits of one update. Prefetched (Offload::disk_prefetch, the
-// default; DiskMoments::stream): the disk tier's I/O thread reads the next chunk's moments and
-// writes the previous chunk's back while this thread updates the current one, so the host holds
-// two chunks of moments besides the chunk of values and gradients (6 buffers of a chunk; 4 without).
+// default; DiskMoments::stream): the disk tier's I/O thread reads the next disk_readahead (D,
+// default 2) chunks' moments and writes the previous chunk's back while this thread updates the
+// current one, so the host holds D + 1 chunks of moments (m and v) besides the chunk of values
+// and gradients (2 (D + 1) + 2 buffers of a chunk: 8 at D = 2, 6 at D = 1; 4 without), allocated
+// at construction.
 // Overlapped (Offload::overlap, the host tier): an update stages its tensors' values and
 // gradients on the calling thread (the device's copies: its work so far is done), then the host
 // kernel runs on a worker thread (train/update_worker.hpp) while the caller goes on with the
@@ -53,9 +55,10 @@ struct Offload {
   bool host = false;
   std::filesystem::path dir;        // non-empty: the disk tier
   std::uint64_t dir_cap_bytes = 0;  // the most the disk tier may take (0: no cap; tests: a full disk)
-  std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it, 6 prefetched)
+  std::size_t buffer_elements = std::size_t{1} << 22;  // the disk tier's chunk (4 host buffers of it; prefetched 2 (D + 1) + 2)
   bool overlap = true;  // the host tier: updates on a worker thread (false: on the caller's)
   bool disk_prefetch = true;  // the disk tier: reads and writes on its I/O thread, overlapping the update
+  int disk_readahead = 2;     // prefetched: chunks read ahead of the update (D >= 1)
 };
 
 template <backend::Backend B>
@@ -65,11 +68,20 @@ class OptimizerState {
   // One moment pair per tensor of `sizes` (parameters' local shards, or ZeRO pieces).
   OptimizerState(std::span<const index_t> sizes, const Offload& where, B be)
       : be_(std::move(be)), offload_(where.host || !where.dir.empty()), overlap_(where.host && where.overlap && where.dir.empty()),
-        buffer_(where.buffer_elements), prefetch_(where.disk_prefetch) {
+        buffer_(where.buffer_elements), prefetch_(where.disk_prefetch), readahead_(where.disk_readahead) {
     TRELLIS_CHECK(buffer_ >= 1, "OptimizerState: a disk buffer of ", buffer_, " elements");
-    if (!where.dir.empty())
+    TRELLIS_CHECK(readahead_ >= 1, "OptimizerState: a disk read-ahead of ", readahead_, " chunks (>= 1)");
+    if (!where.dir.empty()) {
       disk_.emplace(where.dir, sizes, where.dir_cap_bytes);
-    else if (offload_)
+      // The host buffers now, at their size in every update (the largest chunk is the cap: the
+      // largest tensor's is cut to it), so a memory report counts them from the start.
+      index_t largest = 0;
+      for (index_t n : sizes) largest = std::max(largest, n);
+      const std::size_t cap = std::min(buffer_, static_cast<std::size_t>(largest));
+      disk_->reserve_buffers(prefetch_ ? static_cast<std::size_t>(readahead_) + 1 : 1, cap);
+      staged_values_.resize(cap);
+      staged_grads_.resize(cap);
+    } else if (offload_)
       host_ = optim::AdamWState<backend::Host<float>>(sizes);
     else
       device_ = optim::AdamWState<B>(sizes, be_);
@@ -108,8 +120,8 @@ class OptimizerState {
     }
     offload_ ? host_.reset() : device_.reset();
   }
-  // Moments in B's memory; offloaded moments (disk: the bounded buffers, a chunk of moments twice
-  // when prefetched, and one of values and gradients) and the staging buffers' largest size, in
+  // Moments in B's memory; offloaded moments (disk: the bounded buffers, a chunk of moments
+  // readahead + 1 times when prefetched, and one of values and gradients) and the staging buffers' largest size, in
   // host memory; the disk tier's file.
   std::size_t device_bytes() const { return offload_ ? 0 : device_.bytes(); }
   std::size_t host_bytes() const {
@@ -265,7 +277,7 @@ class OptimizerState {
     for (const DiskChunk& ch : chunks) c = std::max(c, ch.n);
     for (auto* b : {&staged_values_, &staged_grads_}) b->resize(std::max(b->size(), c));
     std::vector<kernels::AdamWTensor<float>> ts;
-    disk_->stream(chunks, prefetch_, [&](std::size_t j, float* m, float* v) {
+    disk_->stream(chunks, prefetch_ ? static_cast<std::size_t>(readahead_) : 0, [&](std::size_t j, float* m, float* v) {
       ts.clear();
       for (std::size_t q = first[j]; q < first[j + 1]; ++q) {  // each tensor's slice of the chunk
         const Slice& sl = slices[q];
@@ -322,6 +334,7 @@ class OptimizerState {
   std::optional<DiskMoments> disk_;
   std::size_t buffer_ = std::size_t{1} << 22;
   bool prefetch_ = true;  // the disk tier's I/O on its thread, overlapping the update
+  int readahead_ = 2;     // ... reading that many chunks ahead
   bool coalesce_ = true;  // the disk tier: consecutive tensors share a chunk (set_disk_coalescing)
   std::int64_t disk_step_ = 0;
   std::unique_ptr<UpdateWorker> worker_;  // last: joined before the buffers its jobs use go

@@ -408,6 +408,7 @@ class Trainer {
     set_microbatches(batch, token_count, false);
     double loss = 0;
     const int pp_rank = mesh_.template coord<trellis::pp>();
+    const auto forward_only = saved_->forward_only();  // nothing kept for a backward: nothing offloaded
     if (values_) values_->hold_wte();
     for (int mb = 0; mb < cfg_.microbatches; ++mb) {
       ActBuffer act;
@@ -550,7 +551,7 @@ class Trainer {
   // Where the AdamW moments live (TrainerConfig's offload fields).
   Offload offload() const {
     return {cfg_.offload_optimizer, cfg_.offload_dir, cfg_.offload_dir_cap_bytes, cfg_.offload_buffer_elements,
-            cfg_.offload_update_thread, cfg_.offload_disk_prefetch};
+            cfg_.offload_update_thread, cfg_.offload_disk_prefetch, cfg_.offload_disk_readahead};
   }
   // The fused update's clip factor for the next step, as float bits (checkpoint metadata).
   static constexpr const char* fused_scale_key = "train.fused_clip_scale";

@@ -117,13 +117,15 @@ struct TrainerConfig {
   // (train/disk_moments.hpp), streamed through host buffers of offload_buffer_elements; set, it
   // is used whatever offload_optimizer says. offload_dir_cap_bytes: the most the file may take
   // (0: no cap; tests simulate a full disk with it). offload_disk_prefetch: the tier's I/O thread
-  // reads the next chunk's moments and writes the previous one's back while the CPU updates a
-  // chunk (host buffers: a chunk's m and v twice, its values and gradients once, 6 chunks in all;
-  // false: synchronous, on the training thread, 4 chunks).
+  // reads the next offload_disk_readahead (D) chunks' moments and writes the previous one's back
+  // while the CPU updates a chunk (host buffers: a chunk's m and v D + 1 times, its values and
+  // gradients once, 2 (D + 1) + 2 chunks in all, 8 at the default D = 2; false: synchronous, on
+  // the training thread, 4 chunks).
   std::filesystem::path offload_dir{};
   std::uint64_t offload_dir_cap_bytes = 0;
   std::size_t offload_buffer_elements = std::size_t{1} << 22;
   bool offload_disk_prefetch = true;
+  int offload_disk_readahead = 2;
   // Saved activations offloaded to host memory unit by unit (a block, the head, the embedding;
   // nn/activation_arena.hpp's offloaded pools): each chunk keeps offload_activation_frames units'
   // worth in device memory, a cache that evicts the least recently used unit to host memory and
@@ -385,6 +387,9 @@ inline std::vector<std::string> config_problems(const TrainerConfig& c, bool mak
   if (c.bucket_elements < 1) add("bucket size must be >= 1 element");
   if (c.offload_buffer_elements < 1)
     add("the optimizer disk tier's chunk (offload_buffer_elements) must be >= 1 element");
+  if (c.offload_disk_readahead < 1)
+    add("the optimizer disk tier reads ahead at least 1 chunk (--offload-disk-readahead, got ", c.offload_disk_readahead,
+        "; offload_disk_prefetch false makes it synchronous)");
   if (c.offload_activations && c.offload_activation_frames < 1)
     add("offloaded activations need at least 1 device frame per chunk (got ", c.offload_activation_frames, ")");
   if (c.offload_activation_simulated_gbps < 0)
