@@ -2,7 +2,10 @@
 // ranks -- dp2 (ZeRO 0-3), tp2 (with and without sequence parallelism), pp2 (gpipe, 1f1b,
 // interleaved, zb_h1), cp2 (ring attention, ZeRO 0-3) -- at every microbatch count, and four tp2
 // layouts with overlap chunks (--overlap 2 and 4, with and without sp), four cp2 Ulysses layouts
-// (--cp-mode ulysses, ZeRO 0 and 3, 1 and 4 microbatches), timed for real and predicted by plan::predict_step with rates measured on this machine
+// (--cp-mode ulysses, ZeRO 0 and 3, 1 and 4 microbatches), pp2 local learning at 1-8
+// microbatches, and four layouts of the same GPT with Mixture-of-Experts blocks (blocks 0 and 2: 4
+// experts, top-2, capacity 1.25; dp2 ep1, dp2 ep2 at 1 and 4 microbatches, dp2 ep2 ZeRO-1;
+// "[MoE]" in the table, counted in the figures as the other rows), timed for real and predicted by plan::predict_step with rates measured on this machine
 // (plan::MeasuredRates: the host kernels timed at the model's shapes, as many copies at once as
 // there are ranks) and the link fitted to all-reduces timed on it (plan::measure_link). The
 // ranks' communicator is comm::SimulatedLink (every collective held for
@@ -179,6 +182,27 @@ int main(int argc, char** argv) try {
     for (const train::TrainerConfig& c : plan::layouts(local, host.devices(), ranks, space))
       if (c.pp == ranks && !c.options.recompute) list.push_back(c);
   }
+  // Mixture of Experts: the same GPT with 4 experts (top-2, capacity 1.25) in blocks 0 and 2, over
+  // dp2 with the experts whole on each rank (ep1) or split (ep2: an all-to-all each way per MoE
+  // block and pass)
+  {
+    train::TrainerConfig moe = base;
+    moe.model.moe_every = 2;
+    moe.model.experts = 4;
+    moe.model.moe_topk = 2;
+    moe.options.moe_capacity = 1.25f;
+    const struct {
+      int ep, microbatches, zero;
+    } moe_layouts[] = {{1, 1, 0}, {2, 1, 0}, {2, 4, 0}, {2, 1, 1}};
+    for (const auto& l : moe_layouts) {
+      train::TrainerConfig c = moe;
+      c.dp = ranks;
+      c.ep = l.ep;
+      c.microbatches = l.microbatches;
+      c.zero = l.zero;
+      if (ranks % l.ep == 0) list.push_back(c);
+    }
+  }
   std::erase_if(list, [](const train::TrainerConfig& c) { return !train::config_problems(c).empty(); });
   std::vector<double> round_best_min(list.size(), 1e30), round_best_max(list.size(), 0);
   // the fastest over the even rounds and over the odd ones: two independent measurements, whose
@@ -204,7 +228,7 @@ int main(int argc, char** argv) try {
     pred.push_back(p);
     meas.push_back(m);
     noise.push_back(round_best_max[i] / m);
-    names.push_back(plan::train_gpt_flags(c));
+    names.push_back((c.model.moe_every > 0 ? "[MoE] " : "") + plan::train_gpt_flags(c));
     pred_shared.push_back(plan::predict_step(c, host, shared_only).step);
     std::printf("%-72s %10.1f %10.1f %8.3f %6.3f %9.3f\n", names.back().c_str(), p * 1e3, m * 1e3, p / m, noise.back(),
                 pred_shared.back() / m);

@@ -5,7 +5,8 @@
 //   ranks' link: thread-rank collectives are memory copies, so a bus bandwidth of the measured
 //   memory-pass rate and 5 us latency; memory per rank: this machine's / N. Prints the planner's
 //   table and returns the options with the fastest layout's dp, tp, pp, cp (ring), schedule,
-//   chunks, microbatches, sp, recompute, ZeRO stage and tp overlap chunks (--overlap).
+//   chunks, microbatches, sp, recompute, ZeRO stage, tp overlap chunks (--overlap) and, for a
+//   Mixture-of-Experts model (--experts), expert parallelism (--ep).
 // - --cluster FILE: the ranks' speeds from the file's devices (plan::stage_speeds), and
 //   --stage-costs measured: the costs the balanced split weighs, timed on this machine
 //   (plan::stage_costs), so every rank takes the same split.
@@ -78,8 +79,9 @@ inline Options apply_balance(const Options& given, bool print = true) {
   return o;
 }
 
-// The layout (dp, tp, pp, cp by ring, schedule, chunks, microbatches, sp, recompute, ZeRO stage,
-// tp overlap chunks, stage split, dp shares) of a planned config, taken into `o`; --plan is then done.
+// The layout (dp, tp, pp, cp by ring, ep, schedule, chunks, microbatches, sp, recompute, ZeRO
+// stage, tp overlap chunks, stage split, dp shares) of a planned config, taken into `o`; --plan is
+// then done.
 inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.plan.clear();  // planned: what follows is an ordinary run of this layout
   o.ranks = 0;
@@ -87,6 +89,7 @@ inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.tp = c.tp;
   o.pp = c.pp;
   o.cp = c.cp;
+  o.ep = c.ep;
   o.cp_mode = trellis::nn::to_string(c.cp_mode);
   o.cp_ulysses = c.cp_ulysses;
   o.shard_degree = c.shard_degree;
@@ -102,9 +105,10 @@ inline void adopt_layout(Options& o, const trellis::train::TrainerConfig& c) {
   o.dp_rows.assign(c.dp_rows.begin(), c.dp_rows.end());
 }
 
-inline Options apply_plan(const Options& given) {
+// --plan auto --ranks N: the planner's `top` fastest layouts (apply_plan runs the first).
+inline trellis::plan::Plan plan_layouts(const Options& given, int top = 5) {
   Options o = given;
-  o.dp = o.tp = o.pp = o.cp = 1;
+  o.dp = o.tp = o.pp = o.cp = o.ep = 1;
   trellis::train::TrainerConfig base = trainer_config(o);
   base.simulate_rank_speed = false;  // how the run slows its ranks is not the plan's business
   trellis::plan::MeasuredRates measured(3, o.ranks);
@@ -118,9 +122,15 @@ inline Options apply_plan(const Options& given) {
   }
   trellis::plan::SearchSpace space;
   space.max_microbatches = 16;
-  const trellis::plan::Plan p = trellis::plan::search(base, host, measured.rates(), space, 5);
+  trellis::plan::Plan p = trellis::plan::search(base, host, measured.rates(), space, top);
   TRELLIS_CHECK(!p.best.empty(), "--plan auto: no layout of ", o.ranks, " ranks fits (", p.over_memory,
                 " over this machine's memory / ", o.ranks, ", ", p.invalid, " refused by the trainer's checks)");
+  return p;
+}
+
+inline Options apply_plan(const Options& given) {
+  Options o = given;
+  const trellis::plan::Plan p = plan_layouts(o);
   std::printf("plan: %ld layouts of %d thread ranks (%ld refused, %ld over memory, %ld pruned); predicted step, "
               "rates timed on this machine:\n",
               p.layouts, o.ranks, p.invalid, p.over_memory, p.pruned);
@@ -141,7 +151,7 @@ inline Options apply_plan(const Options& given) {
 template <class Comm>
 Options apply_plan_mpi(Comm& world, const Options& given) {
   Options o = given;
-  o.dp = o.tp = o.pp = o.cp = 1;
+  o.dp = o.tp = o.pp = o.cp = o.ep = 1;
   const int n = world.size();
   const trellis::plan::Link link = n > 1 ? trellis::plan::measure_link(world).link : trellis::plan::Link{1e12, 0};
   constexpr std::size_t name_bytes = 256;

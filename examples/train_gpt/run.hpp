@@ -129,14 +129,13 @@ struct Outcome {
 };
 
 // Parameters a token's forward uses: an MoE layer's token reaches k of its E experts (for the
-// FLOPs of MFU; the router's E x width are counted whole).
+// FLOPs of MFU; the router's E x width are counted whole: train::moe_active_parameters).
 inline double active_parameters(double n_params, const Options& o) {
   if (o.experts <= 0) return n_params;
   const auto cfg = trainer_config(o).model;
   double moe_layers = 0;
   for (index_t i = 0; i < cfg.layers; ++i) moe_layers += cfg.is_moe_layer(i) ? 1 : 0;
-  const double W = o.width, per_expert = 8.0 * W * W + 5.0 * W;  // c_fc + c_proj weights and biases
-  return n_params - moe_layers * per_expert * (o.experts - o.topk);
+  return train::moe_active_parameters(n_params, moe_layers, o.experts, o.topk, o.width);
 }
 
 // The training loop of one rank, for any trainer with Trainer's step / evaluate / save / load /

@@ -346,6 +346,8 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--cp", "2"}), "chooses --cp"));
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--overlap", "2"}), "chooses --overlap"));
   CHECK(problems_of({"--plan", "auto", "--ranks", "2"}).empty());
+  CHECK(problems_of({"--plan", "auto", "--ranks", "2", "--experts", "4", "--topk", "2"}).empty());
+  CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--experts", "4", "--ep", "2"}), "chooses --ep"));
   CHECK(has(problems_of({"--plan", "auto", "--mpi", "--ranks", "2"}), "plans for mpirun's ranks: drop --ranks"));
   CHECK(problems_of({"--plan", "auto", "--mpi"}).empty());
   CHECK(has(problems_of({"--plan", "auto", "--ranks", "2", "--dtype", "bf16"}), "host backend in fp32"));
@@ -382,6 +384,16 @@ TEST_CASE("train_gpt --plan auto: the flags are checked; the plan is a valid lay
   CHECK(run.cp_ulysses == 3);
   CHECK(run.shard_degree == 2);
   CHECK(run.offload_optimizer);
+  // and a Mixture-of-Experts model's ep
+  train_gpt::Options moe = train_gpt::parse_flags({"--plan", "auto", "--ranks", "2", "--layers", "2", "--width", "64",
+                                                   "--heads", "2", "--vocab", "64", "--context", "32", "--batch", "8",
+                                                   "--experts", "4", "--topk", "2"});
+  train::TrainerConfig split = train_gpt::trainer_config(moe);
+  split.dp = split.ep = 2;
+  train_gpt::adopt_layout(moe, split);
+  CHECK(moe.ep == 2);
+  CHECK(train_gpt::problems(moe).empty());
+  CHECK(train_gpt::trainer_config(moe).ep == 2);
 }
 
 TEST_CASE("ScheduleCache: the same step and memory as making each schedule; the generator's refusals; made once",

@@ -154,10 +154,20 @@ TEST_CASE("stage_costs: with GEMM and attention rates of FLOPs alone it is 3 R /
   CHECK(timed.fixed[0] > 0);
   CHECK(timed.fixed[1] > 3 * 2 * 128.0 * 8 * 512 * 256 / peak);
 
+  // MoE blocks (0, 2, 4, 6 of the 8) cost as predict_step costs them: each stage's blocks and
+  // fixed work equal its per-stage times
   train::TrainerConfig moe = c;
   moe.model.moe_every = 2;
   moe.model.experts = 4;
-  CHECK_THROWS_WITH(plan::stage_costs(moe, with_speeds({1, 1}), r), Catch::Contains("MoE blocks"));
+  moe.model.moe_topk = 2;
+  const train::LayerCosts moe_timed = plan::stage_costs(moe, with_speeds({1, 1}), r);
+  const plan::StepCost moe_step = plan::predict_step(moe, with_speeds({1, 1}), r);
+  CHECK(moe_timed.layers[0] != moe_timed.layers[1]);
+  for (int v = 0; v < 2; ++v) {
+    double sum = moe_timed.fixed[static_cast<std::size_t>(v)];
+    for (int l = 4 * v; l < 4 * v + 4; ++l) sum += moe_timed.layers[static_cast<std::size_t>(l)];
+    CHECK(sum == Approx(moe_step.stage[static_cast<std::size_t>(v)].total()).epsilon(1e-12));
+  }
 }
 
 // Context parallelism in every mode is costed as predict_step costs it: its per-stage times (one

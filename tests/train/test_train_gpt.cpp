@@ -6,7 +6,11 @@
 //  - --keep-last 2 leaves the newest two step directories;
 //  - resuming a finished run trains nothing and says so (no "train loss -1.0000 -> 0.0000");
 //  - data too small or empty: the error names the file and the flags;
-//  - --pack over dp 2: resumes to the same bits as the uninterrupted packed run.
+//  - --pack over dp 2: resumes to the same bits as the uninterrupted packed run;
+//  - --plan auto with a Mixture-of-Experts model: the planned layout keeps the model's experts,
+//    with an ep the trainer and train_gpt's flags accept; it and the fastest planned ep 2 layout
+//    train (the loss falls) and their MFU counts the FLOPs a token really does (top-k experts),
+//    worked out by hand.
 #include <catch2/catch.hpp>
 
 #include <filesystem>
@@ -18,6 +22,7 @@
 
 #include "temp_dir.hpp"
 #include "train_gpt/flags.hpp"
+#include "train_gpt/plan_auto.hpp"
 #include "train_gpt/run.hpp"
 
 namespace {
@@ -55,7 +60,7 @@ train_gpt::Outcome run(const train_gpt::Options& o) {
   train_gpt::validate(o);
   const train_gpt::Data data = train_gpt::load_data(o);
   train_gpt::Outcome out;
-  trellis::comm::ThreadWorld world(o.dp * o.tp * o.pp);
+  trellis::comm::ThreadWorld world(o.dp * o.tp * o.pp * o.cp);
   world.run([&](trellis::comm::ThreadComm& comm) { train_gpt::run_rank(comm, o, data, o.peak_gflops * 1e9, out); });
   return out;
 }
@@ -230,4 +235,90 @@ TEST_CASE("train_gpt: --resume with another --seed names the checkpoint and the 
   o.seed = 1;  // saved with 1234
   REQUIRE_THROWS_WITH(run(o), Catch::Contains("--resume from") && Catch::Contains("step-00000002") &&
                                   Catch::Contains("data seed 1234, this loader uses 1") && Catch::Contains("--seed"));
+}
+
+TEST_CASE("train_gpt --plan auto: an MoE model is planned with ep, trains, and its MFU counts top-k experts",
+          "[train][train_gpt][plan][moe]") {
+  TempDir dir("train-gpt-plan-moe");
+  auto o = tiny(dir);
+  o.layers = 2;  // block 0: 4 experts, top-2; block 1 dense
+  o.experts = 4;
+  o.topk = 2;
+  o.moe_every = 2;
+  o.steps = 10;
+  o.eval_every = 5;
+  o.plan = "auto";
+  o.ranks = 2;
+  REQUIRE(train_gpt::problems(o).empty());
+  const train_gpt::Options planned = train_gpt::apply_plan(o);
+  const trellis::train::TrainerConfig c = train_gpt::trainer_config(planned);
+  const std::string flags = trellis::plan::train_gpt_flags(c);
+  INFO("planned: " << flags << " (ep " << planned.ep << ")");
+  CHECK(planned.plan.empty());
+  CHECK(planned.dp * planned.tp * planned.pp * planned.cp == 2);
+  CHECK(c.model.experts == 4);
+  CHECK(c.model.moe_topk == 2);
+  CHECK(c.model.moe_every == 2);
+  CHECK(c.ep == planned.ep);
+  CHECK(planned.dp % planned.ep == 0);
+  CHECK(4 % planned.ep == 0);
+  CHECK(train_gpt::problems(planned).empty());
+  CHECK(trellis::train::config_problems(c).empty());
+  // the planner's flags, after the model's, parse back into the same layout (ep included)
+  std::vector<std::string> args = {"--layers", "2", "--heads", "2", "--width", "16", "--context", "16",
+                                   "--batch", "4", "--experts", "4", "--topk", "2", "--moe-every", "2"};
+  std::istringstream words(flags);
+  for (std::string w; words >> w;) args.push_back(w);
+  const train_gpt::Options back = train_gpt::parse_flags(args);
+  CHECK(train_gpt::problems(back).empty());
+  CHECK(back.ep == planned.ep);
+  CHECK(back.dp == planned.dp);
+  CHECK(back.tp == planned.tp);
+  CHECK(back.pp == planned.pp);
+
+  const train_gpt::Outcome out = run(planned);
+  CHECK(out.steps_done == 10);
+  std::printf("plan auto MoE (%s): loss %.4f -> %.4f, val %.4f\n", flags.c_str(), out.first_loss, out.last_loss,
+              out.val_loss);
+  CHECK(out.last_loss < out.first_loss - 0.5);
+  CHECK(out.val_loss > 0);
+  CHECK(out.val_loss < out.first_loss);
+
+  // MFU: flops per token = mfu x peak (1 GFLOP/s) / tokens per second, against 6N + 12 L W T with N
+  // the parameters a token uses, counted by hand: wte, wpe, ln_f; block 1 dense (12 W^2 + 13 W);
+  // block 0 its norms and attention (4 W^2 + 8 W), the router (W E) and 2 of the 4 experts
+  // (8 W^2 + 5 W each)
+  const double W = 16, V = 256, T = 16, E = 4, k = 2;
+  const double active = V * W + T * W + 2 * W + (12 * W * W + 13 * W) + (4 * W * W + 8 * W + W * E + k * (8 * W * W + 5 * W));
+  const double per_token = 6 * active + 12 * 2 * W * T;
+  const auto metrics = trellis::train::read_metrics(o.log);
+  REQUIRE(metrics.size() == 10);
+  for (const auto& row : metrics)
+    CHECK(row.find("mfu")->as_double() * 1e9 / row.find("tokens_per_s")->as_double() == Approx(per_token).epsilon(1e-9));
+
+  // the fastest planned layout that splits the experts (ep 2) runs too, as train_gpt takes it
+  const trellis::plan::Plan p = train_gpt::plan_layouts(o, 16);
+  const trellis::plan::Candidate* split = nullptr;
+  for (const auto& cand : p.best)
+    if (!split && cand.config.ep > 1) split = &cand;
+  REQUIRE(split != nullptr);
+  train_gpt::Options ep = o;
+  train_gpt::adopt_layout(ep, split->config);
+  INFO("ep layout: " << trellis::plan::train_gpt_flags(split->config));
+  CHECK(ep.ep == 2);
+  CHECK(ep.dp == 2);
+  CHECK(train_gpt::problems(ep).empty());
+  fs::remove_all(dir.path / "ckpt");
+  fs::remove(o.log);
+  const train_gpt::Outcome split_out = run(ep);
+  std::printf("plan auto MoE, ep layout (%s): loss %.4f -> %.4f, val %.4f\n",
+              trellis::plan::train_gpt_flags(split->config).c_str(), split_out.first_loss, split_out.last_loss,
+              split_out.val_loss);
+  CHECK(split_out.steps_done == 10);
+  CHECK(split_out.last_loss < split_out.first_loss - 0.5);
+  CHECK(split_out.val_loss < split_out.first_loss);
+  const auto split_metrics = trellis::train::read_metrics(o.log);
+  REQUIRE(split_metrics.size() == 10);
+  for (const auto& row : split_metrics)
+    CHECK(row.find("mfu")->as_double() * 1e9 / row.find("tokens_per_s")->as_double() == Approx(per_token).epsilon(1e-9));
 }

@@ -53,9 +53,17 @@
 //     values and gradients and uploads the values (Rates::host_copy) around the host's AdamW
 //     (Rates::host_adamw): after the schedule, or with fused_update and the update thread, the
 //     host AdamW overlapping the last backward unit by unit (the copies stay on the critical path).
-// Not modelled yet: expert parallelism, offloaded activations, the disk tier, contention between
-// communicators sharing one physical link (nor, on a GPU, compute slowed by the collectives' own
-// kernels while chunks overlap).
+//   - Mixture of Experts (model.moe_every, ep; detail::moe_mlp_times): an MoE block's MLP is the
+//     router GEMM, routing passes, the grouped GEMM as E/ep GEMMs at their own shape over the
+//     copies routed to this rank (R k, or E x capacity where a capacity factor cuts them: routing
+//     taken as BALANCED), the exchange's copies; with ep > 1 two all-to-alls of the copies in F
+//     (dispatch, combine) and two in B, blocking, on the ep group's link (ep consecutive dp
+//     ranks). Expert gradients reduce over their dp/ep x cp replicas (ZeRO over all of them), the
+//     rest over dp x cp as before.
+// Not modelled yet: offloaded activations, the disk tier, contention between communicators
+// sharing one physical link (nor, on a GPU, compute slowed by the collectives' own kernels while
+// chunks overlap), MoE routing imbalance (the busiest expert's rows set the grouped GEMM's and the
+// all-to-all's time) and dropped copies.
 #pragma once
 
 #include <algorithm>
@@ -179,6 +187,7 @@ struct StepCost {
   double pipeline = 0;       // the schedule's makespan (compute, tp collectives, p2p, bubbles)
   double compute = 0;        // the busiest rank's compute in the schedule (no bubbles)
   double tp_comm = 0;        // of which tp collectives, on that rank (overlap chunks: what they leave exposed)
+  double ep_comm = 0;        // of which MoE ep all-to-alls (dispatch, combine and their backward), on that rank
   double dp_exposed = 0;     // dp/ZeRO communication not hidden behind the backward
   double optimizer = 0;      // AdamW + gradient norm
   double bubble_fraction = 0;
@@ -263,17 +272,110 @@ inline OverlapTimes overlap_section(double whole, double g, double c, int K) {
   return {K * g - whole, chunk_pipeline(g, c, K) - K * g};
 }
 
+// Mixture of Experts (nn/moe.hpp): an MoE block's MLP on one rank. `copies`: the copies of this
+// rank's tokens it sends to the experts and, routing balanced, the copies its experts receive: R k,
+// or where a capacity factor cuts them E x capacity (each expert R k / E from each source, at most
+// its capacity). Routing imbalance is not modelled: a real router's busiest expert gets more (up
+// to the capacity with one; dropless, without bound), and the grouped GEMM waits for it.
+struct MoeShape {
+  double E = 0, k = 1, El = 0;  // experts, top-k, experts on this rank (E / ep)
+  int ep = 1;
+  double copies = 0;
+};
+inline MoeShape moe_shape_of(const train::TrainerConfig& c, const Shape& s) {
+  const auto& m = c.model;
+  MoeShape e;
+  e.E = static_cast<double>(m.experts);
+  e.k = static_cast<double>(m.moe_topk);
+  e.ep = c.ep;
+  e.El = e.E / c.ep;
+  e.copies = s.R * e.k;
+  if (c.options.moe_capacity > 0.0f) {
+    const double cap = static_cast<double>(c.options.moe(m).capacity(static_cast<index_t>(std::llround(s.R))));
+    e.copies = std::min(e.copies, e.E * std::min(cap, s.R));
+  }
+  return e;
+}
+
+// The MoE MLP of one block, one microbatch of R rows (whole rows: under sp gathered first), on
+// one tp rank, from what MoeMlp does (each expert's hidden 4W split over tp, H = 4W / tp):
+//   F  the router GEMM (R x E from W); routing (softmax, top-k, the dispatch plan: memory passes
+//      over R x E and R x k); the kept copies gathered (copies x W) and sent to the experts'
+//      ranks (ep > 1: the kept-per-expert counts all-gathered over ep, an all-to-all of copies x W
+//      and a regroup by expert; ep = 1: a copy); the grouped GEMM: each of the El local experts
+//      copies / El rows, W -> H (bias, GELU) and H -> W; back to the tokens (a regroup, the
+//      reverse all-to-all); the gate-weighted combine into R x W; tp: the input gathered (sp)
+//      and the output all-reduced (sp: reduce-scattered), as the dense MLP's.
+//   B  dy gathered (sp) or copied; the combine's backward; dispatch, the experts' input
+//      gradients (H from W with dGELU, W from H; nt), back, the router's softmax/top-k backward
+//      and its input gradient (this rank's rows x W from E); the gates' gradient all-reduced
+//      over tp (R x k), dx all-reduced (sp: reduce-scattered). No re-gather for W: the layer
+//      keeps its whole input.
+//   W  the router's dW (W x E over R) and each expert's dW1, dW2 (over its rows), the bias sums.
+// ep's all-to-alls (2 in F, 2 in B, each one rank's copies x W x 4 bytes, all_to_all_seconds on
+// the ep group's link) block the layer: on the critical path; their time goes to *ep_f, *ep_b,
+// the tp collectives' to *tp_f, *tp_b (all counted in the returned times too). The grouped GEMM
+// is charged as El GEMMs at their own shape (Rates::gemm: the host backend runs it as such).
+// tp overlap chunks: the MoE layer's tp collectives are charged whole (not chunked here).
+inline PassTimes moe_mlp_times(const Shape& s, const MoeShape& e, const Rates& r, const Link& tp_link, const Link& ep_link,
+                               double* tp_f, double* tp_b, double* ep_f, double* ep_b) {
+  const double R = s.R, W = s.W, t = s.tp, H = 4 * W / t, E = e.E, k = e.k, n = e.copies;
+  const double Rn = s.sp ? R / t : R;
+  const double rows = n / e.El;  // per local expert
+  PassTimes p;
+  // the copies to the experts and back: ep = 1 a copy; ep > 1 a regroup (row gather) + an all-to-all
+  const double move = r.memory(4 * 2 * n * W);
+  const double a2a = e.ep > 1 ? all_to_all_seconds(ep_link, 4 * n * W, e.ep) : 0.0;
+  const double counts = e.ep > 1 ? gather_seconds(ep_link, 4 * E * e.ep, e.ep) : 0.0;
+  double f = 0, b = 0, w = 0;
+  f += r.gemm(R, E, W, GemmForm::nn);                                 // router logits
+  f += r.memory(4 * (2 * R * W + 3 * R * E + R + 4 * R * k));         // x kept whole; softmax, top-k, plan
+  f += r.memory(4 * 2 * n * W) + move + move;                         // gathered in expert order; to and from the experts
+  f += e.El * (r.gemm(rows, H, W, GemmForm::nn) + r.gemm(rows, W, H, GemmForm::nn)) + r.gelu(n * H, false);
+  f += r.memory(4 * (n * W + R * W));                                 // the combine
+  b += r.memory(4 * (2 * R * W + R * W + 2 * n * W + R * k));         // dy kept whole; the combine's backward
+  b += move + move;
+  b += e.El * (r.gemm(rows, H, W, GemmForm::nt) + r.gemm(rows, W, H, GemmForm::nt)) + r.gelu(n * H, true);
+  b += r.memory(4 * (6 * R * E + 2 * R * k)) + r.memory(4 * (n * W + R * W));  // router backward; dx combined
+  b += r.gemm(Rn, W, E, GemmForm::nt);                                // the router's input gradient
+  w += r.gemm(W, E, R, GemmForm::tn) + e.El * (r.gemm(W, H, rows, GemmForm::tn) + r.gemm(H, W, rows, GemmForm::tn));
+  w += r.memory(4 * n * (H + W));                                      // bias sums
+  double cf = 0, cb = 0;
+  if (t > 1) {
+    const int tn = static_cast<int>(t);
+    const double bytes = 4 * R * W;
+    cf = s.sp ? 2 * gather_seconds(tp_link, bytes, tn) : all_reduce_seconds(tp_link, bytes, tn);
+    cb = (s.sp ? 2 * gather_seconds(tp_link, bytes, tn) : all_reduce_seconds(tp_link, bytes, tn)) +
+         all_reduce_seconds(tp_link, 4 * R * k, tn);
+  }
+  // ep: the counts and two all-to-alls in F, two in B; where the device copies them itself
+  // (thread ranks), their bytes cost memory traffic too
+  const double ef = counts + 2 * a2a, eb = 2 * a2a;
+  const double copy_traffic = e.ep > 1 ? r.memory(r.collective_copy_bytes * 2 * (e.ep - 1.0) / e.ep * 4 * n * W) : 0.0;
+  p.forward = f + ef + copy_traffic;
+  p.backward_input = b + eb + copy_traffic;
+  p.backward_weight = w;
+  *tp_f += cf;
+  *tp_b += cb;
+  *ep_f += ef;
+  *ep_b += eb;
+  return p;
+}
+
 // One block on one tp rank, one microbatch of R rows (b sequences of T): compute and tp comm.
 // cp_link: the ring's (the cp / u ring members at stride tp u); a2a_link: Ulysses' all-to-all's
 // (u ranks at stride tp; null: cp_link).
 inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, const Link& cp_link, bool recompute,
-                             double* comm, const Link* a2a_link = nullptr) {
+                             double* comm, const Link* a2a_link = nullptr, const MoeShape* moe = nullptr,
+                             const Link* ep_link = nullptr, double* ep_comm = nullptr) {
   const double R = s.R, W = s.W, t = s.tp;
   const double Rn = s.sp ? R / t : R;  // rows of the norm/residual region on this rank
   PassTimes p;
-  // GEMMs: qkv (W -> 3W/t), attention projection (W/t -> W), MLP up (W -> 4W/t), down (4W/t -> W)
+  // GEMMs: qkv (W -> 3W/t), attention projection (W/t -> W), MLP up (W -> 4W/t), down (4W/t -> W);
+  // an MoE block has the first two (its MLP: moe_mlp_times)
   const double outs[4] = {3 * W / t, W, 4 * W / t, W}, ins[4] = {W, W / t, W, 4 * W / t};
-  for (int i = 0; i < 4; ++i) {
+  const int linears = moe ? 2 : 4;
+  for (int i = 0; i < linears; ++i) {
     p.forward += r.gemm(R, outs[i], ins[i], GemmForm::nn);
     p.backward_input += r.gemm(R, ins[i], outs[i], GemmForm::nt);
     p.backward_weight += r.gemm(ins[i], outs[i], R, GemmForm::tn);
@@ -318,21 +420,24 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
   // the block input's copy over Rn x W, each linear's input saved (R x (2W + 5W/t)), q/k/v/o
   // between row and head layouts (R x 4W/t each way); B, the residual gradients' adds, each
   // linear's output gradient saved (R x (2W + 7W/t)), the head layouts again; W, the bias sums.
-  p.forward += 2 * r.layernorm(Rn, W, false) + r.gelu(R * 4 * W / t, false);
-  p.backward_input += 2 * r.layernorm(Rn, W, true) + r.gelu(R * 4 * W / t, true);
-  p.forward += r.memory(4 * (2 * 3 * Rn * W + 2 * Rn * W + 2 * R * (2 * W + 5 * W / t) + 8 * R * W / t));
-  p.backward_input += r.memory(4 * (2 * 3 * Rn * W + 2 * R * (2 * W + 7 * W / t) + 8 * R * W / t));
-  p.backward_weight += r.memory(4 * R * (2 * W + 7 * W / t));
+  // (an MoE block: the attention's linears only, W + W/t inputs and W + 3W/t outputs; no GELU here)
+  const double linear_in = moe ? W + W / t : 2 * W + 5 * W / t, linear_out = moe ? W + 3 * W / t : 2 * W + 7 * W / t;
+  p.forward += 2 * r.layernorm(Rn, W, false) + (moe ? 0.0 : r.gelu(R * 4 * W / t, false));
+  p.backward_input += 2 * r.layernorm(Rn, W, true) + (moe ? 0.0 : r.gelu(R * 4 * W / t, true));
+  p.forward += r.memory(4 * (2 * 3 * Rn * W + 2 * Rn * W + 2 * R * linear_in + 8 * R * W / t));
+  p.backward_input += r.memory(4 * (2 * 3 * Rn * W + 2 * R * linear_out + 8 * R * W / t));
+  p.backward_weight += r.memory(4 * R * linear_out);
   double c_f = 0, c_b = 0;
+  const double sublayers = moe ? 1 : 2;  // the tp collectives of the attention and the dense MLP
   if (t > 1) {
     const double bytes = 4 * R * W;
     const int n = static_cast<int>(t);
     if (s.sp) {
-      c_f = 4 * gather_seconds(tp_link, bytes, n);  // gather before attention and MLP, scatter after
-      c_b = 6 * gather_seconds(tp_link, bytes, n);  // the same, plus the inputs gathered again for W
+      c_f = 2 * sublayers * gather_seconds(tp_link, bytes, n);  // gather before attention and MLP, scatter after
+      c_b = 3 * sublayers * gather_seconds(tp_link, bytes, n);  // the same, plus the inputs gathered again for W
     } else {
-      c_f = 2 * all_reduce_seconds(tp_link, bytes, n);
-      c_b = 2 * all_reduce_seconds(tp_link, bytes, n);
+      c_f = sublayers * all_reduce_seconds(tp_link, bytes, n);
+      c_b = sublayers * all_reduce_seconds(tp_link, bytes, n);
     }
   }
   if (s.chunks > 1) {  // tp overlap: each collective's section becomes a chunk pipeline (chunk_pipeline)
@@ -352,16 +457,18 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
       // their output (1, 3); B: the row-parallel layers gather dy (3, 1), the column-parallel ones
       // reduce-scatter dx (2, 0) -- and gather their input again for W, one whole all-gather
       // started before the chunks and not chunked: charged as at K = 1.
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < linears; ++i) {
         f += section(outs[i], ins[i], GemmForm::nn, i % 2 == 0);
         b += section(ins[i], outs[i], GemmForm::nt, i % 2 == 1);
       }
-      c_b = 2 * gather_seconds(tp_link, bytes, n);
+      c_b = sublayers * gather_seconds(tp_link, bytes, n);
     } else {
       // F: the row-parallel forwards all-reduce (attn.c_proj, mlp.c_proj: i = 1, 3); B: the
       // column-parallel input gradients (c_fc, c_attn: 2, 0)
-      for (int i : {1, 3}) f += section(outs[i], ins[i], GemmForm::nn, false);
-      for (int i : {0, 2}) b += section(ins[i], outs[i], GemmForm::nt, false);
+      for (int i : {1, 3})
+        if (i < linears) f += section(outs[i], ins[i], GemmForm::nn, false);
+      for (int i : {0, 2})
+        if (i < linears) b += section(ins[i], outs[i], GemmForm::nt, false);
       c_b = 0;
     }
     c_f = f.comm;
@@ -369,10 +476,18 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
     p.forward += f.compute;
     p.backward_input += b.compute;
   }
+  double e_f = 0, e_b = 0;  // the MoE MLP's ep all-to-alls
+  if (moe) {
+    double m_f = 0, m_b = 0;
+    p += moe_mlp_times(s, *moe, r, tp_link, ep_link ? *ep_link : tp_link, &m_f, &m_b, &e_f, &e_b);
+    c_f += m_f;
+    c_b += m_b;
+  }
   p.forward += c_f;
   p.backward_input += c_b;
   if (recompute) p.backward_input += p.forward;
   if (comm) *comm += c_f + c_b + (recompute ? c_f : 0);
+  if (ep_comm) *ep_comm += e_f + e_b + (recompute ? e_f : 0);
   return p;
 }
 
@@ -434,6 +549,15 @@ inline PassTimes head_times(const Shape& s, const Rates& r, const Link& tp_link,
 // Parameters one tp rank of a stage holds: blocks (12W^2/t + 7W/t + 6W), embedding (V/t + positions) x W,
 // ln_f 2W; a block's share is what ZeRO-3 gathers.
 inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * s.W / s.tp + 6 * s.W; }
+// An MoE block's: dense (attention, norms, the router W x E: 4W^2/t + 3W/t + 5W + W E) and its
+// experts' on this rank (E/ep of c_fc, c_proj and their biases: El (8W^2/t + 4W/t + W)).
+struct BlockParams {
+  double dense = 0, expert = 0;
+  double total() const { return dense + expert; }
+};
+inline BlockParams moe_block_params(const Shape& s, const MoeShape& e) {
+  return {4 * s.W * s.W / s.tp + 3 * s.W / s.tp + 5 * s.W + s.W * e.E, e.El * (8 * s.W * s.W / s.tp + 4 * s.W / s.tp + s.W)};
+}
 
 // A pipeline action's identity in a timeline: (rank, chunk, microbatch, kind).
 using ActionKey = std::tuple<int, int, int, int>;
@@ -519,16 +643,15 @@ inline pipe::Schedule schedule_of(const train::TrainerConfig& c) {
 
 // Predicts one optimizer step of `c` on `cluster` with `rates` (from cluster_rates or measured).
 // Ranks are laid out as train::Trainer's mesh (pp, dp, cp, tp: tp fastest). Refuses what it does not
-// model (MoE, balanced documents, offloaded activations, the disk tier).
+// model (balanced documents, offloaded activations, the disk tier).
 // stop_above: when the step's lower bound (no pipeline simulation) is already at least this, stop
 // there and return the bound with bound_only set (plan::search's pruning).
 // schedules: where the schedule is made once for many calls (the search); null: made here.
 inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates,
                              double stop_above = std::numeric_limits<double>::infinity(),
                              ScheduleCache* schedules = nullptr) {
-  TRELLIS_CHECK((c.cp == 1 || !c.cp_balance_documents) && c.model.moe_every == 0 && !c.offload_activations &&
-                    c.offload_dir.empty(),
-                "predict_step: MoE, balanced documents, offloaded activations and the optimizer's disk tier are not in "
+  TRELLIS_CHECK((c.cp == 1 || !c.cp_balance_documents) && !c.offload_activations && c.offload_dir.empty(),
+                "predict_step: balanced documents, offloaded activations and the optimizer's disk tier are not in "
                 "the cost model yet");
   const auto& m = c.model;
   const detail::Shape s = detail::shape_of(c);
@@ -549,6 +672,16 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   const int groups = reps / S;
   const Link& shard_link = cluster.link(c.tp, S);
   const Link& across_link = cluster.link(c.tp * S, groups);
+  // MoE (train/trainer.hpp): an ep group is ep consecutive dp ranks (stride tp cp); an expert's
+  // replicas, the dp / ep x cp ranks with the same dp coordinate mod ep (dp stride tp cp ep, cp
+  // stride tp), reduce its gradients, sharded over all of them under ZeRO (never in shard groups).
+  // Their link: inside a node when the group's last member is (Cluster::link's rule).
+  const bool moe = m.moe_every > 0;
+  const detail::MoeShape moe_shape = moe ? detail::moe_shape_of(c, s) : detail::MoeShape{};
+  const int S_e = reps / c.ep;
+  const Link& ep_link = cluster.link(c.tp * c.cp, c.ep);
+  const Link& expert_link =
+      cluster.link(1, 1 + c.tp * (c.cp - 1) + c.tp * c.cp * c.ep * (c.dp / c.ep - 1));
 
   const bool piped = c.pp > 1;
   const ScheduleCache::Prepared* prepared = piped && schedules ? schedules->usable(c) : nullptr;
@@ -564,40 +697,53 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   if (bounds.empty()) bounds = pipe::split_layers(static_cast<int>(m.layers), stages);
 
   StepCost out;
-  // Each virtual stage's F, B and W at rates r, and (comm) its tp collectives' share.
-  auto stage_times = [&](const Rates& r, std::vector<double>* comm) {
-    double block_comm = 0, emb_comm = 0, head_comm = 0;
+  // MoE blocks of virtual stage v (GptConfig::is_moe_layer).
+  auto moe_blocks = [&](int v) {
+    int n = 0;
+    for (int l = bounds[static_cast<std::size_t>(v)]; l < bounds[static_cast<std::size_t>(v) + 1]; ++l) n += m.is_moe_layer(l);
+    return n;
+  };
+  // Each virtual stage's F, B and W at rates r, and (comm) its tp collectives' share, (ep_comm)
+  // its ep all-to-alls'.
+  auto stage_times = [&](const Rates& r, std::vector<double>* comm, std::vector<double>* ep_comm) {
+    double block_comm = 0, moe_comm = 0, moe_ep = 0, emb_comm = 0, head_comm = 0;
     const PassTimes block = detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &block_comm, &a2a_link);
+    const PassTimes moe_block = moe ? detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &moe_comm, &a2a_link,
+                                                          &moe_shape, &ep_link, &moe_ep)
+                                    : PassTimes{};
     const PassTimes emb = detail::embedding_times(s, r, tp_link, &emb_comm);
     const PassTimes head = detail::head_times(s, r, tp_link, &head_comm);
     std::vector<PassTimes> times;
     for (int v = 0; v < stages; ++v) {
-      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
+      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)], e = moe_blocks(v);
       PassTimes t;
-      double sc = n * block_comm;
-      for (int i = 0; i < n; ++i) t += block;
+      double sc = (n - e) * block_comm + e * moe_comm;
+      for (int i = 0; i < n - e; ++i) t += block;
+      for (int i = 0; i < e; ++i) t += moe_block;
       if (v == 0) t += emb, sc += emb_comm;
       if (v == stages - 1 || local) t += head, sc += head_comm;  // the model's head, or a local one
       times.push_back(t);
       if (comm) comm->push_back(sc);
+      if (ep_comm) ep_comm->push_back(e * moe_ep);
     }
     return times;
   };
-  std::vector<double> stage_comm;
-  out.stage = stage_times(rates, &stage_comm);
+  std::vector<double> stage_comm, stage_ep;
+  out.stage = stage_times(rates, &stage_comm, &stage_ep);
   // Devices sharing a node (Rates::shared_by): the pipeline ranks whose groups of dp x cp x tp
   // devices share one are charged by how many of its devices compute beside each action.
   const int group = reps * c.tp;
   const bool sharing = piped && rates.alone && rates.shared_by > 1 && group < cluster.devices_per_node;
-  const std::vector<PassTimes> stage_alone = sharing ? stage_times(*rates.alone, nullptr) : std::vector<PassTimes>{};
+  const std::vector<PassTimes> stage_alone = sharing ? stage_times(*rates.alone, nullptr, nullptr) : std::vector<PassTimes>{};
 
-  // Parameters this rank holds per chunk (for dp traffic and the optimizer).
+  // Parameters this rank holds per chunk (for dp traffic and the optimizer): dense and experts'.
+  const detail::BlockParams moe_params = moe ? detail::moe_block_params(s, moe_shape) : detail::BlockParams{};
   auto chunk_params = [&](int v) {
-    const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-    double p = n * detail::block_params(s);
-    if (v == 0) p += (s.V / s.tp + s.P) * s.W;
-    if (v == stages - 1) p += 2 * s.W + (stages > 1 ? s.V / s.tp * s.W : 0.0);  // ln_f; the tied wte's copy
-    else if (local) p += 2 * s.W + (own_heads || v > 0 ? s.V / s.tp * s.W : 0.0);  // its ln_f; its LM matrix or wte copy
+    const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)], e = moe_blocks(v);
+    detail::BlockParams p{(n - e) * detail::block_params(s) + e * moe_params.dense, e * moe_params.expert};
+    if (v == 0) p.dense += (s.V / s.tp + s.P) * s.W;
+    if (v == stages - 1) p.dense += 2 * s.W + (stages > 1 ? s.V / s.tp * s.W : 0.0);  // ln_f; the tied wte's copy
+    else if (local) p.dense += 2 * s.W + (own_heads || v > 0 ? s.V / s.tp * s.W : 0.0);  // its ln_f; its LM matrix or wte copy
     return p;
   };
   const int chunks = piped ? sched.chunks : 1;
@@ -612,9 +758,23 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
   const double shard_n = S;
   auto rank_params = [&](int rank) {
-    double p = 0;
-    for (int k = 0; k < chunks; ++k) p += chunk_params(stage_of(rank, k));
+    detail::BlockParams p;
+    for (int k = 0; k < chunks; ++k) {
+      const detail::BlockParams q = chunk_params(stage_of(rank, k));
+      p.dense += q.dense;
+      p.expert += q.expert;
+    }
     return p;
+  };
+  // ZeRO's traffic of one pass over a rank's parameters (a reduce-scatter or an all-gather): the
+  // dense ones over the shard group, the experts' over their replicas; and the bytes of it the
+  // device copies itself per byte on the wire (times collective_copy_bytes).
+  auto zero_pass = [&](const detail::BlockParams& p) {
+    return gather_seconds(shard_link, 4 * p.dense, S) + (p.expert > 0 ? gather_seconds(expert_link, 4 * p.expert, S_e) : 0.0);
+  };
+  auto copy_traffic = [&](double passes, const detail::BlockParams& p) {  // memory bytes, times collective_copy_bytes
+    return rates.collective_copy_bytes * passes * (shard_n - 1) / shard_n * (4 * p.dense) +
+           (p.expert > 0 ? rates.collective_copy_bytes * passes * (S_e - 1.0) / S_e * (4 * p.expert) : 0.0);
   };
   auto rank_compute = [&](int rank) {  // one microbatch through every chunk
     double t = 0;
@@ -624,11 +784,11 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   std::vector<double> stretch(static_cast<std::size_t>(ranks), 1.0);
   if (reps > 1 && c.zero >= 2)
     for (int r = 0; r < ranks; ++r) {
-      const double bytes = 4 * rank_params(r);
+      const detail::BlockParams params = rank_params(r);
       const double passes = c.zero == 3 ? 3 : 1;  // gradients reduce-scattered; values gathered for F and B
-      const double traffic = passes * gather_seconds(shard_link, bytes, S);
+      const double traffic = passes * zero_pass(params);
       // what moving those bytes costs the compute where the device copies them itself
-      const double copies = rates.memory(rates.collective_copy_bytes * passes * (shard_n - 1) / shard_n * bytes);
+      const double copies = rates.memory(copy_traffic(passes, params));
       const double compute = rank_compute(r);
       stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
     }
@@ -638,8 +798,9 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
                : kind == pipe::ActionKind::backward_input ? t.backward_input : t.backward_weight;
     if (c.zero == 3 && reps > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
       const int v = stage_of(rank, chunk);
-      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)];
-      x += n * gather_seconds(shard_link, 4 * detail::block_params(s), S);  // each block waits for its gather
+      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)], e = moe_blocks(v);
+      x += (n - e) * gather_seconds(shard_link, 4 * detail::block_params(s), S);  // each block waits for its gather
+      x += e * zero_pass(moe_params);
     }
     return x * stretch[static_cast<std::size_t>(rank)] / pace[static_cast<std::size_t>(rank)];
   };
@@ -664,7 +825,10 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     if (busy[static_cast<std::size_t>(r)] > busy[static_cast<std::size_t>(busiest)]) busiest = r;
   }
   out.compute = busy[static_cast<std::size_t>(busiest)];
-  for (int k = 0; k < chunks; ++k) out.tp_comm += c.microbatches * stage_comm[static_cast<std::size_t>(stage_of(busiest, k))];
+  for (int k = 0; k < chunks; ++k) {
+    out.tp_comm += c.microbatches * stage_comm[static_cast<std::size_t>(stage_of(busiest, k))];
+    out.ep_comm += c.microbatches * stage_ep[static_cast<std::size_t>(stage_of(busiest, k))];
+  }
 
   // The offloaded optimizer's host AdamW and copies (Rates' defaults: the device's own, as on the host).
   auto host_adamw = [&](double n) { return rates.host_adamw ? rates.host_adamw(n) : rates.adamw(n); };
@@ -685,29 +849,35 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   // dp: what the backward does not hide, and the optimizer, per rank; the step waits for the slowest.
   double after = 0;
   for (int r = 0; r < ranks; ++r) {
-    const double params = rank_params(r), bytes = 4 * params;
+    const detail::BlockParams split = rank_params(r);
+    const double params = split.total();
+    // MoE: the dense and the expert buckets, each on its own communicator, taken as one queue (a
+    // unit's expert buckets become ready with its dense ones)
     const int buckets = std::max(1, static_cast<int>(std::ceil(params / static_cast<double>(c.bucket_elements))));
     const double last_b = last_backward[static_cast<std::size_t>(r)];
     double exposed = 0;
     if (reps > 1) {
       const double window = c.overlap_dp ? last_b : 0.0;
       if (c.zero <= 1)  // the buckets' copies where the device makes them itself (during the backward)
-        exposed += rates.memory(rates.collective_copy_bytes * (c.zero == 0 ? 2.0 : 1.0) * (shard_n - 1) / shard_n * bytes);
-      if (c.zero == 0) exposed += exposed_after(window, all_reduce_seconds(dp_link, bytes, reps), buckets);
-      if (c.zero == 1)
-        exposed += exposed_after(window, gather_seconds(shard_link, bytes, S), buckets) + gather_seconds(shard_link, bytes, S);
-      if (c.zero == 2) exposed += gather_seconds(shard_link, bytes, S);  // values all-gathered after the update
+        exposed += rates.memory(copy_traffic(c.zero == 0 ? 2.0 : 1.0, split));
+      if (c.zero == 0)
+        exposed += exposed_after(window, all_reduce_seconds(dp_link, 4 * split.dense, reps) +
+                                             (split.expert > 0 ? all_reduce_seconds(expert_link, 4 * split.expert, S_e) : 0.0),
+                                 buckets);
+      if (c.zero == 1) exposed += exposed_after(window, zero_pass(split), buckets) + zero_pass(split);
+      if (c.zero == 2) exposed += zero_pass(split);  // values all-gathered after the update
       if (c.zero >= 1 && groups > 1) {
         // hybrid sharding: each bucket's reduced shard (1/S of its gradients) all-reduced across the
         // groups once per step (grad_buckets.hpp). ZeRO-1: at the end, after every reduce-scatter
         // (exposed); ZeRO-2/3: started as the bucket's last reduce-scatter retires, overlapping
         // the rest of the last backward (the reduce-scatters are on the shard group's link).
-        const double sum = all_reduce_seconds(across_link, bytes / S, groups);
+        // (dense buckets only: the experts' shard over all their replicas)
+        const double sum = all_reduce_seconds(across_link, 4 * split.dense / S, groups);
         exposed += c.zero == 1 ? sum : exposed_after(last_b, sum, buckets);
-        exposed += rates.memory(rates.collective_copy_bytes * 2.0 * (groups - 1) / groups * bytes / S);
+        exposed += rates.memory(rates.collective_copy_bytes * 2.0 * (groups - 1) / groups * 4 * split.dense / S);
       }
     }
-    const double shard = c.zero >= 1 ? params / shard_n : params;
+    const double shard = c.zero >= 1 ? split.dense / shard_n + split.expert / S_e : params;
     double opt = (rates.adamw(shard) + rates.memory(4 * params)) / speed(r);
     if (c.offload_optimizer) {
       // the moments on the host (train/optimizer_state.hpp): the update downloads values and

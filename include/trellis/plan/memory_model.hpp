@@ -32,11 +32,34 @@
 //    are scratch of one call (nn/tensor_parallel.hpp: a chunked all-gather stages its R x W rows
 //    beside the gathered ones, a chunked reduce-scatter's staging replaces the whole partial
 //    buffer, an all-reduce runs in place), which Trainer::memory() does not count at any K.
+//  - Mixture of Experts (model.moe_every > 0, nn/moe.hpp; ep: train/trainer.hpp): an MoE block's
+//    MLP is a router (W x E, whole on every rank) and this rank's E/ep experts (c_fc W x 4W/tp and
+//    its bias, c_proj 4W/tp x W, its bias W whole), packed in the block's unit like the dense
+//    MLP's tensors. The expert tensors form buckets of their own (a run breaks where the expert
+//    flag changes), which shard over all their replicas -- the dp / ep x cp ranks holding the
+//    same experts (rank (d / ep) cp + c among them), never in hybrid shard groups -- while the
+//    router and the rest of the block shard as dense tensors. So under ZeRO the shards, the
+//    ZeRO-2 received slot (per unit: dense / S + expert / S_e) and the optimizer's pieces follow
+//    each bucket's own part count. The arena holds an MoE block's norms and attention only: the
+//    MoE layer keeps its saved state in buffers of its own (saved_bytes() is 0), which
+//    Trainer::memory() does not count. Those are `moe_activations` below, the one figure here
+//    that is not exact: how many copies reach this rank's experts depends on the routing.
+//    moe_activations: per live microbatch (the arena's slots) and MoE layer of the chunk, every
+//    buffer MoeMlp keeps from a forward to its W (x, probs, lse, the routing's choices, gates,
+//    slots and source rows over rows; xe, pre, h, dye, dh over the copies received; yp over the
+//    copies sent; dlogits; the regroup's indices with ep > 1), all counted at once (pre and yp are
+//    freed as dye, dh and dlogits appear: the sum is an upper bound by that). With a capacity
+//    factor the copies are taken at their most (ep x E/ep x capacity received, E x capacity sent:
+//    an upper bound whatever the routing); dropless at balanced routing (rows x k each: NOT a bound,
+//    an imbalanced router sends more). Recompute does not lower it (the recomputed state lives
+//    from B to W, as long as split schedules keep it). The layer's scratch of one call is not
+//    counted, as nowhere here.
 // fp32 compute only (4-byte activations: backend::Host<float>, the trainer's default). workspace:
 // the host backends reserve none (0); the CUDA backend's scratch is not modelled. Exact after a
 // step (the offloaded update's staging grows at the first update), except fused_update with
-// offload_optimizer: its staging is an upper bound (units alternate between two buffers).
-// Refused (TRELLIS_CHECK): Mixture-of-Experts models, configs that train::config_problems refuses.
+// offload_optimizer: its staging is an upper bound (units alternate between two buffers), and
+// moe_activations (above).
+// Refused (TRELLIS_CHECK): configs that train::config_problems refuses.
 #pragma once
 
 #include <algorithm>
@@ -62,7 +85,9 @@ struct MemoryEstimate {
   double parameters = 0, gradients = 0, optimizer = 0, host_optimizer = 0, activations = 0, workspace = 0;
   double disk_optimizer = 0;    // the disk tier's file (offload_dir)
   double host_activations = 0;  // offloaded activations: the arena's host rooms
-  double device_total() const { return parameters + gradients + optimizer + activations + workspace; }
+  // MoE layers' own saved buffers (not in Trainer::memory(): data-dependent; see the header)
+  double moe_activations = 0;
+  double device_total() const { return parameters + gradients + optimizer + activations + workspace + moe_activations; }
 };
 
 // Which rank of the mesh: pipeline, tensor-parallel and replica (dp x cp: dp coordinate x cp + cp
@@ -78,10 +103,14 @@ namespace memory_detail {
 using Bytes = std::uint64_t;
 
 // One weight unit (a block, the head's ln_f, the embedding's wpe): its tensors' elements in
-// packing order (the reverse of the layer's parameter order), and its saved bytes per microbatch.
+// packing order (the reverse of the layer's parameter order), its saved bytes per microbatch in
+// the arena, and (MoE blocks) how many leading tensors are experts' and the MoE layer's own
+// saved bytes.
 struct Unit {
   std::vector<index_t> tensors;
   Bytes saved = 0;
+  std::size_t experts = 0;  // tensors[0, experts) are expert tensors (their own buckets)
+  double moe_saved = 0;
 };
 // One model chunk on the rank: its units (head, blocks last to first, embedding: the trainer's
 // unit order), whether it holds a wte (the embedding's or a head copy), and its arena slots.
@@ -114,14 +143,43 @@ inline Bytes column_saved(const Shapes& s, index_t in, index_t out_local) {
 // A row-parallel layer (in_local -> out): its input and the (gathered) output gradient.
 inline Bytes row_saved(const Shapes& s, index_t in_local, index_t out) { return saved(s.rows * in_local) + saved(s.rows * out); }
 
-inline Bytes block_saved(const Shapes& s, bool recompute) {
+// moe: an MoE block, whose MLP saves nothing in the arena (nn/moe.hpp: its own buffers).
+inline Bytes block_saved(const Shapes& s, bool recompute, bool moe = false) {
   if (recompute) return saved(s.local_rows * s.W);  // the block input only; the rest is recomputed
   const index_t wl = s.heads_local * s.head_dim;
   // attention core: q, k, v, o (rows x this rank's heads, whatever the cp mode) and lse, the ids
   const Bytes attn = 4 * saved(s.rows * wl) + saved(s.rows * s.heads_local) + saved(s.ids) +
                      column_saved(s, s.W, 3 * wl) + row_saved(s, wl, s.W);
-  const Bytes mlp = column_saved(s, s.W, s.hidden_local) + row_saved(s, s.hidden_local, s.W);
+  const Bytes mlp = moe ? 0 : column_saved(s, s.W, s.hidden_local) + row_saved(s, s.hidden_local, s.W);
   return 2 * layernorm_saved(s) + attn + mlp;
+}
+
+// The bytes one MoE layer (nn/moe.hpp MoeMlp::Saved) keeps for one microbatch from its forward to
+// its W, every buffer at once (4-byte elements): over the `rows` tokens it routes (whole rows,
+// sp gathered) x, probs, lse, expert, gate, slot, source_row, dlogits; over the copies `received`
+// at its experts xe, pre, h, dye, dh (and with ep > 1 the regroup's by_expert, by_source); over
+// the copies `sent` of its tokens yp. Each buffer at least one element, as the layer allocates.
+inline double moe_layer_bytes(double rows, double received, double sent, double width, double hidden_local,
+                              double experts, double topk, int ep) {
+  auto n = [](double x) { return std::max(x, 1.0); };
+  const double fixed = rows * width + 2 * rows * experts + rows + 3 * rows * topk + n(rows * topk);
+  const double copies = 2 * n(received * width) + 3 * n(received * hidden_local) + (ep > 1 ? 2 * n(received) : 0.0);
+  return 4 * (fixed + copies + n(sent * width));
+}
+// The copies an MoE layer of `c` receives and sends per microbatch of `rows` tokens: with a
+// capacity factor the most there can be (each of the ep sources keeps at most `capacity` per
+// expert, at most one copy per token; E x capacity sent, at most rows x k), dropless the balanced
+// mean (rows x k each way: not a bound).
+struct MoeCopies {
+  double received = 0, sent = 0;
+};
+inline MoeCopies moe_copies(const train::TrainerConfig& c, double rows) {
+  const auto& m = c.model;
+  const double E = static_cast<double>(m.experts), k = static_cast<double>(m.moe_topk), El = E / c.ep;
+  if (c.options.moe_capacity <= 0.0f) return {rows * k, rows * k};
+  nn::MoeConfig mc = c.options.moe(m);
+  const double cap = std::min(static_cast<double>(mc.capacity(static_cast<index_t>(rows))), rows);
+  return {c.ep * El * cap, std::min(rows * k, E * cap)};
 }
 // ln_f + the LM head / cross-entropy: targets, the V/tp logits per row, its input, lse.
 inline Bytes head_saved(const Shapes& s) {
@@ -140,8 +198,6 @@ inline const pipe::Schedule* schedule_of(const train::TrainerConfig& c, pipe::Sc
 // make_schedule = false: the caller made the schedule already (plan::ScheduleCache).
 inline void check_supported(const train::TrainerConfig& c, bool make_schedule = true) {
   train::check_config(c, std::nullopt, make_schedule);
-  TRELLIS_CHECK(c.model.moe_every == 0, "plan::predict_memory: Mixture-of-Experts models (model.moe_every ",
-                c.model.moe_every, ") are not modelled");
 }
 
 // The chunks a rank at `at` holds, with their units and slots (the trainer's construction).
@@ -163,6 +219,18 @@ inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoo
   const index_t W = m.width, wl = sh.heads_local * sh.head_dim, F = sh.hidden_local;
   // packing order of a block: mlp.c_proj (b, w), c_fc (b, w), ln_2, attn.c_proj (b, w), c_attn (b, w), ln_1
   const Unit block{{W, F * W, F, W * F, W, W, W, wl * W, 3 * wl, W * 3 * wl, W, W}, block_saved(sh, c.options.recompute)};
+  // an MoE block: the experts' c_proj (b, w), c_fc (b, w) for this rank's E / ep experts, the
+  // router (W x E), then as above (nn/moe.hpp's parameter order, reversed)
+  Unit moe_block;
+  if (m.moe_every > 0) {
+    const index_t El = m.experts / c.ep;
+    moe_block = {{El * W, El * F * W, El * F, El * W * F, W * m.experts, W, W, W, wl * W, 3 * wl, W * 3 * wl, W, W},
+                 block_saved(sh, c.options.recompute, true), 4};
+    const MoeCopies copies = moe_copies(c, static_cast<double>(sh.rows));
+    moe_block.moe_saved = moe_layer_bytes(static_cast<double>(sh.rows), copies.received, copies.sent, static_cast<double>(W),
+                                          static_cast<double>(F), static_cast<double>(m.experts),
+                                          static_cast<double>(m.moe_topk), c.ep);
+  }
 
   const int chunks = s ? s->chunks : 1, stages = s ? s->virtual_stages() : 1;
   auto virtual_stage = [&](int k) { return s ? s->virtual_stage(at.pp, k) : k; };
@@ -182,7 +250,7 @@ inline std::vector<Chunk> chunks_of(const train::TrainerConfig& c, const RankCoo
     if (head) ch.units.push_back({{W, W}, head_saved(sh)});  // ln_f (b, w); wte is in no unit
     if (local_head)  // its ln_f, after its own LM matrix where it has one (packing order)
       ch.units.push_back({own_lm ? std::vector<index_t>{sh.vocab_local * W, W, W} : std::vector<index_t>{W, W}, head_saved(sh)});
-    for (int l = bounds[vs]; l < bounds[vs + 1]; ++l) ch.units.push_back(block);
+    for (int l = bounds[vs + 1] - 1; l >= bounds[vs]; --l) ch.units.push_back(m.is_moe_layer(l) ? moe_block : block);
     if (embedding) ch.units.push_back({{m.positions * W}, embedding_saved(sh)});  // wpe
     // wte: the embedding's, or a head's own copy when the rank holds no embedding (else it is
     // shared); a local head tied to wte counts as a head
@@ -224,14 +292,21 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
   // S: the ranks a bucket is sharded over (a shard group under hybrid sharding); this rank's part.
   const int S = c.zero >= 1 && c.shard_degree > 0 && c.shard_degree < replicas ? c.shard_degree : replicas;
   const int part = at.replica % S;
+  // Expert buckets: over the dp / ep x cp replicas holding the same experts, never in shard groups;
+  // this rank's place among them (the trainer splits the replicas by dp coordinate % ep, ordered
+  // by replica rank).
+  const int S_e = replicas / c.ep;
+  const int part_e = at.replica / c.cp / c.ep * c.cp + at.replica % c.cp;
 
-  // Over the rank's buckets: packed floats, the largest unit, wte's bucket; the optimizer's
-  // tensors (parameters, or ZeRO pieces): all their elements, the largest one, the largest update
-  // of one unit (the fused update).
-  index_t packed = 0, largest_unit = 0, wte = 0, state = 0, largest_tensor = 0, largest_update = 0;
-  auto bucket = [&](const std::vector<index_t>& tensors) {
+  // Over the rank's buckets: packed floats (dense, expert), the largest unit, the largest unit's
+  // reduced shards (ZeRO-2's received slot), wte's bucket; the optimizer's tensors (parameters,
+  // or ZeRO pieces): all their elements, the largest one, the largest update of one unit (the
+  // fused update).
+  index_t packed = 0, packed_experts = 0, largest_unit = 0, largest_received = 0, wte = 0, state = 0, largest_tensor = 0,
+          largest_update = 0;
+  auto bucket = [&](const std::vector<index_t>& tensors, bool expert) {
     index_t mine = 0;
-    for (index_t n : c.zero >= 1 ? pieces(tensors, align, S, part) : tensors) {
+    for (index_t n : c.zero >= 1 ? pieces(tensors, align, expert ? S_e : S, expert ? part_e : part) : tensors) {
       mine += n;
       largest_tensor = std::max(largest_tensor, n);
     }
@@ -239,32 +314,43 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
     return mine;
   };
   Bytes act = 0, act_host = 0;
+  double moe_act = 0;
   for (const Chunk& ch : chunks) {
     Bytes slot = 0, largest_saved = 1;
+    double moe_slot = 0;
     for (const Unit& u : ch.units) {
-      index_t size = 0, update = 0, run_elements = 0;
+      index_t size = 0, expert_size = 0, update = 0, run_elements = 0;
       std::vector<index_t> run;  // a bucket: a run of the unit's tensors of at most bucket_elements
-      for (index_t n : u.tensors) {
-        if (!run.empty() && static_cast<std::size_t>(run_elements + n) > c.bucket_elements) {
-          update += bucket(run);
+      bool run_expert = false;
+      for (std::size_t i = 0; i < u.tensors.size(); ++i) {
+        const index_t n = u.tensors[i];
+        const bool expert = i < u.experts;
+        if (!run.empty() && (static_cast<std::size_t>(run_elements + n) > c.bucket_elements || expert != run_expert)) {
+          update += bucket(run, run_expert);
           run.clear();
           run_elements = 0;
         }
         run.push_back(n);
+        run_expert = expert;
         run_elements += n;
         size += round_up(n, align);
+        if (expert) expert_size += round_up(n, align);
       }
-      update += bucket(run);
+      update += bucket(run, run_expert);
       packed += size;
+      packed_experts += expert_size;
       largest_unit = std::max(largest_unit, size);
+      largest_received = std::max(largest_received, (size - expert_size) / S + expert_size / S_e);
       largest_update = std::max(largest_update, update);
       slot += u.saved;
+      moe_slot += u.moe_saved;
       largest_saved = std::max<Bytes>(largest_saved, nn::saved_round(u.saved));
     }
+    moe_act += moe_slot * ch.slots;
     if (ch.wte > 0) {  // wte: a bucket of its own (one per rank: a head copy only without the embedding)
       wte = round_up(ch.wte, align);
       packed += wte;
-      largest_update = std::max(largest_update, bucket({ch.wte}));
+      largest_update = std::max(largest_update, bucket({ch.wte}, false));
     }
     if (c.offload_activations) {  // device frames of the largest unit; host rooms for every slot
       act += largest_saved * static_cast<Bytes>(c.offload_activation_frames);
@@ -278,17 +364,18 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
 
   MemoryEstimate e;
   const double f = sizeof(float);
-  const double shards = static_cast<double>(packed / S);  // every bucket splits evenly (the alignment)
+  // every bucket splits evenly (the alignment): dense ones over S, expert ones over S_e
+  const double shards = static_cast<double>((packed - packed_experts) / S + packed_experts / S_e);
   switch (c.zero) {
     case 0: e.parameters = f * packed; e.gradients = f * packed; break;
     case 1: e.parameters = f * packed; e.gradients = f * (packed + shards); break;
     case 2:  // the gradient slots: a unit's gradients and its buckets' reduced shards, twice
       e.parameters = f * packed;
-      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_unit / S));
+      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_received));
       break;
     default:  // ZeRO-3: the values too as shards, two value slots and wte's step buffer
       e.parameters = f * (shards + wte + 2.0 * largest_unit);
-      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_unit / S));
+      e.gradients = f * (shards + wte + 2.0 * (largest_unit + largest_received));
       break;
   }
   const double moments = 2 * f * static_cast<double>(state);
@@ -308,6 +395,7 @@ inline MemoryEstimate predict(const train::TrainerConfig& c, const RankCoords& a
     e.optimizer = moments;
   }
   e.activations = static_cast<double>(act);
+  e.moe_activations = moe_act;
   e.host_activations = static_cast<double>(act_host);
   e.workspace = 0;  // backend::Host reserves no kernel scratch
   return e;

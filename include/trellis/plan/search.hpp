@@ -1,7 +1,8 @@
 // plan::search: every layout of a model on a cluster -- dp x tp x pp x cp over all its devices, the
 // cp mode (ring, Ulysses, hybrid), the pipeline schedule (and virtual chunks), microbatches,
 // recompute, sequence parallelism, ZeRO stage and hybrid shard degree, the offloaded optimizer,
-// tp overlap chunks -- checked (train::config_problems), pruned by memory
+// tp overlap chunks, and for a Mixture-of-Experts model expert parallelism (ep: every divisor of
+// dp that divides the expert count) -- checked (train::config_problems), pruned by memory
 // (plan::predict_peak_memory against the device's memory), timed by the cost model
 // (plan::predict_step), and the fastest returned with the train_gpt flags that run each. On a
 // cluster of mixed speeds dp replicas get shares and a pipeline of one chunk per rank a split
@@ -25,6 +26,7 @@
 #include "trellis/plan/cost_model.hpp"
 #include "trellis/plan/memory_model.hpp"
 #include "trellis/plan/stage_balance.hpp"
+#include "trellis/train/metrics.hpp"  // defines: gpt_flops_per_token, moe_active_parameters
 #include "trellis/train/trainer_config.hpp"
 
 namespace trellis::plan {
@@ -105,6 +107,7 @@ inline std::string train_gpt_flags(const train::TrainerConfig& c) {
   if (c.cp > 1) s << " --cp " << c.cp;
   if (c.cp > 1 && c.cp_mode != nn::CpMode::ring) s << " --cp-mode " << nn::to_string(c.cp_mode);
   if (c.cp > 1 && c.cp_mode == nn::CpMode::hybrid) s << " --cp-ulysses " << c.cp_ulysses;
+  if (c.ep > 1) s << " --ep " << c.ep;
   s << " --microbatches " << c.microbatches;
   if (c.pp > 1) s << " --schedule " << c.schedule;
   if (c.pp > 1 && c.schedule == "interleaved_1f1b") s << " --chunks " << c.virtual_chunks;
@@ -177,6 +180,12 @@ void for_each_layout(const train::TrainerConfig& base, int devices, int max_tp, 
         if (local && pp == 1) continue;
         const std::vector<std::string> schedules =
             local ? std::vector<std::string>{"local_learning"} : pp > 1 ? space.schedules : std::vector<std::string>{"1f1b"};
+        // expert parallelism (MoE models): groups of ep consecutive dp ranks, ep dividing the experts
+        std::vector<int> eps{1};
+        if (base.model.moe_every > 0)
+          for (int e = 2; e <= dp; ++e)
+            if (dp % e == 0 && base.model.experts % e == 0) eps.push_back(e);
+        for (int ep : eps)
         for (const auto& sched : schedules)
           for (int m = 1; m <= space.max_microbatches && m <= base.batch / dp; ++m) {
             if ((base.batch / dp) % m != 0) continue;
@@ -198,6 +207,7 @@ void for_each_layout(const train::TrainerConfig& base, int devices, int max_tp, 
                   c.cp = cp;
                   c.cp_mode = mode;
                   c.cp_ulysses = u;
+                  c.ep = ep;
                   c.shard_degree = S;
                   c.offload_optimizer = off;
                   c.schedule = sched;
@@ -242,7 +252,7 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   std::optional<train::TrainerConfig> last;
   PeakMemory last_peak;
   auto same_but_overlap = [](const train::TrainerConfig& a, const train::TrainerConfig& b) {
-    return a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.cp_mode == b.cp_mode &&
+    return a.dp == b.dp && a.tp == b.tp && a.pp == b.pp && a.cp == b.cp && a.ep == b.ep && a.cp_mode == b.cp_mode &&
            a.cp_ulysses == b.cp_ulysses && a.shard_degree == b.shard_degree &&
            a.offload_optimizer == b.offload_optimizer && a.schedule == b.schedule &&
            a.virtual_chunks == b.virtual_chunks && a.microbatches == b.microbatches &&
@@ -308,13 +318,24 @@ inline Plan search(const train::TrainerConfig& base, const Cluster& cluster, con
   return plan;
 }
 
-// Model FLOPs of one step (the PaLM count: 6 per parameter per token outside the embedding
-// lookups, the LM head included, and 12 L T W per token for attention), for MFU.
+// Model FLOPs of one step (the PaLM count: 6 per weight per token outside the embedding lookups,
+// the LM head included, and 12 L T W per token for attention; biases and norms not counted), for
+// MFU. An MoE block's weights: attention 4 W^2, the router W E and E experts of 8 W^2, of which a
+// token uses the router and top-k experts (train::moe_active_parameters, as train_gpt's MFU).
 inline double model_flops(const train::TrainerConfig& c) {
-  const double W = static_cast<double>(c.model.width), L = static_cast<double>(c.model.layers),
-               V = static_cast<double>(c.model.vocab), T = static_cast<double>(c.seq);
+  const auto& m = c.model;
+  const double W = static_cast<double>(m.width), L = static_cast<double>(m.layers), V = static_cast<double>(m.vocab),
+               T = static_cast<double>(c.seq);
   const double tokens = static_cast<double>(c.batch) * T;
-  return tokens * (6 * (L * 12 * W * W + V * W) + 12 * L * T * W);
+  double moe_layers = 0;
+  for (index_t i = 0; i < m.layers; ++i) moe_layers += m.is_moe_layer(i) ? 1 : 0;
+  const double E = static_cast<double>(m.experts);
+  const double weights = (L - moe_layers) * 12 * W * W + moe_layers * (4 * W * W + W * E + E * 8 * W * W) + V * W;
+  const double active = moe_layers > 0 ? train::moe_active_parameters(weights, moe_layers, static_cast<int>(m.experts),
+                                                                      static_cast<int>(m.moe_topk),
+                                                                      static_cast<int>(m.width), false)
+                                       : weights;
+  return tokens * train::gpt_flops_per_token(active, static_cast<int>(m.layers), static_cast<int>(m.width), T);
 }
 
 }  // namespace trellis::plan

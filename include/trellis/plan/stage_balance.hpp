@@ -22,10 +22,9 @@ namespace trellis::plan {
 // other), by the cost model with `rates` (plan::MeasuredRates on this machine, or cluster_rates)
 // and the tp and cp collectives on `cluster`'s links. What the FLOP count leaves out shows here:
 // the cross-entropy and norms around the head, memory passes, collectives, attention's own rate.
-// The mean microbatch of a dp rank is costed (dp_rows shares all take the same split).
+// The mean microbatch of a dp rank is costed (dp_rows shares all take the same split). MoE blocks
+// cost their own (detail::moe_mlp_times, balanced routing, the ep group's link as predict_step's).
 inline train::LayerCosts stage_costs(const train::TrainerConfig& c, const Cluster& cluster, const Rates& rates) {
-  TRELLIS_CHECK(c.model.moe_every == 0, "plan::stage_costs: MoE blocks are not in the cost model yet: give the split "
-                                        "(--stage-layers) or weigh FLOPs");
   TRELLIS_CHECK(c.pp >= 1 && c.microbatches >= 1 && c.batch >= static_cast<index_t>(c.dp) * c.microbatches,
                 "plan::stage_costs: pp ", c.pp, ", ", c.microbatches, " microbatches of a batch of ", c.batch,
                 " rows over dp ", c.dp);
@@ -40,6 +39,14 @@ inline train::LayerCosts stage_costs(const train::TrainerConfig& c, const Cluste
   const double embedding = detail::embedding_times(s, rates, tp_link, nullptr).total();
   train::LayerCosts k;
   k.layers.assign(static_cast<std::size_t>(c.model.layers), block);
+  if (c.model.moe_every > 0) {
+    const detail::MoeShape moe = detail::moe_shape_of(c, s);
+    const Link& ep_link = cluster.link(c.tp * c.cp, c.ep);
+    const double moe_block =
+        detail::block_times(s, rates, tp_link, cp_link, c.options.recompute, nullptr, &a2a_link, &moe, &ep_link).total();
+    for (index_t l = 0; l < c.model.layers; ++l)
+      if (c.model.is_moe_layer(l)) k.layers[static_cast<std::size_t>(l)] = moe_block;
+  }
   k.fixed.assign(static_cast<std::size_t>(c.pp), local ? head : 0.0);
   k.fixed.front() += embedding;
   k.fixed.back() = (c.pp == 1 ? embedding : 0.0) + head;

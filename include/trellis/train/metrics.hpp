@@ -121,10 +121,24 @@ inline std::size_t trim_metrics_after(const std::filesystem::path& path, std::in
 
 // Training FLOPs per token of a GPT (forward + backward, PaLM appendix B):
 //   6 * n_params + 12 * n_layers * d_model * seq_len  (the second term is attention's QK^T and AV)
+// n_params: the parameters a token uses (with MoE blocks: moe_active_parameters).
 // seq_len: the keys each token attends to in the formula's convention (the context T; for packed
 // documents the mean span, sum of len^2 / sum of len: DataLoader::attention_span).
 inline double gpt_flops_per_token(double n_params, int n_layers, int d_model, double seq_len) {
   return 6.0 * n_params + 12.0 * n_layers * static_cast<double>(d_model) * seq_len;
+}
+// Mixture of Experts (nn/moe.hpp): a token runs each MoE block's router (W x E weights, 2 W E
+// FLOPs forward, counted whole) and `topk` of its `experts` experts, each a GPT-2 MLP (c_fc and
+// c_proj: 8 W^2 weights, 16 W^2 FLOPs forward, + 5 W biases). So 6N's N is the model's `n_params`
+// less, in each of its `moe_layers` MoE blocks, the experts - topk experts the token skips.
+// expert_biases: whether n_params counts the experts' biases (a model's parameter count does;
+// plan::model_flops counts weight matrices only).
+inline double moe_active_parameters(double n_params, double moe_layers, int experts, int topk, int d_model,
+                                    bool expert_biases = true) {
+  TRELLIS_CHECK(moe_layers >= 0 && topk >= 1 && experts >= topk, "moe_active_parameters: top-", topk, " of ",
+                experts, " experts in ", moe_layers, " MoE blocks");
+  const double W = d_model, expert = 8 * W * W + (expert_biases ? 5 * W : 0.0);
+  return n_params - moe_layers * (experts - topk) * expert;
 }
 // Model FLOPs utilisation: achieved model FLOP/s over the hardware's peak (all devices used).
 inline double model_flops_utilization(double flops_per_token, double tokens_per_s, double peak_flops) {
