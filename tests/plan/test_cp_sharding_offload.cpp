@@ -230,10 +230,12 @@ TEST_CASE("hybrid sharding: reduce-scatter and all-gather in the group, the shar
       if (zero == 1) {  // reduce-scatter through the last backward, the sum at the end, then the gather
         const double window = st.backward_input + st.backward_weight;
         step = 2 * st.total() + plan::exposed_after(window, gather(in, bytes, 2), buckets) + sum + gather(in, bytes, 2);
-      } else {  // every microbatch reduce-scattered in the group; the sum through the last backward
-        const double compute = st.total(), stretch = std::max(1.0, gather(in, bytes, 2) / compute);
+      } else {  // every microbatch reduce-scattered in the group (the units' play-out stretches the
+                // actions: test_sharded_traffic.cpp); the sum through the last backward
+        const double compute = st.total(), stretch = cost.pipeline / (2 * compute);
+        CHECK(stretch >= 1.0);
         const double window = (st.backward_input + st.backward_weight) * stretch;
-        step = 2 * compute * stretch + gather(in, bytes, 2) + plan::exposed_after(window, sum, buckets);
+        step = cost.pipeline + gather(in, bytes, 2) + plan::exposed_after(window, sum, buckets);
         if (across_bw > 1e10)
           CHECK(plan::exposed_after(window, sum, buckets) < 0.1 * sum);  // mostly hidden
         else
@@ -250,8 +252,8 @@ TEST_CASE("hybrid sharding: reduce-scatter and all-gather in the group, the shar
         const double window = st.backward_input + st.backward_weight;
         full_step = 2 * st.total() + plan::exposed_after(window, gather(across, bytes, 4), buckets) + gather(across, bytes, 4);
       } else {
-        const double stretch = std::max(1.0, gather(across, bytes, 4) / st.total());
-        full_step = 2 * st.total() * stretch + gather(across, bytes, 4);
+        CHECK(f.pipeline > 2 * st.total());  // the reduce-scatters across the nodes show
+        full_step = f.pipeline + gather(across, bytes, 4);
       }
       CHECK(f.step == Approx(full_step + adamw * params / 4).epsilon(1e-12));
     }
@@ -292,7 +294,9 @@ TEST_CASE("offloaded optimizer: host copies and AdamW after the schedule, or hid
       c.clip = 0;
       REQUIRE(train::config_problems(c).empty());
       const plan::StepCost fused = plan::predict_step(c, cl, r);
-      const double window = off.stage[0].backward_input + off.stage[0].backward_weight;
+      // the last backward, stretched as every action by ZeRO-3's traffic (pipeline / compute)
+      const double window = (off.stage[0].backward_input + off.stage[0].backward_weight) * off.pipeline /
+                            (2 * off.stage[0].total());
       const double hidden = plan::exposed_after(window, host_adamw * n, 7);
       CHECK(fused.optimizer == Approx(copies + hidden).epsilon(1e-12));
       CHECK(fused.step == Approx(off.step - host_adamw * n + hidden).epsilon(1e-12));

@@ -33,9 +33,11 @@
 //     the link serialises them: what is left after the backward is exposed). ZeRO 1: reduce-
 //     scattered the same way, the updated values all-gathered after the update (exposed). ZeRO 2:
 //     reduce-scattered every microbatch, overlapped with the backward; ZeRO 3 also gathers every
-//     block's values before its F and its B. With ZeRO 2/3 a stage's actions stretch when its
-//     dp traffic of a microbatch outlasts its compute (the link is the bottleneck), or by the
-//     copies' memory traffic where the device moves the bytes itself (Rates::collective_copy_bytes).
+//     unit's values before its F and its B. With ZeRO 2/3 a rank's weight units are played out
+//     against that traffic (plan/sharded_traffic.hpp: a call per bucket, the next unit's gather
+//     prefetched, the copies' memory traffic where the device moves the bytes itself,
+//     Rates::collective_copy_bytes), and its actions stretch by what the play-out takes over its
+//     compute alone.
 //   - The optimizer: AdamW over this rank's (ZeRO: sharded) parameters plus the gradient norm,
 //     memory-bound.
 //   - Context parallelism: rows b T / cp per rank; gradients over dp x cp. Ring: cp attention
@@ -84,6 +86,7 @@
 #include "trellis/plan/cluster.hpp"
 #include "trellis/plan/layer_costs.hpp"
 #include "trellis/plan/schedule_cache.hpp"
+#include "trellis/plan/sharded_traffic.hpp"
 #include "trellis/train/trainer_config.hpp"
 
 namespace trellis::plan {
@@ -250,14 +253,24 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
   };
   // Each virtual stage's F, B and W at rates r, and (comm) its tp collectives' share, (ep_comm)
   // its ep all-to-alls'.
-  auto stage_times = [&](const Rates& r, std::vector<double>* comm, std::vector<double>* ep_comm) {
+  // One microbatch's F, B and W of each kind of weight unit at rates r, and their tp (and ep) comm.
+  struct UnitTimes {
+    PassTimes block, moe_block, emb, head;
     double block_comm = 0, moe_comm = 0, moe_ep = 0, emb_comm = 0, head_comm = 0;
-    const PassTimes block = detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &block_comm, &a2a_link);
-    const PassTimes moe_block = moe ? detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &moe_comm, &a2a_link,
-                                                          &moe_shape, &ep_link, &moe_ep)
-                                    : PassTimes{};
-    const PassTimes emb = detail::embedding_times(s, r, tp_link, &emb_comm);
-    const PassTimes head = detail::head_times(s, r, tp_link, &head_comm);
+  };
+  auto unit_times = [&](const Rates& r) {
+    UnitTimes u;
+    u.block = detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &u.block_comm, &a2a_link);
+    if (moe)
+      u.moe_block = detail::block_times(s, r, tp_link, cp_link, c.options.recompute, &u.moe_comm, &a2a_link, &moe_shape,
+                                        &ep_link, &u.moe_ep);
+    u.emb = detail::embedding_times(s, r, tp_link, &u.emb_comm);
+    u.head = detail::head_times(s, r, tp_link, &u.head_comm);
+    return u;
+  };
+  const UnitTimes units = unit_times(rates);
+  auto stage_times = [&](const UnitTimes& u, std::vector<double>* comm, std::vector<double>* ep_comm) {
+    const auto& [block, moe_block, emb, head, block_comm, moe_comm, moe_ep, emb_comm, head_comm] = u;
     std::vector<PassTimes> times;
     for (int v = 0; v < stages; ++v) {
       const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)], e = moe_blocks(v);
@@ -274,12 +287,12 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     return times;
   };
   std::vector<double> stage_comm, stage_ep;
-  out.stage = stage_times(rates, &stage_comm, &stage_ep);
+  out.stage = stage_times(units, &stage_comm, &stage_ep);
   // Devices sharing a node (Rates::shared_by): the pipeline ranks whose groups of dp x cp x tp
   // devices share one are charged by how many of its devices compute beside each action.
   const int group = reps * c.tp;
   const bool sharing = piped && rates.alone && rates.shared_by > 1 && group < cluster.devices_per_node;
-  const std::vector<PassTimes> stage_alone = sharing ? stage_times(*rates.alone, nullptr, nullptr) : std::vector<PassTimes>{};
+  const std::vector<PassTimes> stage_alone = sharing ? stage_times(unit_times(*rates.alone), nullptr, nullptr) : std::vector<PassTimes>{};
 
   // Parameters this rank holds per chunk (for dp traffic and the optimizer): dense and experts'.
   const detail::BlockParams moe_params = moe ? detail::moe_block_params(s, moe_shape) : detail::BlockParams{};
@@ -300,7 +313,6 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     return sp;
   };
   const std::vector<double> pace = pipeline_rank_pace(c, cluster);  // compute: rows and speeds of its replicas
-  // ZeRO 2/3: dp traffic per microbatch on a rank against its compute: the stretch factor.
   const double shard_n = S;
   auto rank_params = [&](int rank) {
     detail::BlockParams p;
@@ -326,27 +338,63 @@ inline StepCost predict_step(const train::TrainerConfig& c, const Cluster& clust
     for (int k = 0; k < chunks; ++k) t += out.stage[static_cast<std::size_t>(stage_of(rank, k))].total();
     return t / pace[static_cast<std::size_t>(rank)];
   };
+  // ZeRO 2/3: a rank's units played out against its dp traffic (plan/sharded_traffic.hpp); its
+  // actions stretch by the step that gives over its compute alone.
+  auto transfer = [&](const Link& l, int members, double elements, int buckets) {
+    return members <= 1 ? 0.0 : buckets * l.latency + (members - 1.0) / members * 4 * elements / l.bandwidth;
+  };
+  auto copy_of = [&](int members, double elements) {  // the device's own copying of a transfer
+    return members <= 1 ? 0.0 : rates.memory(rates.collective_copy_bytes * (members - 1.0) / members * 4 * elements);
+  };
+  const double bucket = static_cast<double>(c.bucket_elements);
+  auto sharded_unit = [&](const PassTimes& t, const detail::BlockParams& p, int dense_buckets, double pace_r) {
+    detail::ShardedUnit u;
+    u.forward = t.forward / pace_r;
+    u.backward = (t.backward_input + t.backward_weight) / pace_r;
+    const int expert_buckets = static_cast<int>(std::ceil(p.expert / bucket));
+    u.reduce = transfer(shard_link, S, p.dense, dense_buckets) + transfer(expert_link, S_e, p.expert, expert_buckets);
+    u.reduce_copy = copy_of(S, p.dense) + copy_of(S_e, p.expert);
+    if (c.zero == 3) u.gather = u.reduce, u.gather_copy = u.reduce_copy;
+    return u;
+  };
+  const int block_buckets = detail::bucket_count(detail::block_parameter_sizes(s), bucket);
+  const int moe_dense_buckets = static_cast<int>(std::ceil(moe_params.dense / bucket));
   std::vector<double> stretch(static_cast<std::size_t>(ranks), 1.0);
   if (reps > 1 && c.zero >= 2)
     for (int r = 0; r < ranks; ++r) {
-      const detail::BlockParams params = rank_params(r);
-      const double passes = c.zero == 3 ? 3 : 1;  // gradients reduce-scattered; values gathered for F and B
-      const double traffic = passes * zero_pass(params);
-      // what moving those bytes costs the compute where the device copies them itself
-      const double copies = rates.memory(copy_traffic(passes, params));
-      const double compute = rank_compute(r);
-      stretch[static_cast<std::size_t>(r)] = std::max({1.0, traffic / compute, (compute + copies) / compute});
+      const double pace_r = pace[static_cast<std::size_t>(r)];
+      std::vector<detail::ShardedUnit> su;  // forward order through the rank's chunks
+      bool wte = false;
+      for (int k = 0; k < chunks; ++k) {
+        const int v = stage_of(r, k);
+        if (v == 0) {  // the embedding's unit: wpe (wte is held for the step)
+          su.push_back(sharded_unit(units.emb, {s.P * s.W, 0}, 1, pace_r));
+          su.back().gathered_in_backward = false;
+        }
+        for (int l = bounds[static_cast<std::size_t>(v)]; l < bounds[static_cast<std::size_t>(v) + 1]; ++l)
+          su.push_back(m.is_moe_layer(l) ? sharded_unit(units.moe_block, moe_params, moe_dense_buckets, pace_r)
+                                         : sharded_unit(units.block, {detail::block_params(s), 0}, block_buckets, pace_r));
+        const bool head = v == stages - 1 || local;
+        if (head) {  // ln_f, and a local head's own matrix (the last stage's is the tied wte)
+          const double own = own_heads && v < stages - 1 ? s.V / s.tp * s.W : 0.0;
+          su.push_back(sharded_unit(units.head, {2 * s.W + own, 0}, detail::bucket_count({own, 2 * s.W}, bucket), pace_r));
+        }
+        wte = wte || v == 0 || (v == stages - 1 && stages > 1) || (local && !own_heads);
+      }
+      detail::HeldTraffic held;  // the tied wte's bucket: gathered once (ZeRO-3), reduced once
+      if (wte) {
+        held.reduce = transfer(shard_link, S, s.V / s.tp * s.W, 1);
+        held.reduce_copy = copy_of(S, s.V / s.tp * s.W);
+        if (c.zero == 3) held.gather = held.reduce, held.gather_copy = held.reduce_copy;
+      }
+      const double alone = c.microbatches * rank_compute(r);
+      const double step = detail::sharded_step_seconds(su, c.microbatches, c.zero < 3 || c.prefetch_values, held);
+      stretch[static_cast<std::size_t>(r)] = std::max(1.0, step / alone);
     }
   auto action_cost_at = [&](const std::vector<PassTimes>& times, int rank, int chunk, pipe::ActionKind kind) {
     const PassTimes& t = times[static_cast<std::size_t>(stage_of(rank, chunk))];
     double x = kind == pipe::ActionKind::forward ? t.forward
                : kind == pipe::ActionKind::backward_input ? t.backward_input : t.backward_weight;
-    if (c.zero == 3 && reps > 1 && !c.prefetch_values && kind != pipe::ActionKind::backward_weight) {
-      const int v = stage_of(rank, chunk);
-      const int n = bounds[static_cast<std::size_t>(v) + 1] - bounds[static_cast<std::size_t>(v)], e = moe_blocks(v);
-      x += (n - e) * gather_seconds(shard_link, 4 * detail::block_params(s), S);  // each block waits for its gather
-      x += e * zero_pass(moe_params);
-    }
     return x * stretch[static_cast<std::size_t>(rank)] / pace[static_cast<std::size_t>(rank)];
   };
   auto action_cost = [&](int rank, int chunk, pipe::ActionKind kind) { return action_cost_at(out.stage, rank, chunk, kind); };

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "trellis/core/error.hpp"
 #include "trellis/plan/cluster.hpp"
@@ -466,6 +467,13 @@ inline PassTimes head_times(const Shape& s, const Rates& r, const Link& tp_link,
 // Parameters one tp rank of a stage holds: blocks (12W^2/t + 7W/t + 6W), embedding (V/t + positions) x W,
 // ln_f 2W; a block's share is what ZeRO-3 gathers.
 inline double block_params(const Shape& s) { return 12 * s.W * s.W / s.tp + 7 * s.W / s.tp + 6 * s.W; }
+// The same, parameter by parameter in packing order (nn::GptModel::weight_unit_parameters: the
+// block's for_each_parameter reversed): the MLP's c_proj bias and weight, c_fc's, ln_2's bias and
+// weight, attention's c_proj, c_attn, ln_1's. ZeRO's buckets are cut from this list.
+inline std::vector<double> block_parameter_sizes(const Shape& s) {
+  const double W = s.W, t = s.tp;
+  return {W, 4 * W * W / t, 4 * W / t, 4 * W * W / t, W, W, W, W * W / t, 3 * W / t, 3 * W * W / t, W, W};
+}
 // An MoE block's: dense (attention, norms, the router W x E: 4W^2/t + 3W/t + 5W + W E) and its
 // experts' on this rank (E/ep of c_fc, c_proj and their biases: El (8W^2/t + 4W/t + W)).
 struct BlockParams {
