@@ -556,7 +556,6 @@ inline std::vector<std::string> problems(const Options& o, std::optional<int> wo
     if (o.mpi || o.backend != "host")
       out.push_back("--stage-costs measured times the host kernels of thread ranks (no --mpi, --backend cuda): give "
                     "--stage-layers, or weigh flops");
-    if (o.experts > 0) out.push_back("--stage-costs measured: MoE blocks are not in the cost model yet");
   }
   if (o.backend != "host" && o.backend != "cuda")
     out.push_back("--backend must be host or cuda, got '" + o.backend + "'");

@@ -269,6 +269,23 @@ TEST_CASE("train_gpt --cluster and --stage-costs: speeds from the file, costs ti
   CHECK(o.measured_costs->fixed.back() > 0);  // the head
   CHECK(train_gpt::problems(o).empty());
   CHECK(train::config_problems(train_gpt::trainer_config(o)).empty());
+  // with MoE blocks (0, 2, 4, 6: 4 experts, top-2), each timed as its own kind: an MoE block's
+  // router and two experts' MLPs per token cost more than a dense block's MLP
+  // (stage speeds by --rank-speed: a cluster file's speeds could give the dp replicas unequal
+  // shares, which MoE models refuse)
+  const std::vector<std::string> moe = {"--pp", "2", "--dp", "2", "--layers", "8", "--width", "64", "--heads", "2",
+                                        "--vocab", "64", "--context", "32", "--batch", "8", "--rank-speed", "1,0.5",
+                                        "--stage-costs", "measured", "--experts", "4", "--topk", "2", "--moe-every", "2"};
+  for (const std::string& p : train_gpt::problems(train_gpt::parse_flags(moe))) FAIL_CHECK(p);
+  o = train_gpt::apply_balance(train_gpt::parse_flags(moe), false);
+  REQUIRE(o.measured_costs);
+  REQUIRE(o.measured_costs->layers.size() == 8);
+  for (std::size_t l = 0; l < 8; l += 2) {
+    CHECK(o.measured_costs->layers[l] > o.measured_costs->layers[l + 1]);
+    CHECK(o.measured_costs->layers[l] == o.measured_costs->layers[0]);  // the same kind, timed once
+    CHECK(o.measured_costs->layers[l + 1] == o.measured_costs->layers[1]);
+  }
+  CHECK(train::config_problems(train_gpt::trainer_config(o)).empty());
   std::filesystem::remove_all(dir);
 }
 
