@@ -3,8 +3,9 @@
 # loss agree within 2e-4 (printed with 4 decimals; the MPI and thread reductions add in different
 # orders). Both runs must succeed. With -DPLAN=1 the MPI run plans its own layout (--plan auto:
 # rank 0 plans, every rank runs its choice) and the thread run takes the layout the MPI run
-# printed as its first: the planned layout trains the same under MPI as on threads.
-#   cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK=<dir> [-DPLAN=1] -P compare_train_gpt.cmake
+# printed as its first: the planned layout trains the same under MPI as on threads. -DMOE=1 makes
+# block 0 of the 2 an MoE block (4 experts, top-2), so the plan chooses expert parallelism too.
+#   cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK=<dir> [-DPLAN=1] [-DMOE=1] -P compare_train_gpt.cmake
 foreach(var TRAIN_GPT MPIEXEC WORK)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "compare_train_gpt: -D${var}=... is required")
@@ -14,6 +15,9 @@ file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
 set(model --layers 2 --heads 2 --width 64 --context 32 --batch 8 --steps 8 --warmup 2
           --eval-every 4 --sample-tokens 0 --peak-gflops 10)
+if(MOE)
+  list(APPEND model --experts 4 --topk 2 --moe-every 2)
+endif()
 set(flags --dp 2 ${model})
 
 function(summary_of out_var label)
