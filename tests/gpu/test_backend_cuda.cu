@@ -2,10 +2,13 @@
 // directions), the workspace discipline (a kernel whose workspace was not reserved at set-up is
 // refused), the Mixture-of-Experts routing ops (kernels/moe_cuda.cuh: dispatch plans, counts and
 // gathers exactly, fp32 arithmetic within rounding) and the grouped GEMM (empty and k = 0 groups
-// included). The layers and the Trainer on backend::Cuda: test_layers_cuda.cu, test_trainer_cuda.cu.
+// included); the planner's calibration on this GPU (plan::BasicMeasuredRates<backend::Cuda>: a
+// GEMM's time against CUDA events; plan::measure_link's device overload compiled on its buffers).
+// The layers and the Trainer on backend::Cuda: test_layers_cuda.cu, test_trainer_cuda.cu.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -15,6 +18,9 @@
 #include "support/gpu_test.hpp"
 #include "trellis/backend/cuda.cuh"
 #include "trellis/backend/host.hpp"
+#include "trellis/comm/communicator.hpp"
+#include "trellis/plan/measured_link.hpp"
+#include "trellis/plan/measured_rates.hpp"
 
 using CudaBackend = trellis::backend::Cuda;
 using HostBf16 = trellis::backend::Host<trellis::bfloat16>;
@@ -360,5 +366,96 @@ TEST_CASE("backend::Cuda grouped_gemm equals backend::Host<bfloat16>", "[gpu][ba
     k::cuda::grouped_gemm(handle, std::span<const GDGeluBG>(&g, 1), stream);
     for (const auto& v : to_host(d_bg)) REQUIRE(static_cast<float>(v) == 0.0f);
   }
+  gpu.synchronize();
+}
+
+// A device communicator of one rank, as far as comm::Communicator asks (gpu.backend links no
+// NCCL): it lets plan::measure_link's device overload compile on backend::Cuda's buffers. (Not in
+// an anonymous namespace: nvcc warns of each member it does not see called.)
+namespace measured_link_test {
+
+struct OneDeviceRank {
+  struct Request {
+    void wait() {}
+    bool test() { return true; }
+  };
+  using space = trellis::Cuda;
+  using request_type = Request;
+  int rank() const { return 0; }
+  int size() const { return 1; }
+  template <class... A> void all_reduce(A&&...) {}
+  template <class... A> void reduce(A&&...) {}
+  template <class... A> void broadcast(A&&...) {}
+  template <class... A> void all_gather(A&&...) {}
+  template <class... A> void reduce_scatter(A&&...) {}
+  template <class... A> void all_to_all(A&&...) {}
+  template <class... A> void all_to_allv(A&&...) {}
+  template <class... A> void send(A&&...) {}
+  template <class... A> void recv(A&&...) {}
+  void barrier() {}
+  template <class... A> Request all_reduce_async(A&&...) { return {}; }
+  template <class... A> Request all_gather_async(A&&...) { return {}; }
+  template <class... A> Request reduce_scatter_async(A&&...) { return {}; }
+  template <class... A> Request isend(A&&...) { return {}; }
+  template <class... A> Request irecv(A&&...) { return {}; }
+  template <class... A> Request batch(A&&...) { return {}; }
+  OneDeviceRank split(int, int) { return {}; }
+  void set_timeout(std::chrono::milliseconds) {}
+};
+static_assert(trellis::comm::Communicator<OneDeviceRank> && trellis::backend::CompatibleWith<CudaBackend, OneDeviceRank>);
+
+}  // namespace measured_link_test
+
+TEST_CASE("plan::BasicMeasuredRates<backend::Cuda> times a GEMM as CUDA events do", "[gpu][backend][plan]") {
+  namespace k = trellis::kernels;
+  Stream stream;
+  CudaBackend gpu(stream);
+  const std::int64_t M = 2048, N = 768, K = 768;
+  trellis::plan::BasicMeasuredRates<CudaBackend> measured(5, 1, gpu);
+  const double seconds = measured.gemm(M, N, K, trellis::plan::GemmForm::nn);
+  CHECK(measured.timings() == 1);
+  CHECK(measured.gemm(M, N, K, trellis::plan::GemmForm::nn) == seconds);  // remembered, not timed again
+  CHECK(measured.timings() == 1);
+
+  // The reference: the same GEMM (bf16, nn, bias epilogue) after a 256 MB write, which leaves none
+  // of it in L2, timed by events on the stream around it alone; the best of 5.
+  const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  const auto a = to_device(std::vector<bfloat16>(size(M * K), bfloat16(0.5f)), stream);
+  const auto b = to_device(std::vector<bfloat16>(size(K * N), bfloat16(0.25f)), stream);
+  const auto bias = to_device(std::vector<bfloat16>(size(N), bfloat16(0.125f)), stream);
+  DeviceBuffer<bfloat16> c(size(M * N), stream);
+  DeviceBuffer<float> flush(std::size_t{1} << 26, stream);
+  const auto args = k::gemm_args(M, N, K);
+  auto run = [&] { gpu.gemm(args, a.data(), b.data(), c.data(), k::epilogue::Bias<bfloat16>{bias.data()}); };
+  run();  // warm-up: the cuBLASLt plan
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TRELLIS_CHECK_CUDA(cudaEventCreate(&start));
+  TRELLIS_CHECK_CUDA(cudaEventCreate(&stop));
+  float best_ms = std::numeric_limits<float>::max();
+  for (int r = 0; r < 5; ++r) {
+    TRELLIS_CHECK_CUDA(cudaMemsetAsync(flush.data(), 0, flush.size() * sizeof(float), stream));
+    TRELLIS_CHECK_CUDA(cudaEventRecord(start, stream));
+    run();
+    TRELLIS_CHECK_CUDA(cudaEventRecord(stop, stream));
+    TRELLIS_CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    TRELLIS_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    best_ms = std::min(best_ms, ms);
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  const double events = 1e-3 * best_ms;
+  INFO("BasicMeasuredRates: " << seconds * 1e6 << " us; CUDA events: " << events * 1e6 << " us");
+  CHECK(seconds >= 0.5 * events);
+  CHECK(seconds <= 2.0 * events);
+
+  // a device's rates: no thread copies (a rank has the device to itself), no host-side rates
+  CHECK_THROWS_WITH(trellis::plan::BasicMeasuredRates<CudaBackend>(1, 2, gpu), Catch::Contains("concurrent = 2"));
+  const trellis::plan::Rates rates = measured.rates();
+  CHECK(!rates.host_adamw);
+  CHECK(rates.collective_copy_bytes == 0);
+  // measure_link over a device communicator: compiled on backend::Cuda's buffers; one rank refused
+  measured_link_test::OneDeviceRank one;
+  CHECK_THROWS_WITH(trellis::plan::measure_link(gpu, one), Catch::Contains("no link to measure"));
   gpu.synchronize();
 }

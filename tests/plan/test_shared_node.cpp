@@ -10,6 +10,10 @@
 #include <memory>
 #include <vector>
 
+#include "trellis/backend/device_checked.hpp"
+#include "trellis/comm/simulated_link.hpp"
+#include "trellis/comm/threads.hpp"
+#include "trellis/plan/measured_link.hpp"
 #include "trellis/plan/measured_rates.hpp"
 #include "trellis/plan/search.hpp"
 
@@ -147,4 +151,58 @@ TEST_CASE("MeasuredRates with concurrent copies times each shape alone too", "[c
   CHECK(a == measured.alone()->gemm(64, 64, 64, plan::GemmForm::nn));
   CHECK(a > 0);
   CHECK(plan::MeasuredRates(1, 1).rates().alone == nullptr);
+}
+
+TEST_CASE("MeasuredRates::retime times every shape again and keeps the faster", "[cost][shared]") {
+  plan::MeasuredRates measured(1, 2);
+  const plan::Rates r = measured.rates();
+  const double g = r.gemm(96, 64, 32, plan::GemmForm::tn), a = r.attention_forward(1, 2, 64, 16);
+  const double per_byte = r.memory(1.0), alone = r.alone->gemm(96, 64, 32, plan::GemmForm::tn);
+  REQUIRE(measured.timings() == 3);
+  REQUIRE(measured.alone()->timings() == 1);
+  measured.retime();
+  CHECK(measured.timings() == 6);  // each shape timed once more
+  CHECK(measured.alone()->timings() == 2);
+  CHECK(r.gemm(96, 64, 32, plan::GemmForm::tn) <= g);
+  CHECK(r.attention_forward(1, 2, 64, 16) <= a);
+  CHECK(r.memory(1.0) <= per_byte);
+  CHECK(r.alone->gemm(96, 64, 32, plan::GemmForm::tn) <= alone);
+  CHECK(measured.timings() == 6);  // and remembered: asking again times nothing
+}
+
+TEST_CASE("MeasuredRates and measure_link on a device-like backend: device buffers only, one copy", "[cost][shared]") {
+  // backend::DeviceChecked: host kernels behind a device's rules (buffers not host-readable,
+  // every kernel pointer one of its allocations), so the GPU timing path runs here
+  using Checked = backend::DeviceChecked<backend::Host<float>>;
+  plan::BasicMeasuredRates<Checked> dev(1, 1);
+  const plan::Rates r = dev.rates();
+  for (auto form : {plan::GemmForm::nn, plan::GemmForm::nt, plan::GemmForm::tn}) {
+    const double t = r.gemm(256, 192, 128, form);
+    CHECK((t > 0 && std::isfinite(t)));
+  }
+  for (const double t : {r.attention_forward(1, 2, 128, 64), r.attention_backward(1, 2, 128, 64),
+                         r.layernorm(512, 256, false), r.layernorm(512, 256, true), r.gelu(1 << 16, false),
+                         r.gelu(1 << 16, true), r.cross_entropy(128, 1024, false), r.cross_entropy(128, 1024, true),
+                         r.memory(1e6), r.adamw(1e6)})
+    CHECK((t > 0 && std::isfinite(t)));
+  const int timed = dev.timings();
+  CHECK(timed == 13);  // 3 GEMMs, 2 attention, 2 norms, 2 GELU, 2 cross-entropy, the memory pass, AdamW
+  dev.retime();
+  CHECK(dev.timings() == 2 * timed);
+  // a device's rates: no host optimizer or host copy of its own, no collective copies on its cores
+  CHECK(!r.host_adamw);
+  CHECK(!r.host_copy);
+  CHECK(r.collective_copy_bytes == 0);
+  CHECK_THROWS_WITH(plan::BasicMeasuredRates<Checked>(1, 2), Catch::Contains("concurrent = 2"));
+  // the link through the backend's buffers: the simulated link's bandwidth found again
+  const comm::LinkModel model{.bandwidth = 1e9, .latency = 1e-3};
+  std::vector<plan::LinkFit> fits(2);
+  comm::ThreadWorld(2).run([&](comm::ThreadComm& world) {
+    comm::SimulatedLink<comm::ThreadComm> c(world.split(0, world.rank()), model);
+    Checked be;
+    fits[static_cast<std::size_t>(world.rank())] = plan::measure_link(be, c);
+  });
+  CHECK(fits[0].link.bandwidth == Approx(model.bandwidth).epsilon(0.1));
+  CHECK(fits[0].link.latency >= 0.8 * model.latency);  // (a loaded machine can tilt the fit a little)
+  CHECK(fits[0].link == fits[1].link);
 }
