@@ -176,15 +176,17 @@ TEST_CASE("Ulysses and hybrid cp: the block's F and B by hand, on the links thei
       const double b = 4, R = b * T / 4, one = 4 * R * W, kv = 2 * 4 * R * W;
       const double x = a2a(in, 3 * one, 2) + a2a(in, one, 2);
       const double af = 2 * attn_f(b, H / 2, T / 2), ab = 2 * attn_b(b, H / 2, T / 2);
-      const double ring_f = send(across, kv), ring_b = send(across, 2 * kv);
+      // F: the hop during the first step (half the attention); B: the K, V hop during the own
+      // diagonal blocks (a quarter of the backward), the dK, dV sum's during the own off-diagonal ones
+      const double hop = send(across, kv);
       if (across_bw > 1e9) {
-        CHECK(ring_f < af);  // compute-bound: the hop hides
+        CHECK(hop < ab / 4);  // compute-bound: the hops hide
       } else {
-        CHECK(ring_f > af);  // link-bound
-        CHECK(ring_b > ab);
+        CHECK(hop > af / 2);  // link-bound
+        CHECK(hop > ab / 4);
       }
-      const double f = gemms_f(R, W, 1, F) + af + std::max(0.0, ring_f - af) + x;
-      const double bwd = gemms_f(R, W, 1, F) + ab + std::max(0.0, ring_b - ab) + x;
+      const double f = gemms_f(R, W, 1, F) + af + std::max(0.0, hop - af / 2) + x;
+      const double bwd = gemms_f(R, W, 1, F) + ab + 2 * std::max(0.0, hop - ab / 4) + x;
       const plan::detail::Shape s = plan::detail::shape_of(c);
       REQUIRE(s.u == 2);
       const plan::StepCost cost = plan::predict_step(c, cl, r);
@@ -197,7 +199,12 @@ TEST_CASE("Ulysses and hybrid cp: the block's F and B by hand, on the links thei
       const plan::detail::Shape sr = plan::detail::shape_of(c);
       const plan::PassTimes pr = plan::detail::block_times(sr, r, in, across, false, nullptr);
       const double rf = 4 * attn_f(b, H, T / 4);
-      CHECK(pr.forward == Approx(gemms_f(R, W, 1, F) + rf + std::max(0.0, 3 * send(across, kv) - rf)).epsilon(1e-12));
+      CHECK(pr.forward == Approx(gemms_f(R, W, 1, F) + rf + 3 * std::max(0.0, send(across, kv) - rf / 4)).epsilon(1e-12));
+      // B: the first and last hop beside half a step, the 2 middle steps carrying two hops each
+      const double rb = 4 * attn_b(b, H, T / 4), hop4 = send(across, kv);
+      CHECK(pr.backward_input ==
+            Approx(gemms_f(R, W, 1, F) + rb + 2 * std::max(0.0, hop4 - rb / 8) + 2 * std::max(0.0, 2 * hop4 - rb / 4))
+                .epsilon(1e-12));
     }
   }
 }

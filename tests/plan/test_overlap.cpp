@@ -52,9 +52,12 @@ PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link, const
   p.backward_input += attn_b;
   if (s.cp > 1) {
     const double kv = 2 * 4 * R * W / t;  // this member's K and V, bytes
-    const double ring_f = (s.cp - 1) * send_seconds(cp_link, kv), ring_b = (s.cp - 1) * send_seconds(cp_link, 2 * kv);
-    p.forward += std::max(0.0, ring_f - attn_f) + r.memory((s.cp - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
-    p.backward_input += std::max(0.0, ring_b - attn_b) + r.memory((s.cp - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
+    // (the ring's hops as nn/ring_attention.hpp overlaps them, updated after the freeze)
+    const double hop = send_seconds(cp_link, kv), step_f = attn_f / s.cp, step_b = attn_b / s.cp;
+    const double ring_f = (s.cp - 1) * std::max(0.0, hop - step_f);
+    const double ring_b = 2 * std::max(0.0, hop - step_b / 2) + (s.cp - 2) * std::max(0.0, 2 * hop - step_b);
+    p.forward += ring_f + r.memory((s.cp - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
+    p.backward_input += ring_b + r.memory((s.cp - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
   }
   // the norms and GELU; other memory passes (fp32 bytes read + written): F, 2 residual adds and
   // the block input's copy over Rn x W, each linear's input saved (R x (2W + 5W/t)), q/k/v/o

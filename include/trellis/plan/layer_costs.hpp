@@ -302,10 +302,14 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
   // attending heads / (tp u) heads. A member's g steps each attend its T/g queries to T/g keys (the
   // zig-zag halves of the off-diagonal blocks make each step about a causal block of T/g: 1/g of
   // the causal work in all, at the efficiency of blocks that size), merging the partial outputs
-  // after each step (dK, dV accumulated in B). K and V go round the ring (g - 1 hops) in F, K, V,
-  // dK and dV in B, each hop during the next step's compute: what that compute does not cover is
-  // exposed; where the device copies them itself, the hops cost memory traffic too. A hybrid
-  // member holds u R rows of W / (tp u) columns: the same bytes as a plain ring member's.
+  // after each step (dK, dV accumulated in B). As nn/ring_attention.hpp runs it (one link: its
+  // hops in turn): in F the next step's K and V travel during a step's compute (g - 1 hops); in B
+  // the first remote block's K and V travel during the member's own diagonal blocks (half a step),
+  // each middle step carries the next K, V in and the last accumulator (dK, dV) out during its
+  // compute, and the last accumulator goes home during the own off-diagonal blocks (the other
+  // half). What the compute a hop runs beside does not cover is exposed; where the device copies
+  // them itself, the hops cost memory traffic too. A hybrid member holds u R rows of W / (tp u)
+  // columns: the same bytes as a plain ring member's.
   // Ulysses (g = 1): one call over the whole sequence.
   const double heads = s.H / t / s.u, g_ring = s.cp / s.u;
   const double Tl = s.T / g_ring;
@@ -314,10 +318,12 @@ inline PassTimes block_times(const Shape& s, const Rates& r, const Link& tp_link
   p.forward += attn_f;
   p.backward_input += attn_b;
   if (g_ring > 1) {
-    const double kv = 2 * 4 * R * W / t;  // this member's K and V, bytes
-    const double ring_f = (g_ring - 1) * send_seconds(cp_link, kv), ring_b = (g_ring - 1) * send_seconds(cp_link, 2 * kv);
-    p.forward += std::max(0.0, ring_f - attn_f) + r.memory((g_ring - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
-    p.backward_input += std::max(0.0, ring_b - attn_b) + r.memory((g_ring - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
+    const double kv = 2 * 4 * R * W / t;  // this member's K and V (or their dK, dV sums), bytes
+    const double hop = send_seconds(cp_link, kv), step_f = attn_f / g_ring, step_b = attn_b / g_ring;
+    const double ring_f = (g_ring - 1) * std::max(0.0, hop - step_f);
+    const double ring_b = 2 * std::max(0.0, hop - step_b / 2) + (g_ring - 2) * std::max(0.0, 2 * hop - step_b);
+    p.forward += ring_f + r.memory((g_ring - 1) * (4 * 3 * R * W / t + r.collective_copy_bytes * kv));
+    p.backward_input += ring_b + r.memory((g_ring - 1) * (2 * kv + r.collective_copy_bytes * 2 * kv));
   }
   if (s.u > 1) {
     // Ulysses' exchange (nn/ulysses.hpp, nn/attention.hpp): F all-to-alls q, k, v (one call, 3
